@@ -1,0 +1,52 @@
+"""mlx-engine: an embeddable inference engine for local models on MLX."""
+
+# Must run before anything imports mlx.core (see _blas.py).
+from ._blas import BlasStatus, blas_status, setup_blas
+
+setup_blas()
+
+from .errors import CallbackError, GenerationInProgressError, IncompatibleDraftModelError, ModelLoadError  # noqa: E402
+from .generate import (  # noqa: E402
+    create_generator,
+    is_draft_model_compatible,
+    load_draft_model,
+    load_model,
+    stop_generation,
+    tokenize,
+    unload,
+    unload_draft_model,
+)
+from .model_kit import ModelKit  # noqa: E402
+from .results import (  # noqa: E402
+    GenerationResult,
+    GenerationStats,
+    GenerationStopCondition,
+    Token,
+    TopLogprob,
+)
+from .speculative.draft_model import DraftCompatibility, check_draft_model  # noqa: E402
+
+__all__ = [
+    "BlasStatus",
+    "CallbackError",
+    "DraftCompatibility",
+    "GenerationInProgressError",
+    "GenerationResult",
+    "GenerationStats",
+    "GenerationStopCondition",
+    "IncompatibleDraftModelError",
+    "ModelKit",
+    "ModelLoadError",
+    "Token",
+    "TopLogprob",
+    "blas_status",
+    "check_draft_model",
+    "create_generator",
+    "is_draft_model_compatible",
+    "load_draft_model",
+    "load_model",
+    "stop_generation",
+    "tokenize",
+    "unload",
+    "unload_draft_model",
+]

@@ -1,0 +1,125 @@
+"""A model's KV cache together with the exact tokens it holds.
+
+Keeping the token list beside the cache makes prefix reuse, draft rewinds and
+cancellation one mechanism: whatever happened, the cache is brought in step with
+a token sequence by trimming to the longest common prefix and feeding the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+logger = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SequenceCache:
+    """KV cache layers of one model plus the tokens whose keys/values they hold."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_kv_size: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = 0,
+    ):
+        self.model = model
+        self.max_kv_size = max_kv_size
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        self.quantized_kv_start = quantized_kv_start
+        self.layers: list = []
+        self.tokens: list[int] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.layers = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        self.tokens = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def rewind_limit_reason(self, extra: int = 0) -> str | None:
+        """Why the cache could not be rewound after feeding ``extra`` more tokens,
+        or None if it can. Rewinding is what speculation and prefix reuse need."""
+        for c in self.layers:
+            if isinstance(c, (KVCache, QuantizedKVCache)):
+                continue
+            if isinstance(c, RotatingKVCache):
+                if c.offset + extra >= c.max_size:
+                    return f"rotating KV cache (max_kv_size={c.max_size}) is full and cannot be rewound"
+                continue
+            if not c.is_trimmable():
+                return f"{type(c).__name__} layers (e.g. recurrent state) cannot be rewound"
+        return None
+
+    def rewind_to(self, length: int) -> bool:
+        """Drop cached tokens beyond ``length``. Returns False (cache untouched) when
+        the cache cannot be trimmed."""
+        n = len(self.tokens) - length
+        if n <= 0:
+            return True
+        if any(not c.is_trimmable() for c in self.layers):
+            return False
+        for c in self.layers:
+            c.trim(n)
+        del self.tokens[length:]
+        return True
+
+    def sync_to(self, tokens: list[int]) -> int:
+        """Rewind to the longest common prefix with ``tokens`` (resetting when the
+        cache cannot be trimmed). Returns how many cached tokens are kept."""
+        keep = common_prefix_length(self.tokens, tokens)
+        if not self.rewind_to(keep):
+            logger.info("cache cannot be trimmed to %d tokens; recomputing from scratch", keep)
+            self.reset()
+            keep = 0
+        return keep
+
+    def feed(self, tokens: list[int]) -> mx.array:
+        """Run the model on ``tokens`` after the cached ones; returns lazy logits
+        of shape (len(tokens), vocab) and records the tokens as cached."""
+        logits = self.forward(mx.array(tokens, dtype=mx.uint32)[None])
+        self.tokens.extend(tokens)
+        return logits[0]
+
+    def forward(self, inputs: mx.array) -> mx.array:
+        """Run the model on a (1, n) array of token ids through the cache without
+        recording them; the caller appends the ids to ``tokens``."""
+        logits = self.model(inputs, cache=self.layers)
+        if self.kv_bits is not None:
+            maybe_quantize_kv_cache(self.layers, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
+        return logits
+
+    def prefill(
+        self,
+        tokens: list[int],
+        on_chunk: Callable[[int], None] | None = None,
+        chunk_size: int = PREFILL_CHUNK,
+    ) -> None:
+        """Process ``tokens`` in chunks, evaluating the cache after each so an
+        interruption between chunks leaves a consistent, reusable cache.
+        ``on_chunk(n)`` is called after each chunk of n tokens and may raise to stop."""
+        for start in range(0, len(tokens), chunk_size):
+            chunk = tokens[start : start + chunk_size]
+            self.feed(chunk)
+            mx.eval([c.state for c in self.layers])
+            if on_chunk is not None:
+                on_chunk(len(chunk))

@@ -1,0 +1,22 @@
+"""Exceptions raised by the engine. Bad arguments raise ``ValueError`` subclasses
+that name the argument and what is allowed."""
+
+
+class ModelLoadError(ValueError):
+    """The model directory is missing, malformed or unsupported."""
+
+
+class IncompatibleDraftModelError(ValueError):
+    """A draft model cannot be used with this kit; ``reasons`` says why."""
+
+    def __init__(self, message: str, reasons: list[str]):
+        super().__init__(message)
+        self.reasons = reasons
+
+
+class GenerationInProgressError(RuntimeError):
+    """A kit runs one generation at a time; another one is still active."""
+
+
+class CallbackError(RuntimeError):
+    """A user callback raised; the original exception is the ``__cause__``."""

@@ -1,0 +1,518 @@
+"""The public API: load models, stream generations, manage draft models."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from . import loading
+from .errors import CallbackError, GenerationInProgressError
+from .model_kit import ModelKit
+from .results import (
+    GenerationResult,
+    GenerationStats,
+    GenerationStopCondition,
+    StopReason,
+    Token,
+    TopLogprob,
+)
+from .sampling import SamplingParams, build_logits_processors, build_sampler, validate_sampling
+from .speculative import costs
+from .speculative.draft_model import (
+    DraftCompatibility,
+    DraftModelDrafter,
+    check_draft_model,
+    load_draft,
+    unload_draft,
+)
+from .speculative.loop import Drafter, decode, plain_decode
+from .speculative.prompt_lookup import PromptLookupDrafter
+from .speculative.router import AutoRouter
+from .stop_strings import StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_PROMPT_LOOKUP_TOKENS = 8
+MAX_DRAFT_TOKENS = costs.MAX_DRAFT
+
+ProgressCallback = Callable[[float], bool | None]
+StatsCallback = Callable[[GenerationStats], None]
+
+
+# -- models -------------------------------------------------------------------
+def load_model(
+    model_path: str | Path,
+    *,
+    max_kv_size: int | None = None,
+    vocab_only: bool = False,
+    trust_remote_code: bool = False,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    quantized_kv_start: int | None = None,
+    seed: int | None = None,
+    compute_dtype: str | None = "auto",
+) -> ModelKit:
+    """Load a local model directory (Hugging Face layout) into a kit.
+
+    ``compute_dtype="auto"`` computes unquantized half-precision weights in
+    float32 on the CPU, where that is several times faster; ``"native"`` keeps
+    the stored dtype."""
+    path = loading.resolve_model_dir(model_path)
+    config = loading.read_config(path)
+    if loading.is_vision_config(config):
+        raise loading.ModelLoadError(
+            f"{str(path)!r} is a vision-language model (config has vision_config); "
+            "vision models are not supported by this version of mlx_engine yet"
+        )
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        mx.random.seed(seed)
+    return ModelKit(
+        path,
+        max_kv_size=max_kv_size,
+        vocab_only=vocab_only,
+        trust_remote_code=trust_remote_code,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        compute_dtype=compute_dtype,
+    )
+
+
+def tokenize(kit: ModelKit, prompt: str) -> list[int]:
+    """Token ids for ``prompt`` with the kit's tokenizer (special tokens as the
+    tokenizer adds them, e.g. BOS)."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    return list(kit.tokenizer.encode(prompt))
+
+
+def unload(kit: ModelKit) -> None:
+    """Free the model, draft model and caches. The kit cannot generate afterwards."""
+    kit.unload()
+
+
+def load_draft_model(kit: ModelKit, path: str | Path) -> None:
+    """Load a draft model for speculative decoding; raises
+    ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit."""
+    _require_model(kit)
+    _require_idle(kit)
+    load_draft(kit, path)
+
+
+def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
+    """Whether ``path`` could be loaded as this kit's draft model."""
+    return check_draft_model(kit, path).compatible
+
+
+def unload_draft_model(kit: ModelKit) -> None:
+    """Release the draft model (no-op when none is loaded); the main cache stays."""
+    _require_idle(kit)
+    unload_draft(kit)
+
+
+def stop_generation(kit: ModelKit, request_id: str) -> bool:
+    """Ask the generation with ``request_id`` to stop; safe from any thread.
+    It ends with ``user_cancelled``. Returns False when no such request exists."""
+    act = kit._activity
+    with act.lock:
+        if request_id not in act.known:
+            return False
+        act.cancelled.add(request_id)
+        return True
+
+
+# -- generation ---------------------------------------------------------------
+def create_generator(
+    kit: ModelKit,
+    prompt_tokens: list[int],
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    temp: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    min_tokens_to_keep: int | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    seed: int | None = None,
+    stop_strings: list[str] | None = None,
+    top_logprobs: int | None = None,
+    prompt_progress_callback: ProgressCallback | None = None,
+    stats_callback: StatsCallback | None = None,
+    request_id: str | None = None,
+    num_draft_tokens: int | None = None,
+    speculative_decoding_toggle: bool | None = None,
+    prompt_lookup_num_tokens: int | None = None,
+    prompt_lookup_min_ngram: int = 1,
+    prompt_lookup_max_ngram: int = 3,
+    prompt_lookup_num_candidates: int = 4,
+    auto_speculative: bool = False,
+) -> Iterator[GenerationResult]:
+    """Stream the continuation of ``prompt_tokens``.
+
+    Arguments are checked before anything runs; a bad one raises ``ValueError``
+    naming it. The returned iterator yields one result per token (text may be
+    empty while a possible stop string is held back) and always ends with one
+    result carrying ``stop_condition`` and ``stats``. Closing it, or
+    ``stop_generation(kit, request_id)``, cancels. A kit runs one generation at a
+    time: starting a second while one is active raises
+    ``GenerationInProgressError``. Decoding modes are described in docs/decoding.md.
+    """
+    _require_model(kit)
+    prompt = _validate_prompt(kit, prompt_tokens)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    params = validate_sampling(
+        temp=temp,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        min_tokens_to_keep=min_tokens_to_keep,
+        repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size,
+        seed=seed,
+        top_logprobs=top_logprobs,
+    )
+    stops = StopStringMatcher.validate(stop_strings)
+    for name, cb in (("prompt_progress_callback", prompt_progress_callback), ("stats_callback", stats_callback)):
+        if cb is not None and not callable(cb):
+            raise ValueError(f"{name} must be callable or None")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string or None, got {request_id!r}")
+    mode = _choose_mode(
+        kit,
+        num_draft_tokens=num_draft_tokens,
+        toggle=speculative_decoding_toggle,
+        lookup_tokens=prompt_lookup_num_tokens,
+        lookup_ngrams=(prompt_lookup_min_ngram, prompt_lookup_max_ngram, prompt_lookup_num_candidates),
+        auto=auto_speculative,
+    )
+    _require_idle(kit)
+    request_id = request_id or uuid.uuid4().hex
+    with kit._activity.lock:
+        if request_id in kit._activity.known:
+            raise ValueError(f"request_id {request_id!r} is already in use on this kit")
+        kit._activity.known.add(request_id)
+    return _generate(
+        kit, prompt, max_tokens, params, stops, prompt_progress_callback, stats_callback, request_id, mode
+    )
+
+
+def _require_model(kit: ModelKit) -> None:
+    if not isinstance(kit, ModelKit):
+        raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
+    if kit.vocab_only:
+        raise ValueError("this kit was loaded with vocab_only=True and cannot generate; load it without vocab_only")
+    if kit.model is None:
+        raise ValueError("this kit has been unloaded")
+
+
+def _require_idle(kit: ModelKit) -> None:
+    if kit._activity.active is not None:
+        raise GenerationInProgressError(
+            f"generation {kit._activity.active!r} is still running on this kit; finish or close it first "
+            "(a kit runs one generation at a time)"
+        )
+
+
+def _validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
+    if isinstance(prompt_tokens, (str, bytes)):
+        raise ValueError("prompt_tokens must be a list of token ids; use tokenize(kit, text) for text")
+    try:
+        prompt = list(prompt_tokens)
+    except TypeError:
+        raise ValueError(f"prompt_tokens must be a list of token ids, got {type(prompt_tokens).__name__}") from None
+    if not prompt:
+        raise ValueError("prompt_tokens must not be empty")
+    vocab = kit.vocab_size
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"prompt_tokens must be integers; item {i} is {t!r}")
+        if not 0 <= t < vocab:
+            raise ValueError(f"prompt_tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
+    return [int(t) for t in prompt]
+
+
+def _choose_mode(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, lookup_ngrams, auto) -> dict:
+    """Resolve the decoding mode from the arguments (rules in docs/decoding.md)."""
+    if toggle not in (None, True, False):
+        raise ValueError(f"speculative_decoding_toggle must be True, False or None, got {toggle!r}")
+    if not isinstance(auto, bool):
+        raise ValueError(f"auto_speculative must be a bool, got {auto!r}")
+    for name, value, lo in (("num_draft_tokens", num_draft_tokens, 1), ("prompt_lookup_num_tokens", lookup_tokens, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= MAX_DRAFT_TOKENS):
+            raise ValueError(f"{name} must be an integer from {lo} to {MAX_DRAFT_TOKENS} or None, got {value!r}")
+    min_n, max_n, cands = lookup_ngrams
+    for name, value in (("prompt_lookup_min_ngram", min_n), ("prompt_lookup_max_ngram", max_n), ("prompt_lookup_num_candidates", cands)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if min_n > max_n:
+        raise ValueError(f"prompt_lookup_min_ngram ({min_n}) must not exceed prompt_lookup_max_ngram ({max_n})")
+    has_draft = kit.draft is not None
+    if toggle is True and not has_draft:
+        raise ValueError("speculative_decoding_toggle=True requires a draft model; call load_draft_model first")
+    if num_draft_tokens is not None and (not has_draft or toggle is False):
+        raise ValueError("num_draft_tokens needs a loaded draft model that this request uses")
+    use_draft = has_draft and toggle is not False
+    if auto:
+        return {"kind": "auto", "draft": use_draft, "draft_k": num_draft_tokens,
+                "lookup_k": lookup_tokens or DEFAULT_PROMPT_LOOKUP_TOKENS, "ngrams": lookup_ngrams}
+    if lookup_tokens is not None:
+        if toggle is True or num_draft_tokens is not None:
+            raise ValueError(
+                "prompt_lookup_num_tokens and the draft model (speculative_decoding_toggle=True or num_draft_tokens) "
+                "are both requested; pick one, or pass auto_speculative=True to let the engine choose"
+            )
+        return {"kind": "prompt_lookup", "lookup_k": lookup_tokens, "ngrams": lookup_ngrams}
+    if use_draft:
+        return {"kind": "draft_model", "draft_k": num_draft_tokens}
+    return {"kind": "plain"}
+
+
+def _kit_costs(kit: ModelKit) -> costs.CostModel:
+    if kit.cost_model is None:
+        kit.cost_model = costs.measure(kit.model, kit.vocab_size)
+    return kit.cost_model
+
+
+def _draft_step_cost(kit: ModelKit) -> float:
+    """A draft-model step in main-model steps (measured once per loaded draft)."""
+    draft = kit.draft
+    if getattr(draft, "step_cost", None) is None:
+        draft.step_cost = costs.measure(draft.model, kit.vocab_size, repeats=3).step()
+    return draft.step_cost / _kit_costs(kit).step()
+
+
+def _top_logprobs(kit: ModelKit, logprobs: mx.array, n: int) -> list[TopLogprob]:
+    idx = mx.argpartition(-logprobs, kth=n - 1)[:n]
+    vals = logprobs[idx]
+    order = mx.argsort(-vals)
+    ids, lps = idx[order].tolist(), vals[order].tolist()
+    return [TopLogprob(i, kit.tokenizer.decode([i]), lp) for i, lp in zip(ids, lps)]
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _generate(
+    kit: ModelKit,
+    prompt: list[int],
+    max_tokens: int,
+    params: SamplingParams,
+    stop_strings: list[str],
+    progress_cb: ProgressCallback | None,
+    stats_cb: StatsCallback | None,
+    request_id: str,
+    mode: dict,
+) -> Iterator[GenerationResult]:
+    act = kit._activity
+    with act.lock:
+        if act.active is not None:
+            act.known.discard(request_id)
+            raise GenerationInProgressError(f"generation {act.active!r} is still running on this kit")
+        act.active = request_id
+    steps = None
+    try:
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        t_start = time.perf_counter()
+        mx.reset_peak_memory()
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        cache = kit.cache
+        reused = cache.sync_to(prompt)
+        if reused >= len(prompt):
+            reused = len(prompt) - 1
+            if not cache.rewind_to(reused):
+                cache.reset()
+                reused = 0
+        stats.cached_tokens = reused
+
+        def cancelled() -> bool:
+            return request_id in act.cancelled
+
+        # Build the drafter first: the draft model's prompt is prefilled too.
+        drafter, draft_drafter = _make_drafter(kit, prompt, mode, stats)
+        main_todo = prompt[reused:-1]
+        draft_todo = 0
+        if draft_drafter is not None:
+            draft_cache = draft_drafter.draft.cache
+            draft_todo = max(0, len(prompt) - 1 - min(len(draft_cache.tokens), len(prompt) - 1))
+        draft_weight = (kit.draft.num_params / _param_total(kit)) if draft_drafter is not None else 0.0
+        total_work = len(main_todo) + draft_weight * draft_todo
+        done_work = 0.0
+
+        def report(percent: float) -> None:
+            if progress_cb is None:
+                return
+            try:
+                keep_going = progress_cb(percent)
+            except Exception as exc:
+                raise CallbackError(f"prompt_progress_callback raised {type(exc).__name__}: {exc}") from exc
+            if keep_going is False:
+                raise _Cancelled()
+
+        def on_chunk(weight: float) -> Callable[[int], None]:
+            def chunk_done(n: int) -> None:
+                nonlocal done_work
+                done_work += n * weight
+                if cancelled():
+                    raise _Cancelled()
+                if total_work > 0 and done_work < total_work:
+                    report(100.0 * done_work / total_work)
+
+            return chunk_done
+
+        try:
+            report(0.0)
+            cache.prefill(main_todo, on_chunk(1.0))
+            if draft_drafter is not None:
+                draft_drafter.prefill(prompt, on_chunk(draft_weight))
+            report(100.0)
+        except _Cancelled:
+            stats.total_time = time.perf_counter() - t_start
+            yield _final(GenerationResult("", []), "user_cancelled", stats, stats_cb)
+            return
+
+        sampler = build_sampler(params)
+        processors = build_logits_processors(params)
+        history = list(prompt)
+        fallback_note = cache.rewind_limit_reason(2) if drafter is not None else None
+        if fallback_note:
+            stats.mode_reason = f"fell back to plain decoding: {fallback_note}"
+            stats.decoding_mode = "plain"
+            drafter = None
+
+        def on_fallback(reason: str) -> None:
+            stats.mode_switches.append(f"{stats.decoding_mode} -> plain: {reason}")
+            stats.decoding_mode = "plain"
+
+        if drafter is None:
+            steps = plain_decode(cache, history, max_tokens, sampler, processors, params.repetition_context_size)
+        else:
+            steps = decode(cache, history, max_tokens, sampler, processors, params.repetition_context_size,
+                           drafter, stats, on_fallback)
+
+        detok = kit.tokenizer.detokenizer
+        detok.reset()
+        matcher = StopStringMatcher(stop_strings)
+        emitted_chars = 0
+        token_ends: list[tuple[int, int]] = []  # (token id, text length after it)
+        t_first = None
+        n_generated = 0
+        for step in steps:
+            if t_first is None:
+                t_first = time.perf_counter()
+            if cancelled():
+                stats.generated_tokens = n_generated
+                yield _finish(GenerationResult(matcher.flush(), []), "user_cancelled", stats, stats_cb, t_start, t_first, len(main_todo))
+                return
+            n_generated += 1
+            tok = step.token
+            if tok in kit.eos_token_ids:
+                detok.finalize()
+                tail = matcher.feed(detok.last_segment)
+                text = tail.emit if tail.stop_string else tail.emit + matcher.flush()
+                stats.generated_tokens = n_generated
+                cond = GenerationStopCondition("stop_string", tail.stop_string, [tok]) if tail.stop_string else GenerationStopCondition("eos_token", None, [tok])
+                yield _finish(GenerationResult(text, []), cond, stats, stats_cb, t_start, t_first, len(main_todo))
+                return
+            token = Token(tok, kit.tokenizer.decode([tok]), step.logprobs[tok].item(), step.from_draft)
+            tops = [_top_logprobs(kit, step.logprobs, params.top_logprobs)] if params.top_logprobs else None
+            detok.add_token(tok)
+            last = n_generated >= max_tokens
+            if last:
+                detok.finalize()
+            scan = matcher.feed(detok.last_segment)
+            token_ends.append((tok, emitted_chars + len(scan.emit) + len(matcher._pending)))
+            if scan.stop_string is not None:
+                start = emitted_chars + len(scan.emit)
+                stop_toks = [t for t, end in token_ends if end > start] or [tok]
+                stats.generated_tokens = n_generated
+                cond = GenerationStopCondition("stop_string", scan.stop_string, stop_toks)
+                yield _finish(GenerationResult(scan.emit, [token], tops), cond, stats, stats_cb, t_start, t_first, len(main_todo))
+                return
+            emitted_chars += len(scan.emit)
+            if last:
+                stats.generated_tokens = n_generated
+                text = scan.emit + matcher.flush()
+                yield _finish(GenerationResult(text, [token], tops), "token_limit", stats, stats_cb, t_start, t_first, len(main_todo))
+                return
+            yield GenerationResult(scan.emit, [token], tops)
+    finally:
+        if steps is not None:
+            steps.close()
+        with act.lock:
+            act.active = None
+            act.known.discard(request_id)
+            act.cancelled.discard(request_id)
+
+
+def _param_total(kit: ModelKit) -> int:
+    if getattr(kit, "_num_params", None) is None:
+        from mlx.utils import tree_flatten
+
+        kit._num_params = sum(v.size for _, v in tree_flatten(kit.model.parameters()))
+    return kit._num_params
+
+
+def _make_drafter(kit: ModelKit, prompt: list[int], mode: dict, stats: GenerationStats) -> tuple[Drafter | None, DraftModelDrafter | None]:
+    """The drafter for this request, and the draft-model drafter inside it (whose
+    prompt must be prefilled) if any."""
+    kind = mode["kind"]
+    if kind == "plain":
+        return None, None
+    if kind == "prompt_lookup" or kind == "auto":
+        min_n, max_n, cands = mode["ngrams"]
+        lookup = PromptLookupDrafter(mode["lookup_k"], min_n, max_n, cands)
+    if kind == "prompt_lookup":
+        stats.decoding_mode = "prompt_lookup"
+        stats.mode_reason = f"requested: prompt_lookup_num_tokens={mode['lookup_k']}"
+        return lookup, None
+    draft = None
+    if kind == "draft_model" or mode.get("draft"):
+        adaptive = mode["draft_k"] is None
+        draft = DraftModelDrafter(
+            kit.draft,
+            mode["draft_k"],
+            _kit_costs(kit) if adaptive else None,
+            _draft_step_cost(kit) if adaptive else 0.0,
+        )
+    if kind == "draft_model":
+        stats.decoding_mode = "draft_model"
+        stats.mode_reason = "draft model loaded; " + (
+            "draft length adapts to acceptance and measured costs" if mode["draft_k"] is None else f"num_draft_tokens={mode['draft_k']}"
+        )
+        return draft, draft
+    return AutoRouter(prompt, _kit_costs(kit), stats, lookup, draft), draft
+
+
+def _finish(result, stop, stats, stats_cb, t_start, t_first, processed_prompt) -> GenerationResult:
+    now = time.perf_counter()
+    t_first = t_first or now
+    stats.time_to_first_token = t_first - t_start
+    stats.prompt_tps = processed_prompt / stats.time_to_first_token if stats.time_to_first_token > 0 else 0.0
+    if stats.generated_tokens > 1 and now > t_first:
+        stats.generation_tps = (stats.generated_tokens - 1) / (now - t_first)
+    stats.total_time = now - t_start
+    return _final(result, stop, stats, stats_cb)
+
+
+def _final(result: GenerationResult, stop: StopReason | GenerationStopCondition, stats, stats_cb) -> GenerationResult:
+    stats.peak_memory = int(mx.get_peak_memory())
+    result.stop_condition = stop if isinstance(stop, GenerationStopCondition) else GenerationStopCondition(stop)
+    result.stats = stats
+    if stats_cb is not None:
+        try:
+            stats_cb(stats)
+        except Exception as exc:
+            raise CallbackError(f"stats_callback raised {type(exc).__name__}: {exc}") from exc
+    return result

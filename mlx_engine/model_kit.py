@@ -1,0 +1,141 @@
+"""ModelKit: a loaded text model, its tokenizer and the caches kept between
+requests, plus an optional draft model."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import loading
+from .cache import SequenceCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftModel:
+    """A loaded draft model and the cache kept in step with the main one."""
+
+    path: Path
+    model: nn.Module
+    cache: SequenceCache
+    num_params: int
+
+
+@dataclass
+class _Activity:
+    """Which request runs on the kit and which ones were asked to stop."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    active: str | None = None
+    known: set[str] = field(default_factory=set)
+    cancelled: set[str] = field(default_factory=set)
+
+
+class ModelKit:
+    """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        max_kv_size: int | None = None,
+        vocab_only: bool = False,
+        trust_remote_code: bool = False,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
+        quantized_kv_start: int | None = None,
+        compute_dtype: str | None = "auto",
+    ):
+        self.model_path = loading.resolve_model_dir(model_path)
+        self.config = loading.read_config(self.model_path)
+        _validate_kv_options(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
+        loading.check_architecture(self.config, self.model_path)
+        self.max_kv_size = max_kv_size
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size or 64
+        self.quantized_kv_start = quantized_kv_start or 0
+        self.tokenizer = loading.load_tokenizer(self.model_path)
+        self.eos_token_ids = loading.eos_token_ids(self.tokenizer)
+        self.vocab_only = vocab_only
+        self.model: nn.Module | None = None
+        self.cache: SequenceCache | None = None
+        self.draft: DraftModel | None = None
+        self.compute_dtype: mx.Dtype | None = None
+        self.cost_model = None  # measured lazily by the speculative router
+        self._activity = _Activity()
+        if vocab_only:
+            return
+        self.model, self.config = loading.load_weights(self.model_path, trust_remote_code)
+        self.compute_dtype = loading.choose_compute_dtype(self.model, compute_dtype)
+        if self.compute_dtype is not None:
+            self.model.set_dtype(self.compute_dtype)
+        if max_kv_size is not None and hasattr(self.model, "make_cache"):
+            logger.warning(
+                "%s builds its own cache layout; max_kv_size=%d applies only where it uses full-attention KV caches",
+                self.config.get("model_type"),
+                max_kv_size,
+            )
+        self.cache = self.new_cache(self.model)
+        logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model accepts (its embedding rows)."""
+        if self.model is not None:
+            embed = _find_embedding(self.model)
+            if embed is not None:
+                return int(embed)
+        return int(self.config.get("vocab_size") or len(self.tokenizer))
+
+    def new_cache(self, model: nn.Module) -> SequenceCache:
+        return SequenceCache(
+            model,
+            max_kv_size=self.max_kv_size,
+            kv_bits=self.kv_bits,
+            kv_group_size=self.kv_group_size,
+            quantized_kv_start=self.quantized_kv_start,
+        )
+
+    def unload(self) -> None:
+        self.model = None
+        self.cache = None
+        self.draft = None
+        self.cost_model = None
+        mx.clear_cache()
+
+
+def _find_embedding(model: nn.Module) -> int | None:
+    for name in ("model", "language_model", "transformer"):
+        inner = getattr(model, name, None)
+        if inner is None:
+            continue
+        for emb_name in ("embed_tokens", "wte", "tok_embeddings"):
+            emb = getattr(inner, emb_name, None)
+            if emb is not None and hasattr(emb, "weight"):
+                return emb.weight.shape[0]
+        found = _find_embedding(inner)
+        if found is not None:
+            return found
+    return None
+
+
+def _validate_kv_options(max_kv_size, kv_bits, kv_group_size, quantized_kv_start) -> None:
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if max_kv_size is not None and (not is_int(max_kv_size) or max_kv_size < 8):
+        raise ValueError(f"max_kv_size must be an integer >= 8 or None, got {max_kv_size!r}")
+    if kv_bits is not None and kv_bits not in (2, 3, 4, 6, 8):
+        raise ValueError(f"kv_bits must be one of 2, 3, 4, 6, 8 or None, got {kv_bits!r}")
+    if kv_group_size is not None and kv_group_size not in (32, 64, 128):
+        raise ValueError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
+    if quantized_kv_start is not None and (not is_int(quantized_kv_start) or quantized_kv_start < 0):
+        raise ValueError(f"quantized_kv_start must be a non-negative integer, got {quantized_kv_start!r}")
+    if kv_bits is not None and max_kv_size is not None:
+        raise ValueError("kv_bits cannot be combined with max_kv_size: mlx-lm cannot quantize a rotating KV cache")

@@ -1,0 +1,87 @@
+"""Typed values that generation streams back to the caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+StopReason = Literal["eos_token", "stop_string", "token_limit", "user_cancelled"]
+
+
+class Token(NamedTuple):
+    """One generated token. ``from_draft`` is true when a drafter proposed it and
+    the main model accepted it (draft model or prompt lookup)."""
+
+    id: int
+    text: str
+    logprob: float
+    from_draft: bool = False
+
+
+class TopLogprob(NamedTuple):
+    """An alternative the model considered at one position."""
+
+    id: int
+    text: str
+    logprob: float
+
+
+class GenerationStopCondition(NamedTuple):
+    """Why generation ended. ``stop_string`` is set for ``stop_string``; ``stop_tokens``
+    holds the token ids that triggered the stop (the EOS id, or the tokens whose
+    text completed the stop string)."""
+
+    stop_reason: StopReason
+    stop_string: str | None = None
+    stop_tokens: list[int] = []
+
+
+@dataclass
+class GenerationStats:
+    """Statistics of one generation, given to ``stats_callback`` and attached to the
+    final result. Times are seconds, rates tokens per second, memory bytes."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the kit's cache
+    time_to_first_token: float = 0.0
+    prompt_tps: float = 0.0  # over the prompt tokens actually processed
+    generated_tokens: int = 0
+    generation_tps: float = 0.0  # excludes time to first token
+    total_time: float = 0.0
+    peak_memory: int = 0
+    # Speculative decoding.
+    decoding_mode: str = "plain"  # plain | draft_model | prompt_lookup | auto:<mode>
+    mode_reason: str = ""
+    mode_switches: list[str] = field(default_factory=list)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rejected_tokens: int = 0
+    verify_rounds: int = 0
+    acceptance_by_position: list[float] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        return self.accepted_tokens / self.verify_rounds if self.verify_rounds else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted_per_round"] = self.mean_accepted_per_round
+        return d
+
+
+@dataclass
+class GenerationResult:
+    """A chunk of streamed output. ``text`` is safe to display (whole characters,
+    never part of a stop string). Exactly one result per generation, the last,
+    has ``stop_condition`` and ``stats`` set."""
+
+    text: str
+    tokens: list[Token]
+    top_logprobs: list[list[TopLogprob]] | None = None
+    stop_condition: GenerationStopCondition | None = None
+    stats: GenerationStats | None = None

@@ -1,0 +1,190 @@
+"""Draft-model speculative decoding: compatibility, loading, and the drafter."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .. import loading
+from ..errors import IncompatibleDraftModelError, ModelLoadError
+from ..model_kit import DraftModel, ModelKit
+from . import costs
+from .loop import DrafterUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftCompatibility:
+    """Whether a draft model can serve a kit, with every reason it cannot."""
+
+    compatible: bool
+    reasons: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.compatible
+
+
+def _special_ids(tok) -> dict[str, int | None]:
+    return {
+        "eos_token_id": tok.eos_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "pad_token_id": getattr(tok, "pad_token_id", None),
+    }
+
+
+def _uses_recurrent_cache(config: dict) -> bool:
+    """True when the architecture keeps state that cannot be trimmed (SSM/linear
+    attention layers); read from its mlx-lm module, not by building the model."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, _ = _get_classes(config)
+    source = inspect.getsource(importlib.import_module(model_class.__module__))
+    return any(name in source for name in ("ArraysCache", "MambaCache"))
+
+
+def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
+    """Check a draft model against a kit reading only the draft's config and
+    tokenizer (no weights), so hosts can list compatible drafts cheaply."""
+    reasons: list[str] = []
+    try:
+        draft_path = loading.resolve_model_dir(path, "draft model path")
+        config = loading.read_config(draft_path)
+        if loading.is_vision_config(config):
+            reasons.append("the draft is a vision model; a draft must be a text-only model")
+        loading.check_architecture(config, draft_path)
+        draft_tok = loading.load_tokenizer(draft_path)
+    except (ModelLoadError, ValueError) as exc:
+        return DraftCompatibility(False, [str(exc)])
+    main_tok = kit.tokenizer
+    main_vocab, draft_vocab = main_tok.get_vocab(), draft_tok.get_vocab()
+    if main_vocab != draft_vocab:
+        mismatched = sum(1 for t, i in main_vocab.items() if draft_vocab.get(t) != i)
+        missing = len(set(draft_vocab) - set(main_vocab))
+        reasons.append(
+            f"tokenizers differ: {mismatched} of the main model's {len(main_vocab)} tokens map to a different id "
+            f"or are missing in the draft, and the draft has {missing} tokens the main model lacks"
+        )
+    main_special, draft_special = _special_ids(main_tok), _special_ids(draft_tok)
+    for name, value in main_special.items():
+        if value != draft_special[name]:
+            reasons.append(f"{name} differs: main {value}, draft {draft_special[name]}")
+    if set(main_tok.all_special_ids) != set(draft_tok.all_special_ids):
+        reasons.append("special token ids differ between the main and draft tokenizers")
+    try:
+        if _uses_recurrent_cache(config):
+            reasons.append(f"the draft architecture {config['model_type']!r} has recurrent layers whose cache cannot be rewound")
+    except Exception as exc:  # pragma: no cover - module introspection failure
+        reasons.append(f"could not inspect the draft architecture: {exc}")
+    return DraftCompatibility(not reasons, reasons)
+
+
+def _param_count(model) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def load_draft(kit: ModelKit, path: str | Path) -> None:
+    """Load a draft model into the kit, replacing any loaded one."""
+    report = check_draft_model(kit, path)
+    if not report:
+        raise IncompatibleDraftModelError(
+            f"draft model {str(path)!r} is not compatible: " + "; ".join(report.reasons), report.reasons
+        )
+    draft_path = loading.resolve_model_dir(path, "draft model path")
+    unload_draft(kit)
+    model, _ = loading.load_weights(draft_path, trust_remote_code=False)
+    dtype = loading.choose_compute_dtype(model, "auto")
+    if dtype is not None:
+        model.set_dtype(dtype)
+    kit.draft = DraftModel(draft_path, model, kit.new_cache(model), _param_count(model))
+    logger.info("loaded draft model %s (%.1fM parameters)", draft_path, kit.draft.num_params / 1e6)
+
+
+def unload_draft(kit: ModelKit) -> None:
+    """Drop the draft model and its cache; the main cache is kept."""
+    if kit.draft is None:
+        return
+    kit.draft = None
+    gc.collect()
+    mx.clear_cache()
+    logger.info("draft model unloaded")
+
+
+class DraftModelDrafter:
+    """Drafts greedily with a small model whose cache follows the main history.
+
+    The draft cache is synchronised to the history by longest common prefix each
+    round, which rewinds rejected drafts and reuses prefixes across requests with
+    the same mechanism. With ``num_draft_tokens=None`` the length is chosen each
+    round from the observed acceptance and the measured costs."""
+
+    name = "draft_model"
+
+    def __init__(
+        self,
+        draft: DraftModel,
+        num_draft_tokens: int | None,
+        verify_costs: costs.CostModel | None = None,
+        draft_step: float = 0.0,
+        prior_acceptance: float = 0.6,
+    ):
+        self.draft = draft
+        self.fixed = num_draft_tokens
+        self.verify_costs = verify_costs
+        self.draft_step = draft_step  # one draft step in main-model steps
+        self._accepted = 2 * prior_acceptance
+        self._tried = 2.0
+
+    @property
+    def acceptance(self) -> float:
+        return self._accepted / self._tried
+
+    def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
+        """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
+        cache = self.draft.cache
+        keep = cache.sync_to(prompt[:-1])
+        todo = prompt[keep:-1]
+        cache.prefill(todo, on_chunk)
+        return len(todo)
+
+    def num_tokens(self, limit: int) -> int:
+        if self.fixed is not None:
+            return min(self.fixed, limit)
+        if self.verify_costs is None:
+            return min(4, limit)
+        k, _ = costs.best_draft_length(self.acceptance, self.verify_costs, self.draft_step, max_k=min(limit, costs.MAX_DRAFT))
+        return max(1, k)
+
+    def propose(self, history: list[int], limit: int) -> list[int]:
+        k = self.num_tokens(limit)
+        if k <= 0:
+            return []
+        cache = self.draft.cache
+        keep = min(cache.sync_to(history), len(history) - 1)
+        if not cache.rewind_to(keep):
+            raise DrafterUnavailable("the draft model's cache cannot be rewound")
+        if reason := cache.rewind_limit_reason(len(history) - keep + k):
+            raise DrafterUnavailable(f"draft model: {reason}")
+        logits = cache.feed(history[keep:])[-1]
+        drafts = []
+        for i in range(k):
+            tok = int(mx.argmax(logits).item())
+            drafts.append(tok)
+            if i + 1 < k:
+                logits = cache.feed([tok])[-1]
+        return drafts
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        tried = accepted + 1 if accepted < drafted else drafted
+        self._accepted = 0.9 * self._accepted + accepted
+        self._tried = 0.9 * self._tried + tried

@@ -1,0 +1,97 @@
+"""Prompt-lookup decoding: drafts copied from earlier in the context.
+
+The index maps every n-gram (min_ngram..max_ngram) of the history to the
+positions that followed it. It grows by appending as tokens arrive, so a lookup
+costs a few dictionary probes whatever the history length.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class NGramIndex:
+    """Incremental n-gram -> continuation-position index over a token history."""
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3):
+        if not (1 <= min_ngram <= max_ngram):
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self._table: dict[tuple[int, ...], list[int]] = defaultdict(list)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens; ``tokens`` may also be the whole history so far, of
+        which only the part not yet indexed is added."""
+        for tok in tokens[len(self.tokens) :]:
+            self.tokens.append(tok)
+            end = len(self.tokens)  # the position that follows this n-gram
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self._table[tuple(self.tokens[end - n : end])].append(end)
+
+    def lookup(self, num_tokens: int, num_candidates: int = 4) -> list[int]:
+        """Draft up to ``num_tokens`` tokens continuing the indexed history: the
+        continuation of the longest suffix n-gram that occurred before. Among the
+        ``num_candidates`` most recent matches, the longest continuation wins
+        (ties go to the most recent)."""
+        toks = self.tokens
+        end = len(toks)
+        if num_tokens <= 0 or end == 0:
+            return []
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            positions = self._table.get(tuple(toks[end - n :]))
+            if not positions:
+                continue
+            best: list[int] = []
+            seen = 0
+            for pos in reversed(positions):
+                if pos >= end:
+                    continue  # the suffix itself
+                cont = toks[pos : pos + num_tokens]
+                if len(cont) > len(best):
+                    best = cont
+                seen += 1
+                if seen >= num_candidates or len(best) == num_tokens:
+                    break
+            if best:
+                return best
+        return []
+
+
+def density_score(tokens: list[int], min_length: int = 256, ngram: int = 3, full_length: int = 768) -> float:
+    """How much prompt lookup is likely to find, from 0 to 1: the share of
+    positions whose preceding n-gram occurred earlier, times a ramp on the prompt
+    length that is 0 below ``min_length`` and 1 from ``full_length`` on."""
+    n_tok = len(tokens)
+    if n_tok < max(min_length, ngram + 1):
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for i in range(ngram, n_tok + 1):
+        key = tuple(tokens[i - ngram : i])
+        if key in seen:
+            repeats += 1
+        else:
+            seen.add(key)
+    share = repeats / (n_tok - ngram + 1)
+    ramp = min(1.0, (n_tok - min_length + 1) / max(1, full_length - min_length))
+    return share * ramp
+
+
+class PromptLookupDrafter:
+    """A drafter that copies continuations of the current suffix from the history."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, num_tokens: int, min_ngram: int = 1, max_ngram: int = 3, num_candidates: int = 4):
+        self.num_tokens = num_tokens
+        self.num_candidates = num_candidates
+        self.index = NGramIndex(min_ngram, max_ngram)
+
+    def propose(self, history: list[int], limit: int) -> list[int]:
+        self.index.extend(history)
+        return self.index.lookup(min(self.num_tokens, limit), self.num_candidates)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass

@@ -1,0 +1,152 @@
+"""The automatic speculative router: per request, and again during a long
+generation, it picks plain decoding, prompt lookup or the draft model, whichever
+is expected to give the most tokens per second on this machine.
+
+Shape (from the original proposal): a free pre-filter on prompt length and n-gram
+density; then a probe of up to 16 tokens with prompt lookup that stops after 4
+consecutive misses; commit to prompt lookup above 30% acceptance. Beyond it:
+acceptance is turned into expected speed with the kit's measured verify costs
+(and the draft model's step cost), the draft length is the one with the best
+expected speed, and acceptance keeps being watched so the mode switches when it no
+longer pays. Probe tokens are real output; nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..results import GenerationStats
+from . import costs
+from .draft_model import DraftModelDrafter
+from .prompt_lookup import PromptLookupDrafter, density_score
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    min_prompt_tokens: int = 256
+    min_density: float = 0.02
+    probe_tokens: int = 16
+    probe_max_misses: int = 4
+    probe_draft_tokens: int = 4
+    commit_acceptance: float = 0.30
+    reprobe_after: int = 96  # plain tokens before prompt lookup is probed again
+    watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
+
+
+class AutoRouter:
+    """A drafter that delegates each round to the chosen mode."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        prompt: list[int],
+        verify_costs: costs.CostModel,
+        stats: GenerationStats,
+        lookup: PromptLookupDrafter,
+        draft: DraftModelDrafter | None = None,
+        settings: RouterSettings = RouterSettings(),
+    ):
+        self.costs = verify_costs
+        self.stats = stats
+        self.lookup = lookup
+        self.draft = draft
+        self.s = settings
+        self.density = density_score(prompt, settings.min_prompt_tokens)
+        self.lookup_allowed = len(prompt) >= settings.min_prompt_tokens and self.density >= settings.min_density
+        self.max_lookup = lookup.num_tokens
+        self.lookup_k = min(settings.probe_draft_tokens, self.max_lookup)
+        self._reset_evidence()
+        facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
+        if self.lookup_allowed:
+            self._enter("probe", f"{facts}: probing prompt lookup")
+        elif draft is not None:
+            self._enter("draft_model", f"{facts}: prompt too short or sparse for lookup; draft model loaded")
+        else:
+            self._enter("plain", f"{facts}: prompt too short or sparse for lookup")
+
+    # -- bookkeeping -------------------------------------------------------
+    def _reset_evidence(self) -> None:
+        self.rounds = self.drafted = self.accepted = self.produced = self.misses = 0
+
+    def _enter(self, mode: str, why: str) -> None:
+        previous = getattr(self, "mode", None)
+        self.mode = mode
+        self._reset_evidence()
+        label = "prompt_lookup" if mode == "probe" else mode
+        self.stats.decoding_mode = f"auto:{label}"
+        if previous is None:
+            self.stats.mode_reason = why
+        else:
+            self.stats.mode_switches.append(f"{previous} -> {mode}: {why}")
+        logger.debug("router: %s (%s)", mode, why)
+
+    # -- drafter interface -------------------------------------------------
+    def propose(self, history: list[int], limit: int) -> list[int]:
+        if self.mode in ("probe", "prompt_lookup"):
+            self.lookup.num_tokens = self.lookup_k
+            return self.lookup.propose(history, limit)
+        self.lookup.index.extend(history)  # keep the index current for a later probe
+        if self.mode == "draft_model":
+            return self.draft.propose(history, limit)
+        return []
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.produced += accepted + 1
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        if self.mode == "probe":
+            self._after_probe_round()
+        elif self.mode == "prompt_lookup":
+            self._watch_lookup()
+        elif self.mode == "draft_model":
+            self.draft.observe(drafted, accepted)
+            self._watch_draft()
+        elif self.mode == "plain" and self.lookup_allowed and self.produced >= self.s.reprobe_after:
+            self._enter("probe", f"re-probing prompt lookup after {self.s.reprobe_after} plain tokens")
+
+    def _lookup_speedup(self) -> tuple[int, float, float]:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        k, speedup = costs.best_draft_length(rate, self.costs, 0.0, self.max_lookup)
+        return k, speedup, rate
+
+    def _fallback_mode(self) -> str:
+        return "draft_model" if self.draft is not None else "plain"
+
+    def _after_probe_round(self) -> None:
+        done = self.produced >= self.s.probe_tokens or self.misses >= self.s.probe_max_misses
+        if not done:
+            return
+        k, speedup, rate = self._lookup_speedup()
+        facts = f"probe acceptance {rate:.0%} over {self.drafted} drafted, expected speed-up x{speedup:.2f} at k={k}"
+        if rate > self.s.commit_acceptance and k > 0:
+            self.lookup_k = k
+            self._enter("prompt_lookup", facts)
+        else:
+            self._enter(self._fallback_mode(), facts)
+
+    def _watch_lookup(self) -> None:
+        if self.rounds < self.s.watch_rounds or self.drafted == 0:
+            return
+        k, speedup, rate = self._lookup_speedup()
+        if k == 0:
+            self._enter(self._fallback_mode(), f"lookup acceptance fell to {rate:.0%}; no draft length pays")
+            return
+        self.lookup_k = k
+        if self.rounds >= 4 * self.s.watch_rounds:
+            # Keep the evidence recent so a change in the text is noticed.
+            self.rounds //= 2
+            self.drafted //= 2
+            self.accepted //= 2
+
+    def _watch_draft(self) -> None:
+        if self.rounds < self.s.watch_rounds:
+            return
+        k, speedup = costs.best_draft_length(self.draft.acceptance, self.costs, self.draft.draft_step)
+        if k == 0:
+            self._enter("plain", f"draft acceptance {self.draft.acceptance:.0%} does not pay for its cost")

@@ -1,0 +1,115 @@
+"""Tiny random-weight models in the Hugging Face layout, built in seconds.
+
+The tokenizer is a byte-level BPE trained on the fly on a small text, so every
+fixture works offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+TRAIN_TEXT = (
+    "def add(a, b):\n    return a + b\n\n"
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "for i in range(10):\n    print(i, i * i)\n\n"
+    "Hello world! Bonjour le monde. Grüße aus München. 日本語のテキスト。 emoji 🙂 ok.\n"
+    "The quick brown fox jumps over the lazy dog. " * 3
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(out: Path, vocab_size: int = 400, extra_text: str = "") -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TRAIN_TEXT + extra_text] * 4, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 4096,
+                "chat_template": template,
+            }
+        )
+    )
+    return tok.get_vocab_size()
+
+
+ARCHS = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+}
+
+
+def make_model(
+    out: Path,
+    arch: str = "llama",
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    scale: float = 1.0,
+    vocab_pad: int = 0,
+    tokenizer_from: Path | None = None,
+    dtype: mx.Dtype = mx.float32,
+) -> Path:
+    """Write a random-weight model directory. ``scale`` multiplies the weights so
+    logits are well separated (fewer near-ties); ``vocab_pad`` adds unused
+    embedding rows, as real models often have."""
+    from mlx_lm.utils import _get_classes
+
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (out / name).write_text((tokenizer_from / name).read_text())
+        vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+        n_vocab = len(vocab) + len(SPECIALS)
+    else:
+        n_vocab = make_tokenizer(out)
+    config = dict(
+        ARCHS[arch],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=hidden * 2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=n_vocab + vocab_pad,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        torch_dtype="float32",
+    )
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    if scale != 1.0:
+        model.update(nn.utils.tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
