@@ -50,7 +50,15 @@ class SequenceCache:
         self.reset()
 
     def reset(self) -> None:
-        self.layers = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        layers = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        if self.max_kv_size is not None:
+            # Models with their own make_cache ignore max_kv_size; bound their
+            # full-attention layers here (sliding-window and recurrent layers
+            # are already bounded).
+            layers = [
+                RotatingKVCache(max_size=self.max_kv_size, keep=4) if type(c) is KVCache else c for c in layers
+            ]
+        self.layers = layers
         self.tokens = []
 
     def __len__(self) -> int:

@@ -75,12 +75,6 @@ class ModelKit:
         self.compute_dtype = loading.choose_compute_dtype(self.model, compute_dtype)
         if self.compute_dtype is not None:
             self.model.set_dtype(self.compute_dtype)
-        if max_kv_size is not None and hasattr(self.model, "make_cache"):
-            logger.warning(
-                "%s builds its own cache layout; max_kv_size=%d applies only where it uses full-attention KV caches",
-                self.config.get("model_type"),
-                max_kv_size,
-            )
         self.cache = self.new_cache(self.model)
         logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
 

@@ -1,0 +1,143 @@
+import json
+import shutil
+
+import pytest
+from conftest import generate_ids
+
+import mlx_engine as me
+from mlx_engine import ModelLoadError
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        me.load_model(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="never downloads"):
+        me.load_model("some-org/some-model")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        me.load_model(tmp_path)
+
+
+def test_malformed_config(tmp_path, llama_path):
+    d = copy_model(llama_path, tmp_path / "m")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        me.load_model(d)
+
+
+def test_unsupported_model_type(tmp_path, llama_path):
+    d = copy_model(llama_path, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "no_such_arch"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported model type 'no_such_arch'"):
+        me.load_model(d)
+
+
+def test_missing_and_truncated_weights(tmp_path, llama_path):
+    d = copy_model(llama_path, tmp_path / "m")
+    weights = d / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    with pytest.raises(ModelLoadError, match="no model.*safetensors"):
+        me.load_model(d)
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="could not load weights"):
+        me.load_model(d)
+
+
+def test_vision_config_is_refused_clearly(tmp_path, llama_path):
+    d = copy_model(llama_path, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vision_config"] = {"hidden_size": 8}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="vision"):
+        me.load_model(d)
+
+
+def test_bad_load_options(llama_path):
+    with pytest.raises(ValueError, match="max_kv_size"):
+        me.load_model(llama_path, max_kv_size=0)
+    with pytest.raises(ValueError, match="kv_bits"):
+        me.load_model(llama_path, kv_bits=5)
+    with pytest.raises(ValueError, match="seed"):
+        me.load_model(llama_path, seed=-1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temp=-0.1), "temp"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=-1), "top_logprobs"),
+        (dict(stop_strings=[""]), "stop_strings"),
+        (dict(stop_strings="x"), "stop_strings"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(seed="a"), "seed"),
+        (dict(prompt_progress_callback=3), "prompt_progress_callback"),
+        (dict(num_draft_tokens=3), "num_draft_tokens"),
+        (dict(speculative_decoding_toggle=True), "speculative_decoding_toggle"),
+        (dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens"),
+        (dict(prompt_lookup_min_ngram=4, prompt_lookup_max_ngram=2), "prompt_lookup_min_ngram"),
+    ],
+)
+def test_bad_generation_arguments(kit, kwargs, match):
+    prompt = me.tokenize(kit, "hello")
+    with pytest.raises(ValueError, match=match):
+        me.create_generator(kit, prompt, **kwargs)
+    assert generate_ids(kit, prompt, max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [([], "must not be empty"), ([1, "a"], "integers"), ([1, 10**6], "outside the vocabulary"), ([-1], "outside"), ("text", "tokenize"), ([1.5], "integers")],
+)
+def test_bad_prompts(kit, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        me.create_generator(kit, prompt)
+    assert generate_ids(kit, [1, 2, 3], max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
+
+
+def test_raising_callbacks_leave_kit_usable(kit):
+    prompt = me.tokenize(kit, "for i in range(10):\n" * 80)
+
+    def boom(p):
+        if p > 0:
+            raise RuntimeError("host bug")
+        return True
+
+    with pytest.raises(me.CallbackError, match="prompt_progress_callback raised RuntimeError"):
+        list(me.create_generator(kit, prompt, max_tokens=3, prompt_progress_callback=boom))
+    with pytest.raises(me.CallbackError, match="stats_callback"):
+        list(me.create_generator(kit, prompt, max_tokens=3, stats_callback=lambda s: 1 / 0))
+    ids, final = generate_ids(kit, prompt, max_tokens=3)
+    assert ids == generate_ids(me.load_model(kit.model_path), prompt, max_tokens=3)[0]
+
+
+def test_vocab_only_kit_tokenizes_but_cannot_generate(llama_path):
+    kit = me.load_model(llama_path, vocab_only=True)
+    assert kit.model is None
+    prompt = me.tokenize(kit, "hello")
+    assert prompt
+    with pytest.raises(ValueError, match="vocab_only"):
+        me.create_generator(kit, prompt)
+
+
+def test_unloaded_kit_refuses(llama_path):
+    kit = me.load_model(llama_path)
+    me.unload(kit)
+    with pytest.raises(ValueError, match="unloaded"):
+        me.create_generator(kit, [1, 2])

@@ -1,0 +1,196 @@
+import threading
+
+import pytest
+from conftest import generate_ids
+
+import mlx_engine as me
+from mlx_engine import GenerationInProgressError
+
+
+def prompt_of(kit, text="def add(a, b):\n    return a + b\n"):
+    return me.tokenize(kit, text)
+
+
+@pytest.mark.parametrize("arch_fixture", ["llama_path", "qwen_path"])
+def test_generates_and_ends_with_one_stop_condition(arch_fixture, request):
+    kit = me.load_model(request.getfixturevalue(arch_fixture))
+    results = list(me.create_generator(kit, prompt_of(kit), max_tokens=12))
+    assert sum(r.stop_condition is not None for r in results) == 1
+    final = results[-1]
+    assert final.stop_condition.stop_reason == "token_limit"
+    assert sum(len(r.tokens) for r in results) == 12
+    assert final.stats.generated_tokens == 12
+    assert final.stats.prompt_tokens == len(prompt_of(kit))
+    assert final.stats.peak_memory > 0
+    for r in results:
+        for t in r.tokens:
+            assert isinstance(t, me.Token) and t.logprob <= 0 and not t.from_draft
+
+
+def test_eos_stops_generation(kit):
+    prompt = prompt_of(kit)
+    ids, _ = generate_ids(kit, prompt, max_tokens=6)
+    kit.eos_token_ids = {ids[3]}
+    ids2, final = generate_ids(kit, prompt, max_tokens=6)
+    assert final.stop_condition.stop_reason == "eos_token"
+    assert final.stop_condition.stop_tokens == [ids[3]]
+    assert ids2 == ids[: ids.index(ids[3])]
+
+
+def test_stop_string_across_tokens_is_never_emitted(kit):
+    prompt = prompt_of(kit)
+    results = list(me.create_generator(kit, prompt, max_tokens=40))
+    full = "".join(r.text for r in results)
+    assert len(full) > 12
+    stop = full[6:11]  # likely spans several tokens
+    results = list(me.create_generator(kit, prompt, max_tokens=40, stop_strings=["not-in-output", stop]))
+    text = "".join(r.text for r in results)
+    final = results[-1]
+    assert final.stop_condition.stop_reason == "stop_string"
+    assert final.stop_condition.stop_string == stop
+    assert text == full[: full.index(stop)]
+    assert stop not in text
+    assert final.stop_condition.stop_tokens
+
+
+def test_cache_reuse_equals_fresh_output(llama_path):
+    kit = me.load_model(llama_path)
+    base = prompt_of(kit, "class Point:\n    def __init__(self, x, y):\n")
+    ids1, r1 = generate_ids(kit, base, max_tokens=8)
+    follow = base + ids1 + prompt_of(kit, "\nfor i in range(10):")
+    ids2, r2 = generate_ids(kit, follow, max_tokens=10)
+    assert r2.stats.cached_tokens >= len(base)
+    fresh = me.load_model(llama_path)
+    ids3, r3 = generate_ids(fresh, follow, max_tokens=10)
+    assert r3.stats.cached_tokens == 0
+    assert ids2 == ids3
+    # A shorter, diverging prompt trims the cache and still matches a fresh kit.
+    other = base[:5] + prompt_of(kit, " Hello world")
+    ids4, r4 = generate_ids(kit, other, max_tokens=10)
+    assert r4.stats.cached_tokens == 5
+    assert ids4 == generate_ids(me.load_model(llama_path), other, max_tokens=10)[0]
+
+
+def test_progress_is_monotonic_and_cancel_keeps_processed_part(llama_path):
+    kit = me.load_model(llama_path)
+    prompt = prompt_of(kit, "for i in range(10):\n    print(i, i * i)\n" * 60)
+    assert len(prompt) > 1030
+    seen = []
+    results = list(me.create_generator(kit, prompt, max_tokens=2, prompt_progress_callback=lambda p: seen.append(p) or True))
+    assert seen == sorted(seen) and seen[-1] == 100.0 and seen[0] == 0.0
+    assert results[-1].stop_condition.stop_reason == "token_limit"
+
+    kit2 = me.load_model(llama_path)
+    calls = []
+
+    def cancel_after_first_chunk(p):
+        calls.append(p)
+        return len(calls) < 2
+
+    results = list(me.create_generator(kit2, prompt, max_tokens=4, prompt_progress_callback=cancel_after_first_chunk))
+    assert len(results) == 1 and results[0].stop_condition.stop_reason == "user_cancelled"
+    ids, final = generate_ids(kit2, prompt, max_tokens=4)
+    assert final.stats.cached_tokens == 512  # one prefill chunk survived
+    assert ids == generate_ids(kit, prompt, max_tokens=4)[0]
+
+
+def test_close_and_stop_generation_cancel(kit):
+    prompt = prompt_of(kit)
+    gen = me.create_generator(kit, prompt, max_tokens=50)
+    next(gen)
+    gen.close()
+    # The kit is usable again and output equals a fresh run.
+    ids, final = generate_ids(kit, prompt, max_tokens=5)
+    assert final.stop_condition.stop_reason == "token_limit"
+
+    results = []
+    gen = me.create_generator(kit, prompt, max_tokens=10_000, request_id="req-1")
+
+    def consume():
+        for r in gen:
+            results.append(r)
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    while not results:
+        pass
+    assert me.stop_generation(kit, "req-1")
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert results[-1].stop_condition.stop_reason == "user_cancelled"
+    assert len(results) < 10_000
+    assert not me.stop_generation(kit, "req-1")
+
+
+def test_one_generation_at_a_time(kit):
+    prompt = prompt_of(kit)
+    gen = me.create_generator(kit, prompt, max_tokens=5)
+    next(gen)
+    with pytest.raises(GenerationInProgressError):
+        me.create_generator(kit, prompt, max_tokens=5)
+    gen.close()
+    assert generate_ids(kit, prompt, max_tokens=3)[1].stop_condition.stop_reason == "token_limit"
+
+
+def test_seeded_sampling_is_reproducible(kit):
+    prompt = prompt_of(kit)
+    a = generate_ids(kit, prompt, max_tokens=20, temp=1.0, seed=7)[0]
+    b = generate_ids(kit, prompt, max_tokens=20, temp=1.0, seed=7)[0]
+    c = generate_ids(kit, prompt, max_tokens=20, temp=1.0, seed=8)[0]
+    assert a == b and a != c
+    d = generate_ids(kit, prompt, max_tokens=20, temp=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.3, seed=3)[0]
+    assert len(d) == 20
+
+
+def test_repetition_penalty_sees_cached_prompt(kit):
+    prompt = prompt_of(kit)
+    greedy = generate_ids(kit, prompt, max_tokens=30)[0]
+    # Without a penalty the output repeats itself or the prompt ...
+    assert set(greedy) & set(prompt) or len(set(greedy)) < len(greedy)
+    # ... with a huge one, no token of the (now cached) prompt or earlier output repeats.
+    penalised, final = generate_ids(kit, prompt, max_tokens=30, repetition_penalty=50.0, repetition_context_size=200)
+    assert final.stats.cached_tokens == len(prompt) - 1
+    assert not set(penalised) & set(prompt)
+    assert len(set(penalised)) == len(penalised)
+
+
+def test_top_logprobs(kit):
+    results = list(me.create_generator(kit, prompt_of(kit), max_tokens=5, top_logprobs=3))
+    for r in results:
+        for tok, tops in zip(r.tokens, r.top_logprobs):
+            assert len(tops) == 3
+            assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+            assert tops[0].id == tok.id  # greedy picks the top token
+            assert abs(tops[0].logprob - tok.logprob) < 1e-5
+
+
+def test_stats_callback_receives_final_stats(kit):
+    got = []
+    results = list(me.create_generator(kit, prompt_of(kit), max_tokens=4, stats_callback=got.append))
+    assert got == [results[-1].stats]
+    s = got[0]
+    assert s.time_to_first_token > 0 and s.total_time >= s.time_to_first_token and s.generation_tps > 0
+
+
+def test_generation_in_worker_thread(kit):
+    out = {}
+
+    def work():
+        out["ids"] = generate_ids(kit, prompt_of(kit), max_tokens=6)[0]
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(60)
+    assert out["ids"] == generate_ids(kit, prompt_of(kit), max_tokens=6)[0]
+
+
+def test_rotating_cache_honours_max_kv_size(llama_path):
+    kit = me.load_model(llama_path, max_kv_size=64)
+    prompt = prompt_of(kit, "for i in range(10):\n    print(i)\n" * 10)
+    assert len(prompt) > 64
+    ids, final = generate_ids(kit, prompt, max_tokens=10)
+    assert len(ids) == 10
+    assert all(c.max_size == 64 for c in kit.cache.layers)
+    # The wrapped cache cannot be trimmed; a diverging prompt recomputes.
+    ids2, final2 = generate_ids(kit, prompt[:-3], max_tokens=5)
+    assert final2.stats.cached_tokens == 0
