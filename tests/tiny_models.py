@@ -113,3 +113,29 @@ def make_model(
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+class MarkovLM(nn.Module):
+    """A first-order Markov 'language model' with a real KV cache: logits depend
+    only on the last token (``table[token]``). Verify passes and single steps
+    give bit-identical logits, so exactness and distribution tests have no
+    near-ties to excuse."""
+
+    def __init__(self, table: mx.array, num_layers: int = 1):
+        super().__init__()
+        self.table = table
+        self.layers = [nn.Identity() for _ in range(num_layers)]
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        b, n = inputs.shape
+        kv = mx.zeros((b, 1, n, 1))
+        for c in cache or []:
+            c.update_and_fetch(kv, kv)
+        return self.table[inputs]
+
+
+def successor_table(vocab: int, sharpness: float = 8.0, seed: int = 0) -> mx.array:
+    """Logits whose argmax after token t is t+1 (mod vocab), with random noise."""
+    noise = mx.random.normal((vocab, vocab), key=mx.random.key(seed))
+    target = mx.roll(mx.eye(vocab), 1, axis=1) * sharpness
+    return target + noise

@@ -1,0 +1,202 @@
+import mlx.core as mx
+import pytest
+from conftest import assert_same_or_near_tie, generate_ids
+from tiny_models import MarkovLM, make_model, successor_table
+
+import mlx_engine as me
+from mlx_engine.cache import SequenceCache
+from mlx_engine.model_kit import DraftModel
+from mlx_engine.results import GenerationStats
+from mlx_engine.sampling import SamplingParams, build_sampler
+from mlx_engine.speculative.draft_model import DraftModelDrafter
+from mlx_engine.speculative.loop import decode
+
+TEXT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+
+
+def test_same_model_draft_accepts_everything(llama_path):
+    kit = me.load_model(llama_path)
+    prompt = me.tokenize(kit, TEXT)
+    plain, _ = generate_ids(kit, prompt, max_tokens=24)
+    me.load_draft_model(kit, llama_path)
+    results = list(me.create_generator(kit, prompt, max_tokens=24, num_draft_tokens=4))
+    ids = [t.id for r in results for t in r.tokens]
+    s = results[-1].stats
+    assert s.decoding_mode == "draft_model"
+    assert_same_or_near_tie(kit, prompt, plain, ids)
+    if ids == plain:
+        assert s.acceptance_rate == 1.0
+        assert s.rejected_tokens == 0
+    assert s.drafted_tokens > 0 and s.verify_rounds > 0
+    assert sum(t.from_draft for r in results for t in r.tokens) == s.accepted_tokens
+
+
+@pytest.mark.parametrize("k", [None, 1, 3, 8])
+def test_draft_greedy_output_equals_plain(llama_path, draft_path, k):
+    kit = me.load_model(llama_path)
+    prompt = me.tokenize(kit, TEXT)
+    plain, _ = generate_ids(kit, prompt, max_tokens=30, speculative_decoding_toggle=None)
+    me.load_draft_model(kit, draft_path)
+    ids, final = generate_ids(kit, prompt, max_tokens=30, num_draft_tokens=k)
+    assert final.stats.decoding_mode == "draft_model"
+    assert final.stats.drafted_tokens == final.stats.accepted_tokens + final.stats.rejected_tokens
+    assert len(final.stats.acceptance_by_position) >= 1
+    assert_same_or_near_tie(kit, prompt, plain, ids)
+    # Follow-up requests reuse the prefix in both caches and stay exact.
+    follow = prompt + ids + me.tokenize(kit, "\n    def norm(self):")
+    ids2, f2 = generate_ids(kit, follow, max_tokens=20, num_draft_tokens=k)
+    assert f2.stats.cached_tokens >= len(prompt)
+    fresh = me.load_model(llama_path)
+    assert_same_or_near_tie(fresh, follow, generate_ids(fresh, follow, max_tokens=20)[0], ids2)
+
+
+def test_toggle_false_skips_draft_and_true_requires_one(llama_path, draft_path):
+    kit = me.load_model(llama_path)
+    prompt = me.tokenize(kit, TEXT)
+    with pytest.raises(ValueError, match="requires a draft model"):
+        me.create_generator(kit, prompt, speculative_decoding_toggle=True)
+    me.load_draft_model(kit, draft_path)
+    _, final = generate_ids(kit, prompt, max_tokens=5, speculative_decoding_toggle=False)
+    assert final.stats.decoding_mode == "plain" and final.stats.drafted_tokens == 0
+    for bad in (0, 17, "3", True):
+        with pytest.raises(ValueError, match="num_draft_tokens"):
+            me.create_generator(kit, prompt, num_draft_tokens=bad)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        me.create_generator(kit, prompt, num_draft_tokens=2, speculative_decoding_toggle=False)
+
+
+def test_compatibility_report(llama_path, draft_path, foreign_tokenizer_path, tmp_path):
+    vocab_kit = me.load_model(llama_path, vocab_only=True)
+    assert me.check_draft_model(vocab_kit, draft_path).compatible  # padded embeddings are fine
+    assert me.is_draft_model_compatible(vocab_kit, draft_path)
+    report = me.check_draft_model(vocab_kit, foreign_tokenizer_path)
+    assert not report and any("tokenizers differ" in r for r in report.reasons)
+    assert not me.is_draft_model_compatible(vocab_kit, tmp_path / "missing")
+    assert "does not exist" in me.check_draft_model(vocab_kit, tmp_path / "missing").reasons[0]
+    kit = me.load_model(llama_path)
+    with pytest.raises(me.IncompatibleDraftModelError, match="tokenizers differ") as err:
+        me.load_draft_model(kit, foreign_tokenizer_path)
+    assert err.value.reasons
+    assert kit.draft is None
+    with pytest.raises(me.IncompatibleDraftModelError, match="does not exist"):
+        me.load_draft_model(kit, tmp_path / "missing")
+
+
+def test_load_unload_any_time_keeps_main_cache(llama_path, draft_path):
+    kit = me.load_model(llama_path)
+    me.unload_draft_model(kit)  # none loaded: no-op
+    prompt = me.tokenize(kit, TEXT)
+    generate_ids(kit, prompt, max_tokens=5)
+    me.load_draft_model(kit, draft_path)
+    me.load_draft_model(kit, draft_path)  # twice replaces
+    ids, final = generate_ids(kit, prompt, max_tokens=5)
+    assert final.stats.cached_tokens == len(prompt) - 1
+    me.unload_draft_model(kit)
+    me.unload_draft_model(kit)
+    assert kit.draft is None
+    ids2, final2 = generate_ids(kit, prompt, max_tokens=5)
+    assert final2.stats.cached_tokens == len(prompt) - 1
+    assert final2.stats.decoding_mode == "plain"
+    gen = me.create_generator(kit, prompt, max_tokens=5)
+    next(gen)
+    with pytest.raises(me.GenerationInProgressError):
+        me.load_draft_model(kit, draft_path)
+    gen.close()
+
+
+def test_unload_releases_draft_memory(llama_path, models_dir):
+    big_draft = make_model(models_dir / "big_draft", "llama", hidden=384, layers=4, seed=9, tokenizer_from=llama_path)
+    kit = me.load_model(llama_path)
+    prompt = me.tokenize(kit, TEXT)
+    generate_ids(kit, prompt, max_tokens=4)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    me.load_draft_model(kit, big_draft)
+    generate_ids(kit, prompt, max_tokens=8, num_draft_tokens=3)
+    loaded = mx.get_active_memory()
+    assert loaded - before > 4_000_000
+    me.unload_draft_model(kit)
+    after = mx.get_active_memory()
+    assert abs(after - before) <= 0.02 * before
+
+
+@pytest.mark.parametrize("when", ["close", "stop"])
+def test_cancel_mid_round_then_generation_is_correct(llama_path, draft_path, when):
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, draft_path)
+    prompt = me.tokenize(kit, TEXT)
+    gen = me.create_generator(kit, prompt, max_tokens=40, num_draft_tokens=4, request_id="r")
+    for i, r in enumerate(gen):
+        if i == 5:
+            if when == "close":
+                gen.close()
+                break
+            me.stop_generation(kit, "r")
+    else:
+        assert r.stop_condition.stop_reason == "user_cancelled"
+    follow = prompt + me.tokenize(kit, " def area")
+    ids, _ = generate_ids(kit, follow, max_tokens=20, num_draft_tokens=4)
+    fresh = me.load_model(llama_path)
+    assert_same_or_near_tie(fresh, follow, generate_ids(fresh, follow, max_tokens=20)[0], ids)
+
+
+def test_progress_covers_draft_prefill_and_cancel_there(llama_path, draft_path):
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, llama_path)  # same size: draft prefill is half the work
+    prompt = me.tokenize(kit, "for i in range(10):\n    print(i)\n" * 70)
+    seen = []
+    results = list(me.create_generator(kit, prompt, max_tokens=3, prompt_progress_callback=lambda p: seen.append(p) or True))
+    assert seen == sorted(seen) and seen[-1] == 100.0 and any(55 < p < 100 for p in seen)
+    kit2 = me.load_model(llama_path)
+    me.load_draft_model(kit2, llama_path)
+    # Cancel once the main prompt is done and the draft's is under way.
+    results = list(me.create_generator(kit2, prompt, max_tokens=3, prompt_progress_callback=lambda p: p <= 55))
+    assert results[-1].stop_condition.stop_reason == "user_cancelled"
+    ids, final = generate_ids(kit2, prompt, max_tokens=6)
+    assert ids == generate_ids(kit, prompt, max_tokens=6)[0]
+
+
+def test_full_rotating_cache_falls_back_to_plain(llama_path, draft_path):
+    kit = me.load_model(llama_path, max_kv_size=64)
+    me.load_draft_model(kit, draft_path)
+    prompt = me.tokenize(kit, "for i in range(10):\n    print(i)\n" * 10)
+    ids, final = generate_ids(kit, prompt, max_tokens=10)
+    assert len(ids) == 10
+    assert final.stats.decoding_mode == "plain"
+    assert "cannot be rewound" in final.stats.mode_reason
+
+
+def test_sampling_distribution_is_exact_with_a_poor_draft():
+    """Sample-and-match keeps the target's distribution, even when the draft
+    disagrees with it: compare the joint law of two sampled tokens with the
+    exact one by a chi-square test on a 4-token vocabulary."""
+    vocab = 4
+    target_logits = mx.array([[1.0, 0.2, -0.5, 0.0], [0.0, 1.5, 0.3, -1.0], [0.4, 0.4, 0.4, 0.0], [-1.0, 0.0, 0.0, 2.0]])
+    draft_logits = mx.array([[0.0, 0.0, 3.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0], [0.0, 3.0, 0.0, 0.0]])
+    p = mx.softmax(target_logits, axis=-1)
+    exact = {(a, b): p[0, a].item() * p[a, b].item() for a in range(vocab) for b in range(vocab)}
+    target, draft_model = MarkovLM(target_logits), MarkovLM(draft_logits)
+    sampler = build_sampler(SamplingParams(temp=1.0))
+    mx.random.seed(0)
+    counts = dict.fromkeys(exact, 0)
+    runs = 2000
+    for _ in range(runs):
+        cache = SequenceCache(target)
+        drafter = DraftModelDrafter(DraftModel(None, draft_model, SequenceCache(draft_model), 0), 2)
+        steps = decode(cache, [0], 2, sampler, [], 20, drafter, GenerationStats())
+        a, b = (s.token for s in steps)
+        counts[(a, b)] += 1
+    chi2 = sum((counts[c] - runs * q) ** 2 / (runs * q) for c, q in exact.items())
+    assert chi2 < 37.7  # chi-square, 15 degrees of freedom, p = 0.001
+
+
+def test_markov_target_and_draft_greedy_exact():
+    table = successor_table(50)
+    target, draft_model = MarkovLM(table), MarkovLM(successor_table(50, seed=5))
+    sampler = build_sampler(SamplingParams())
+    plain = [s.token for s in decode(SequenceCache(target), [3], 40, sampler, [], 20, None, GenerationStats())]
+    stats = GenerationStats()
+    drafter = DraftModelDrafter(DraftModel(None, draft_model, SequenceCache(draft_model), 0), 5)
+    spec = [s.token for s in decode(SequenceCache(target), [3], 40, sampler, [], 20, drafter, stats)]
+    assert spec == plain
+    assert stats.accepted_tokens > 0

@@ -1,0 +1,183 @@
+import pytest
+from conftest import assert_same_or_near_tie, generate_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import MarkovLM, successor_table
+
+import mlx_engine as me
+from mlx_engine.results import GenerationStats
+from mlx_engine.speculative.costs import CostModel, best_draft_length
+from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
+from mlx_engine.speculative.router import AutoRouter
+
+
+def lookup(tokens, k=4, min_n=1, max_n=3, cands=4):
+    idx = NGramIndex(min_n, max_n)
+    idx.extend(tokens)
+    return idx.lookup(k, cands)
+
+
+def test_finder_prefers_longest_suffix_match():
+    # Suffix [1, 2, 3]: the 3-gram occurred once, followed by 9 8; the 1-gram [3]
+    # also occurred followed by 7, which must lose to the longer match.
+    assert lookup([3, 7, 0, 1, 2, 3, 9, 8, 5, 1, 2, 3], k=2) == [9, 8]
+    assert lookup([1, 2, 3, 4, 5, 1, 2], k=3) == [3, 4, 5]
+
+
+def test_finder_returns_nothing_without_match_or_continuation():
+    assert lookup([]) == []
+    assert lookup([1, 2, 3, 4]) == []
+    assert lookup([5], k=3) == []
+    assert lookup([1, 2, 1], k=0) == []
+    # A match whose continuation is the suffix itself is truncated, not empty.
+    assert lookup([4, 4], k=3) == [4]
+
+
+def test_finder_is_incremental():
+    idx = NGramIndex(1, 3)
+    seq = [1, 2, 3, 4, 1, 2]
+    for i in range(len(seq)):
+        idx.extend(seq[: i + 1])
+    assert idx.lookup(2) == [3, 4]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 6), max_size=60),
+    k=st.integers(0, 8),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    cands=st.integers(1, 5),
+)
+def test_every_draft_is_a_real_continuation(tokens, k, min_n, extra, cands):
+    max_n = min_n + extra
+    draft = lookup(tokens, k, min_n, max_n, cands)
+    assert len(draft) <= k
+    if not draft:
+        return
+    # Some earlier occurrence of a suffix n-gram is followed by exactly the draft.
+    found = False
+    for n in range(min_n, max_n + 1):
+        if n > len(tokens):
+            break
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n):
+            if tokens[start : start + n] == suffix and tokens[start + n : start + n + len(draft)] == draft:
+                found = True
+    assert found
+
+
+def test_density_score():
+    assert density_score(list(range(200))) == 0.0  # below the length threshold
+    assert density_score([1, 2, 3] * 60) == 0.0
+    assert density_score(list(range(600))) == 0.0  # nothing repeats
+    short = density_score(list(range(100)) * 3)
+    long = density_score(list(range(100)) * 12)
+    assert 0 < short < long <= 1.0
+    assert long > 0.85
+
+
+def flat_costs(rel: float = 1.1) -> CostModel:
+    return CostModel(tuple(0.01 * (1 + (rel - 1) * (n - 1) / 16) for n in range(1, 18)))
+
+
+def test_best_draft_length_uses_costs():
+    assert best_draft_length(0.0, flat_costs())[0] == 0
+    k, speed = best_draft_length(0.9, flat_costs())
+    assert k >= 8 and speed > 3
+    expensive = CostModel(tuple(0.01 * n for n in range(1, 18)))  # verify costs scale with width
+    assert best_draft_length(0.9, expensive)[0] == 0
+
+
+def markov_kit(llama_path):
+    kit = me.load_model(llama_path)
+    kit.model = MarkovLM(successor_table(kit.vocab_size, sharpness=12.0))
+    kit.cache = kit.new_cache(kit.model)
+    kit.eos_token_ids = set()
+    return kit
+
+
+def test_prompt_lookup_exact_and_fast_on_repetitive_text(llama_path):
+    kit = markov_kit(llama_path)
+    prompt = list(range(100, 300)) + list(range(100, 150))
+    plain, _ = generate_ids(kit, prompt, max_tokens=40)
+    ids, final = generate_ids(kit, prompt, max_tokens=40, prompt_lookup_num_tokens=8)
+    assert ids == plain
+    s = final.stats
+    assert s.decoding_mode == "prompt_lookup"
+    assert s.acceptance_rate > 0.9 and s.verify_rounds <= 8
+
+
+@pytest.mark.parametrize("path_fixture", ["llama_path", "qwen_path"])
+def test_prompt_lookup_exact_on_real_architectures(request, path_fixture):
+    kit = me.load_model(request.getfixturevalue(path_fixture))
+    text = "for i in range(10):\n    print(i, i * i)\n"
+    prompt = me.tokenize(kit, text * 8)
+    plain, _ = generate_ids(kit, prompt, max_tokens=30)
+    for k in (1, 4):
+        ids, final = generate_ids(kit, prompt, max_tokens=30, prompt_lookup_num_tokens=k)
+        assert_same_or_near_tie(kit, prompt, plain, ids)
+        assert final.stats.decoding_mode == "prompt_lookup"
+
+
+def test_router_sends_long_echo_prompt_to_prompt_lookup(llama_path):
+    kit = markov_kit(llama_path)
+    prompt = list(range(100, 380)) + list(range(100, 200))
+    plain, _ = generate_ids(kit, prompt, max_tokens=60)
+    ids, final = generate_ids(kit, prompt, max_tokens=60, auto_speculative=True)
+    assert ids == plain
+    assert final.stats.decoding_mode == "auto:prompt_lookup", final.stats
+    assert "probe acceptance" in final.stats.mode_switches[0]
+    assert "density" in final.stats.mode_reason
+
+
+def test_router_keeps_short_fresh_prompt_plain(llama_path):
+    kit = markov_kit(llama_path)
+    prompt = list(range(100, 140))
+    ids, final = generate_ids(kit, prompt, max_tokens=20, auto_speculative=True)
+    assert ids == generate_ids(kit, prompt, max_tokens=20)[0]
+    assert final.stats.decoding_mode == "auto:plain"
+    assert "too short" in final.stats.mode_reason
+    assert final.stats.drafted_tokens == 0
+
+
+def test_router_leaves_lookup_when_it_stops_paying():
+    stats = GenerationStats()
+    prompt = list(range(50)) * 8
+    router = AutoRouter(prompt, flat_costs(2.0), stats, PromptLookupDrafter(8))
+    assert router.mode == "probe"
+    for _ in range(4):
+        router.observe(4, 0)  # four consecutive misses end the probe
+    assert router.mode == "plain"
+    assert "probe acceptance 0%" in stats.mode_switches[-1]
+
+
+def test_auto_with_a_draft_model_is_exact(llama_path, draft_path):
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, draft_path)
+    prompt = me.tokenize(kit, "def add(a, b):\n    return a + b\n")
+    plain, _ = generate_ids(kit, prompt, max_tokens=30, speculative_decoding_toggle=False)
+    ids, final = generate_ids(kit, prompt, max_tokens=30, auto_speculative=True)
+    assert_same_or_near_tie(kit, prompt, plain, ids)
+    assert final.stats.decoding_mode.startswith("auto:")
+
+
+def test_conflicting_requests_are_refused(llama_path, draft_path):
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, draft_path)
+    prompt = me.tokenize(kit, "hello")
+    with pytest.raises(ValueError, match="pick one"):
+        me.create_generator(kit, prompt, prompt_lookup_num_tokens=4, speculative_decoding_toggle=True)
+    with pytest.raises(ValueError, match="pick one"):
+        me.create_generator(kit, prompt, prompt_lookup_num_tokens=4, num_draft_tokens=3)
+    # Explicit prompt lookup with a draft loaded (toggle unset) uses prompt lookup.
+    _, final = generate_ids(kit, prompt, max_tokens=3, prompt_lookup_num_tokens=4)
+    assert final.stats.decoding_mode == "prompt_lookup"
+
+
+def test_prompt_lookup_falls_back_when_cache_cannot_rewind(llama_path):
+    kit = me.load_model(llama_path, max_kv_size=64)
+    prompt = me.tokenize(kit, "for i in range(10):\n    print(i)\n" * 10)
+    ids, final = generate_ids(kit, prompt, max_tokens=10, prompt_lookup_num_tokens=4)
+    assert len(ids) == 10
+    assert final.stats.decoding_mode == "plain" and "cannot be rewound" in final.stats.mode_reason
