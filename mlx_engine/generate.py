@@ -447,6 +447,13 @@ def _generate(
                 yield _finish(GenerationResult(text, [token], tops), "token_limit", stats, stats_cb, t_start, t_first, len(main_todo))
                 return
             yield GenerationResult(scan.emit, [token], tops)
+    except CallbackError:
+        raise  # raised between prompt chunks or at the end: caches are consistent
+    except Exception:
+        # An unexpected failure may have left a forward pass half-recorded; start
+        # the next request from clean caches rather than risk reusing a bad one.
+        _reset_caches(kit)
+        raise
     finally:
         if steps is not None:
             steps.close()
@@ -454,6 +461,13 @@ def _generate(
             act.active = None
             act.known.discard(request_id)
             act.cancelled.discard(request_id)
+
+
+def _reset_caches(kit: ModelKit) -> None:
+    if kit.cache is not None:
+        kit.cache.reset()
+    if kit.draft is not None:
+        kit.draft.cache.reset()
 
 
 def _param_total(kit: ModelKit) -> int:

@@ -75,6 +75,12 @@ class ModelKit:
         self.compute_dtype = loading.choose_compute_dtype(self.model, compute_dtype)
         if self.compute_dtype is not None:
             self.model.set_dtype(self.compute_dtype)
+        if kv_bits is not None:
+            head_dim = _head_dim(self.config)
+            if head_dim is not None and head_dim % self.kv_group_size:
+                raise ValueError(
+                    f"kv_group_size must divide the model's attention head size ({head_dim}); got {self.kv_group_size}"
+                )
         self.cache = self.new_cache(self.model)
         logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
 
@@ -102,6 +108,15 @@ class ModelKit:
         self.draft = None
         self.cost_model = None
         mx.clear_cache()
+
+
+def _head_dim(config: dict) -> int | None:
+    cfg = config.get("text_config", config)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
 
 
 def _find_embedding(model: nn.Module) -> int | None:

@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_engine  # noqa: E402,F401  (loads OpenBLAS before mlx.core)
-from tiny_models import make_model, make_tokenizer  # noqa: E402
+from tiny_models import MarkovLM, make_model, make_tokenizer, successor_table  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +82,13 @@ def assert_same_or_near_tie(kit, prompt, plain_ids, other_ids):
     top2 = mx.sort(logits)[-2:].tolist()
     gap = top2[1] - top2[0]
     assert gap < NEAR_TIE_TOLERANCE, f"outputs diverge at {pos} where the top-2 logit gap is {gap:.2e}"
+
+
+def markov_kit(llama_path, table=None):
+    """A kit whose model is a MarkovLM over the llama fixture's vocabulary (by
+    default: greedy continuation of token t is t+1)."""
+    kit = mlx_engine.load_model(llama_path)
+    kit.model = MarkovLM(successor_table(kit.vocab_size, sharpness=12.0) if table is None else table)
+    kit.cache = kit.new_cache(kit.model)
+    kit.eos_token_ids = set()
+    return kit

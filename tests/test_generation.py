@@ -194,3 +194,45 @@ def test_rotating_cache_honours_max_kv_size(llama_path):
     # The wrapped cache cannot be trimmed; a diverging prompt recomputes.
     ids2, final2 = generate_ids(kit, prompt[:-3], max_tokens=5)
     assert final2.stats.cached_tokens == 0
+
+
+def chain_table(vocab: int, sequence: list[int]):
+    """Logits whose greedy continuation follows ``sequence`` token by token."""
+    import mlx.core as mx
+
+    rows = [[0.0] * vocab for _ in range(vocab)]
+    for a, b in zip(sequence, sequence[1:]):
+        rows[a][b] = 20.0
+    return mx.array(rows)
+
+
+def test_multibyte_text_is_never_split(llama_path):
+    from conftest import markov_kit
+
+    base = me.load_model(llama_path)
+    text = "Grüße aus München. 日本語のテキスト。 emoji 🙂 ok"
+    seq = me.tokenize(base, text)
+    assert len(set(seq)) == len(seq), "fixture text must not repeat tokens"
+    kit = markov_kit(llama_path, chain_table(base.vocab_size, seq))
+    results = list(me.create_generator(kit, seq[:1], max_tokens=len(seq) - 1))
+    pieces = [r.text for r in results]
+    assert "".join(pieces) == base.tokenizer.decode(seq[1:])
+    assert not any("\ufffd" in p for p in pieces)
+    # A multi-byte stop string spanning several byte-level tokens.
+    results = list(me.create_generator(kit, seq[:1], max_tokens=len(seq) - 1, stop_strings=["のテ"]))
+    assert "".join(r.text for r in results) == base.tokenizer.decode(seq[1:]).split("のテ")[0]
+    assert results[-1].stop_condition.stop_string == "のテ"
+
+
+def test_quantized_kv_cache(llama_path, models_dir):
+    from tiny_models import make_model
+
+    with pytest.raises(ValueError, match="kv_group_size"):
+        me.load_model(llama_path, kv_bits=8, kv_group_size=32)  # head size 16
+    path = make_model(models_dir / "wide_heads", "llama", hidden=128, heads=4, kv_heads=2, tokenizer_from=llama_path)
+    kit = me.load_model(path, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    prompt = prompt_of(kit)
+    ids, final = generate_ids(kit, prompt, max_tokens=8)
+    assert len(ids) == 8
+    ids2, final2 = generate_ids(kit, prompt + ids, max_tokens=4)
+    assert final2.stats.cached_tokens == len(prompt) + len(ids) - 1

@@ -1,8 +1,7 @@
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from conftest import assert_same_or_near_tie, generate_ids, markov_kit
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import MarkovLM, successor_table
 
 import mlx_engine as me
 from mlx_engine.results import GenerationStats
@@ -87,14 +86,6 @@ def test_best_draft_length_uses_costs():
     assert k >= 8 and speed > 3
     expensive = CostModel(tuple(0.01 * n for n in range(1, 18)))  # verify costs scale with width
     assert best_draft_length(0.9, expensive)[0] == 0
-
-
-def markov_kit(llama_path):
-    kit = me.load_model(llama_path)
-    kit.model = MarkovLM(successor_table(kit.vocab_size, sharpness=12.0))
-    kit.cache = kit.new_cache(kit.model)
-    kit.eos_token_ids = set()
-    return kit
 
 
 def test_prompt_lookup_exact_and_fast_on_repetitive_text(llama_path):
