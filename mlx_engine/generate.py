@@ -30,7 +30,7 @@ from .speculative.draft_model import (
     load_draft,
     unload_draft,
 )
-from .speculative.loop import Drafter, decode, plain_decode
+from .speculative.loop import Drafter, decode
 from .speculative.prompt_lookup import PromptLookupDrafter
 from .speculative.router import AutoRouter
 from .stop_strings import StopStringMatcher
@@ -395,11 +395,8 @@ def _generate(
             stats.mode_switches.append(f"{stats.decoding_mode} -> plain: {reason}")
             stats.decoding_mode = "plain"
 
-        if drafter is None:
-            steps = plain_decode(cache, history, max_tokens, sampler, processors, params.repetition_context_size)
-        else:
-            steps = decode(cache, history, max_tokens, sampler, processors, params.repetition_context_size,
-                           drafter, stats, on_fallback)
+        steps = decode(cache, history, max_tokens, sampler, processors, params.repetition_context_size,
+                       drafter, stats, on_fallback)
 
         detok = kit.tokenizer.detokenizer
         detok.reset()

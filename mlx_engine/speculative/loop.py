@@ -64,6 +64,29 @@ def sample_rows(
     return sampler(logprobs), logprobs
 
 
+class _AcceptanceTracker:
+    """Fills the speculation fields of the stats as rounds complete."""
+
+    def __init__(self, stats: GenerationStats):
+        self.stats = stats
+        self.tries: list[int] = []
+        self.hits: list[int] = []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        s = self.stats
+        s.verify_rounds += 1
+        s.drafted_tokens += drafted
+        s.accepted_tokens += accepted
+        s.rejected_tokens += drafted - accepted
+        while len(self.tries) < drafted:
+            self.tries.append(0)
+            self.hits.append(0)
+        for i in range(drafted):
+            self.tries[i] += 1
+            self.hits[i] += i < accepted
+        s.acceptance_by_position = [h / t for h, t in zip(self.hits, self.tries)]
+
+
 def decode(
     cache: SequenceCache,
     history: list[int],
@@ -75,13 +98,20 @@ def decode(
     stats: GenerationStats,
     on_fallback: Callable[[str], None] | None = None,
 ) -> Iterator[Step]:
-    """Yield up to ``max_new`` tokens following ``history``. The cache must hold
-    ``history[:-1]``; it is always consistent with ``cache.tokens`` at every yield,
-    so the caller may stop at any point."""
-    position_tries: list[int] = []
-    position_hits: list[int] = []
+    """Yield up to ``max_new`` tokens following ``history`` (whose last token the
+    cache does not hold yet). With ``drafter=None`` this is plain decoding.
+
+    Each round is queued on MLX before the previous round's tokens are handed
+    out, so the caller's work (detokenizing, stop strings) overlaps the model, as
+    in mlx-lm's ``generate_step``. ``cache.tokens`` always names exactly what the
+    cache holds (possibly a queued round's drafts, whose keys/values are valid for
+    those tokens), so the caller may stop at any point and the next request's
+    prefix matching stays correct."""
+    tracker = _AcceptanceTracker(stats)
     produced = 0
-    while produced < max_new:
+
+    def launch() -> tuple[list[int], mx.array, mx.array]:
+        nonlocal drafter
         limit = max_new - produced - 1
         drafts: list[int] = []
         if drafter is not None and limit > 0:
@@ -93,74 +123,31 @@ def decode(
                 drafter, drafts = None, []
                 if on_fallback is not None:
                     on_fallback(str(exc))
-        k = len(drafts)
         logits = cache.feed([history[-1]] + drafts)
         tokens, logprobs = sample_rows(logits, history, drafts, sampler, processors, context_window)
-        mx.eval(tokens, logprobs)
+        mx.async_eval(tokens, logprobs)
+        return drafts, tokens, logprobs
+
+    pending = launch()
+    while True:
+        drafts, tokens, logprobs = pending
         sampled = tokens.tolist()
+        k = len(drafts)
         n = 0
         while n < k and sampled[n] == drafts[n]:
             n += 1
         if k:
             cache.rewind_to(len(cache.tokens) - (k - n))
             drafter.observe(k, n)
-            stats.verify_rounds += 1
-            stats.drafted_tokens += k
-            stats.accepted_tokens += n
-            stats.rejected_tokens += k - n
-            while len(position_tries) < k:
-                position_tries.append(0)
-                position_hits.append(0)
-            for i in range(k):
-                position_tries[i] += 1
-                position_hits[i] += i < n
-            stats.acceptance_by_position = [h / t for h, t in zip(position_hits, position_tries)]
+            tracker.record(k, n)
         elif drafter is not None:
             drafter.observe(0, 0)
         emitted = sampled[: n + 1]
         history.extend(emitted)
         produced += len(emitted)
+        if produced < max_new:
+            pending = launch()
         for i, tok in enumerate(emitted):
             yield Step(tok, logprobs[i], i < n)
-
-
-def plain_decode(
-    cache: SequenceCache,
-    history: list[int],
-    max_new: int,
-    sampler: Sampler,
-    processors: list[LogitsProcessor],
-    context_window: int,
-) -> Iterator[Step]:
-    """Plain decoding with the next step computed while the current token is
-    handed out (as mlx-lm's ``generate_step`` does). Used when no drafter is
-    involved; the cache holds every yielded token except the last."""
-
-    def step(token: mx.array) -> tuple[mx.array, mx.array]:
-        logits = cache.forward(token.reshape(1, 1))[0]
-        if processors:
-            ctx = mx.array(history[-context_window:])
-            for proc in processors:
-                logits = proc(ctx, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs)[0], logprobs[0]
-
-    if max_new <= 0:
-        return
-    y, lp = step(mx.array(history[-1], dtype=mx.uint32))
-    cache.tokens.append(history[-1])
-    mx.async_eval(y, lp)
-    produced = 0
-    while True:
-        tok = y.item()
-        history.append(tok)
-        produced += 1
-        if produced < max_new:
-            # Queue the next step before handing this token out.
-            next_y, next_lp = step(y)
-            mx.async_eval(next_y, next_lp)
-            cache.tokens.append(tok)
-        yield Step(tok, lp, False)
         if produced >= max_new:
             return
-        y, lp = next_y, next_lp
