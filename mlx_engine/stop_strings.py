@@ -58,3 +58,44 @@ class StopStringMatcher:
                     best = n
                     break
         return best
+
+
+class TextEvent(NamedTuple):
+    text: str  # safe to emit now
+    stop_string: str | None
+    stop_tokens: list[int]  # tokens whose text completed the stop string
+
+
+class TextStream:
+    """Turns generated token ids into displayable text: whole UTF-8 characters
+    (the tokenizer's streaming detokenizer) with stop strings held back and cut."""
+
+    def __init__(self, detokenizer, stop_strings: list[str]):
+        self.detok = detokenizer
+        self.detok.reset()
+        self.matcher = StopStringMatcher(stop_strings)
+        self._emitted = 0  # characters handed out so far
+        self._token_ends: list[tuple[int, int]] = []  # (token id, text length after it)
+
+    def push(self, token: int, final: bool = False) -> TextEvent:
+        """Add a generated token; ``final`` flushes everything held back."""
+        self.detok.add_token(token)
+        if final:
+            self.detok.finalize()
+        scan = self.matcher.feed(self.detok.last_segment)
+        self._token_ends.append((token, self._emitted + len(scan.emit) + len(self.matcher._pending)))
+        if scan.stop_string is not None:
+            start = self._emitted + len(scan.emit)
+            stop_tokens = [t for t, end in self._token_ends if end > start] or [token]
+            return TextEvent(scan.emit, scan.stop_string, stop_tokens)
+        text = scan.emit + (self.matcher.flush() if final else "")
+        self._emitted += len(text)
+        return TextEvent(text, None, [])
+
+    def finish(self) -> TextEvent:
+        """Flush at the end of generation (EOS, cancellation)."""
+        self.detok.finalize()
+        scan = self.matcher.feed(self.detok.last_segment)
+        if scan.stop_string is not None:
+            return TextEvent(scan.emit, scan.stop_string, [])
+        return TextEvent(scan.emit + self.matcher.flush(), None, [])
