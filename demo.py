@@ -6,6 +6,7 @@
     python demo.py --draft-model models/pystd-draft  # speculative decoding
     python demo.py --prompt-lookup-num-tokens 8      # prompt-lookup decoding
     python demo.py --auto-speculative                # let the engine choose
+    python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="prompt-lookup decoding with this many draft tokens")
     p.add_argument("--auto-speculative", action="store_true", help="let the engine pick plain, prompt lookup or draft model per request")
+    p.add_argument("--images", nargs="+", default=None, metavar="FILE", help="image files for a vision model (sent base64-encoded)")
     p.add_argument("--verbose", action="store_true", help="log engine decisions")
     return p
 
@@ -84,12 +86,30 @@ def build_prompt(kit: me.ModelKit, args: argparse.Namespace) -> list[int]:
     if text is None:
         text = DEFAULT_PROMPT
     template = getattr(kit.tokenizer, "chat_template", None)
+    n_images = len(args.images or [])
+    if n_images and isinstance(kit, me.VisionModelKit) and (not template or args.no_chat_template):
+        # One image placeholder per image, before the text.
+        return [kit.placeholder_id] * n_images + me.tokenize(kit, text)
     if template and not args.no_chat_template:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+        content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}] if n_images else text
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": content}]
         return list(kit.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     if args.system:
         text = f"{args.system}\n\n{text}"
     return me.tokenize(kit, text)
+
+
+def read_images(paths: list[str]) -> list[str]:
+    """Base64-encode image files (the engine decodes and checks them)."""
+    import base64
+
+    encoded = []
+    for name in paths:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            sys.exit(f"--images: {str(path)!r} is not a file")
+        encoded.append(base64.b64encode(path.read_bytes()).decode("ascii"))
+    return encoded
 
 
 def progress_bar():
@@ -132,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
     if args.draft_model:
         me.load_draft_model(kit, resolve_model(args.draft_model))
+    images_b64 = read_images(args.images) if args.images else None
     prompt = build_prompt(kit, args)
     if args.no_chat_template or not getattr(kit.tokenizer, "chat_template", None):
         sys.stdout.write(kit.tokenizer.decode(prompt))  # a base model continues the text: show it
@@ -149,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         auto_speculative=args.auto_speculative,
+        images_b64=images_b64,
     ):
         sys.stdout.write(result.text)
         sys.stdout.flush()

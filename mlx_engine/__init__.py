@@ -17,6 +17,7 @@ from .generate import (  # noqa: E402
     unload_draft_model,
 )
 from .model_kit import ModelKit  # noqa: E402
+from .vision_model_kit import VisionModelKit  # noqa: E402
 from .results import (  # noqa: E402
     GenerationResult,
     GenerationStats,
@@ -39,6 +40,7 @@ __all__ = [
     "ModelLoadError",
     "Token",
     "TopLogprob",
+    "VisionModelKit",
     "blas_status",
     "check_draft_model",
     "create_generator",

@@ -12,7 +12,9 @@ import mlx.core as mx
 
 from . import loading
 from .errors import CallbackError, GenerationInProgressError
+from .images import validate_max_image_pixels
 from .model_kit import ModelKit
+from .vision_model_kit import VisionModelKit
 from .results import (
     GenerationResult,
     GenerationStats,
@@ -33,7 +35,7 @@ from .speculative.draft_model import (
 from .speculative.loop import Drafter, decode
 from .speculative.prompt_lookup import PromptLookupDrafter
 from .speculative.router import AutoRouter
-from .stop_strings import StopStringMatcher
+from .stop_strings import StopStringMatcher, TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +59,34 @@ def load_model(
     quantized_kv_start: int | None = None,
     seed: int | None = None,
     compute_dtype: str | None = "auto",
+    max_image_pixels: int | None = None,
 ) -> ModelKit:
     """Load a local model directory (Hugging Face layout) into a kit.
 
     ``compute_dtype="auto"`` computes unquantized half-precision weights in
     float32 on the CPU, where that is several times faster; ``"native"`` keeps
-    the stored dtype."""
+    the stored dtype. A directory whose config.json has ``vision_config`` gives a
+    ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images."""
     path = loading.resolve_model_dir(model_path)
     config = loading.read_config(path)
-    if loading.is_vision_config(config):
-        raise loading.ModelLoadError(
-            f"{str(path)!r} is a vision-language model (config has vision_config); "
-            "vision models are not supported by this version of mlx_engine yet"
-        )
+    if max_image_pixels is not None:
+        validate_max_image_pixels(max_image_pixels)
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         mx.random.seed(seed)
+    if loading.is_vision_config(config):
+        return VisionModelKit(
+            path,
+            max_kv_size=max_kv_size,
+            vocab_only=vocab_only,
+            trust_remote_code=trust_remote_code,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            compute_dtype=compute_dtype,
+            max_image_pixels=max_image_pixels,
+        )
     return ModelKit(
         path,
         max_kv_size=max_kv_size,
@@ -155,6 +168,7 @@ def create_generator(
     prompt_lookup_max_ngram: int = 3,
     prompt_lookup_num_candidates: int = 4,
     auto_speculative: bool = False,
+    images_b64: list[str] | None = None,
 ) -> Iterator[GenerationResult]:
     """Stream the continuation of ``prompt_tokens``.
 
@@ -165,9 +179,12 @@ def create_generator(
     ``stop_generation(kit, request_id)``, cancels. A kit runs one generation at a
     time: starting a second while one is active raises
     ``GenerationInProgressError``. Decoding modes are described in docs/decoding.md.
+    ``images_b64`` (vision kits, docs/vision.md): base64 images, one per image
+    placeholder token in ``prompt_tokens``, decoded and checked here.
     """
     _require_model(kit)
     prompt = _validate_prompt(kit, prompt_tokens)
+    images = kit.decode_images(prompt, images_b64)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     params = validate_sampling(
@@ -202,7 +219,7 @@ def create_generator(
             raise ValueError(f"request_id {request_id!r} is already in use on this kit")
         kit._activity.known.add(request_id)
     return _generate(
-        kit, prompt, max_tokens, params, stops, prompt_progress_callback, stats_callback, request_id, mode
+        kit, prompt, max_tokens, params, stops, prompt_progress_callback, stats_callback, request_id, mode, images
     )
 
 
@@ -303,6 +320,52 @@ class _Cancelled(Exception):
     pass
 
 
+def _process_prompt(
+    kit: ModelKit,
+    prompt: list[int],
+    main_todo: list[int],
+    draft_drafter: DraftModelDrafter | None,
+    progress_cb: ProgressCallback | None,
+    cancelled: Callable[[], bool],
+) -> None:
+    """Prefill the main (and draft) caches with the prompt's uncached part,
+    reporting progress from 0 to 100 over both models' work (the draft's weighted
+    by its size). Raises _Cancelled between chunks when asked to stop."""
+    draft_todo, draft_weight = 0, 0.0
+    if draft_drafter is not None:
+        draft_todo = len(prompt) - 1 - min(len(draft_drafter.draft.cache.tokens), len(prompt) - 1)
+        draft_weight = kit.draft.num_params / _param_total(kit)
+    total = len(main_todo) + draft_weight * draft_todo
+    done = 0.0
+
+    def report(percent: float) -> None:
+        if progress_cb is None:
+            return
+        try:
+            keep_going = progress_cb(percent)
+        except Exception as exc:
+            raise CallbackError(f"prompt_progress_callback raised {type(exc).__name__}: {exc}") from exc
+        if keep_going is False:
+            raise _Cancelled()
+
+    def chunk_done(weight: float) -> Callable[[int], None]:
+        def on_chunk(n: int) -> None:
+            nonlocal done
+            done += n * weight
+            if cancelled():
+                raise _Cancelled()
+            if done < total:
+                report(100.0 * done / total)
+
+        return on_chunk
+
+    report(0.0)
+    kit.prefill_prompt(main_todo, chunk_done(1.0))
+    if draft_drafter is not None:
+        draft_drafter.prefill(prompt, chunk_done(draft_weight))
+    report(100.0)
+
+
 def _generate(
     kit: ModelKit,
     prompt: list[int],
@@ -313,6 +376,7 @@ def _generate(
     stats_cb: StatsCallback | None,
     request_id: str,
     mode: dict,
+    images: list | None = None,
 ) -> Iterator[GenerationResult]:
     act = kit._activity
     with act.lock:
@@ -327,56 +391,16 @@ def _generate(
         mx.reset_peak_memory()
         if params.seed is not None:
             mx.random.seed(params.seed)
+        plan = kit.plan_prompt(prompt, images)  # a vision kit expands its images here
+        prompt = plan.ids
+        stats.prompt_tokens = len(prompt)
         cache = kit.cache
-        reused = cache.sync_to(prompt)
-        if reused >= len(prompt):
-            reused = len(prompt) - 1
-            if not cache.rewind_to(reused):
-                cache.reset()
-                reused = 0
-        stats.cached_tokens = reused
-
-        def cancelled() -> bool:
-            return request_id in act.cancelled
-
+        stats.cached_tokens = cache.sync_to(plan.keys[:-1])
         # Build the drafter first: the draft model's prompt is prefilled too.
         drafter, draft_drafter = _make_drafter(kit, prompt, mode, stats)
-        main_todo = prompt[reused:-1]
-        draft_todo = 0
-        if draft_drafter is not None:
-            draft_cache = draft_drafter.draft.cache
-            draft_todo = max(0, len(prompt) - 1 - min(len(draft_cache.tokens), len(prompt) - 1))
-        draft_weight = (kit.draft.num_params / _param_total(kit)) if draft_drafter is not None else 0.0
-        total_work = len(main_todo) + draft_weight * draft_todo
-        done_work = 0.0
-
-        def report(percent: float) -> None:
-            if progress_cb is None:
-                return
-            try:
-                keep_going = progress_cb(percent)
-            except Exception as exc:
-                raise CallbackError(f"prompt_progress_callback raised {type(exc).__name__}: {exc}") from exc
-            if keep_going is False:
-                raise _Cancelled()
-
-        def on_chunk(weight: float) -> Callable[[int], None]:
-            def chunk_done(n: int) -> None:
-                nonlocal done_work
-                done_work += n * weight
-                if cancelled():
-                    raise _Cancelled()
-                if total_work > 0 and done_work < total_work:
-                    report(100.0 * done_work / total_work)
-
-            return chunk_done
-
+        main_todo = prompt[stats.cached_tokens : -1]
         try:
-            report(0.0)
-            cache.prefill(main_todo, on_chunk(1.0))
-            if draft_drafter is not None:
-                draft_drafter.prefill(prompt, on_chunk(draft_weight))
-            report(100.0)
+            _process_prompt(kit, prompt, main_todo, draft_drafter, progress_cb, lambda: request_id in act.cancelled)
         except _Cancelled:
             stats.total_time = time.perf_counter() - t_start
             yield _final(GenerationResult("", []), "user_cancelled", stats, stats_cb)
@@ -398,52 +422,43 @@ def _generate(
         steps = decode(cache, history, max_tokens, sampler, processors, params.repetition_context_size,
                        drafter, stats, on_fallback)
 
-        detok = kit.tokenizer.detokenizer
-        detok.reset()
-        matcher = StopStringMatcher(stop_strings)
-        emitted_chars = 0
-        token_ends: list[tuple[int, int]] = []  # (token id, text length after it)
+        stream = TextStream(kit.tokenizer.detokenizer, stop_strings)
         t_first = None
+
+        def finish(text: str, tokens: list[Token], tops, stop) -> GenerationResult:
+            stats.generated_tokens = n_generated
+            return _finish(GenerationResult(text, tokens, tops), stop, stats, stats_cb, t_start, t_first, len(main_todo))
+
         n_generated = 0
         for step in steps:
             if t_first is None:
                 t_first = time.perf_counter()
-            if cancelled():
-                stats.generated_tokens = n_generated
-                yield _finish(GenerationResult(matcher.flush(), []), "user_cancelled", stats, stats_cb, t_start, t_first, len(main_todo))
+            if request_id in act.cancelled:
+                yield finish(stream.finish().text, [], None, "user_cancelled")
                 return
             n_generated += 1
             tok = step.token
             if tok in kit.eos_token_ids:
-                detok.finalize()
-                tail = matcher.feed(detok.last_segment)
-                text = tail.emit if tail.stop_string else tail.emit + matcher.flush()
-                stats.generated_tokens = n_generated
-                cond = GenerationStopCondition("stop_string", tail.stop_string, [tok]) if tail.stop_string else GenerationStopCondition("eos_token", None, [tok])
-                yield _finish(GenerationResult(text, []), cond, stats, stats_cb, t_start, t_first, len(main_todo))
+                tail = stream.finish()
+                stop = (
+                    GenerationStopCondition("stop_string", tail.stop_string, [tok])
+                    if tail.stop_string
+                    else GenerationStopCondition("eos_token", None, [tok])
+                )
+                yield finish(tail.text, [], None, stop)
                 return
             token = Token(tok, kit.tokenizer.decode([tok]), step.logprobs[tok].item(), step.from_draft)
             tops = [_top_logprobs(kit, step.logprobs, params.top_logprobs)] if params.top_logprobs else None
-            detok.add_token(tok)
             last = n_generated >= max_tokens
-            if last:
-                detok.finalize()
-            scan = matcher.feed(detok.last_segment)
-            token_ends.append((tok, emitted_chars + len(scan.emit) + len(matcher._pending)))
-            if scan.stop_string is not None:
-                start = emitted_chars + len(scan.emit)
-                stop_toks = [t for t, end in token_ends if end > start] or [tok]
-                stats.generated_tokens = n_generated
-                cond = GenerationStopCondition("stop_string", scan.stop_string, stop_toks)
-                yield _finish(GenerationResult(scan.emit, [token], tops), cond, stats, stats_cb, t_start, t_first, len(main_todo))
+            event = stream.push(tok, final=last)
+            if event.stop_string is not None:
+                stop = GenerationStopCondition("stop_string", event.stop_string, event.stop_tokens)
+                yield finish(event.text, [token], tops, stop)
                 return
-            emitted_chars += len(scan.emit)
             if last:
-                stats.generated_tokens = n_generated
-                text = scan.emit + matcher.flush()
-                yield _finish(GenerationResult(text, [token], tops), "token_limit", stats, stats_cb, t_start, t_first, len(main_todo))
+                yield finish(event.text, [token], tops, "token_limit")
                 return
-            yield GenerationResult(scan.emit, [token], tops)
+            yield GenerationResult(event.text, [token], tops)
     except CallbackError:
         raise  # raised between prompt chunks or at the end: caches are consistent
     except Exception:
@@ -496,6 +511,7 @@ def _make_drafter(kit: ModelKit, prompt: list[int], mode: dict, stats: Generatio
             mode["draft_k"],
             _kit_costs(kit) if adaptive else None,
             _draft_step_cost(kit) if adaptive else 0.0,
+            vocab_size=kit.vocab_size,
         )
     if kind == "draft_model":
         stats.decoding_mode = "draft_model"

@@ -28,6 +28,16 @@ class DraftModel:
 
 
 @dataclass
+class PromptPlan:
+    """A request's prompt as processed: ``ids`` are the real token ids (images
+    expanded by a vision kit), ``keys`` what the cache records for them (equal to
+    ``ids`` except at image positions, which hold image-hash keys)."""
+
+    ids: list[int]
+    keys: list[int]
+
+
+@dataclass
 class _Activity:
     """Which request runs on the kit and which ones were asked to stop."""
 
@@ -101,6 +111,21 @@ class ModelKit:
             kv_group_size=self.kv_group_size,
             quantized_kv_start=self.quantized_kv_start,
         )
+
+    # Prompt handling; VisionModelKit overrides these to add images.
+    def decode_images(self, prompt: list[int], images_b64) -> list:
+        if images_b64 is None or (isinstance(images_b64, (list, tuple)) and not images_b64):
+            return []
+        raise ValueError("images_b64: this is a text-only model and cannot take images; load a vision model (its config.json has vision_config)")
+
+    def plan_prompt(self, prompt: list[int], images: list | None = None) -> PromptPlan:
+        """The request's prompt as the cache sees it (see PromptPlan)."""
+        return PromptPlan(prompt, prompt)
+
+    def prefill_prompt(self, todo: list[int], on_chunk=None) -> None:
+        """Feed ``todo``, the part of the last planned prompt (all but its last
+        token) that the cache lacks."""
+        self.cache.prefill(todo, on_chunk)
 
     def unload(self) -> None:
         self.model = None

@@ -53,12 +53,18 @@ def test_missing_and_truncated_weights(tmp_path, llama_path):
         me.load_model(d)
 
 
-def test_vision_config_is_refused_clearly(tmp_path, llama_path):
+def test_vision_config_goes_to_mlx_vlm_with_clear_errors(tmp_path, llama_path):
+    """A config with vision_config is loaded as a vision model (tests/test_vision.py);
+    what mlx-vlm cannot load is refused with a ModelLoadError saying why."""
     d = copy_model(llama_path, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     cfg["vision_config"] = {"hidden_size": 8}
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="vision"):
+        me.load_model(d)  # a text llama's tokenizer has no image placeholder
+    cfg["model_type"] = "no_such_vlm"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported vision model type 'no_such_vlm'"):
         me.load_model(d)
 
 

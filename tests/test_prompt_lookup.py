@@ -172,3 +172,14 @@ def test_prompt_lookup_falls_back_when_cache_cannot_rewind(llama_path):
     ids, final = generate_ids(kit, prompt, max_tokens=10, prompt_lookup_num_tokens=4)
     assert len(ids) == 10
     assert final.stats.decoding_mode == "plain" and "cannot be rewound" in final.stats.mode_reason
+
+
+def test_sampling_modes_work_with_prompt_lookup(kit):
+    prompt = me.tokenize(kit, "for i in range(10):\n    print(i, i * i)\n" * 6)
+    a, final = generate_ids(kit, prompt, max_tokens=25, temp=0.7, top_p=0.9, top_k=40, min_p=0.05,
+                            repetition_penalty=1.1, seed=11, prompt_lookup_num_tokens=4)
+    b, _ = generate_ids(kit, prompt, max_tokens=25, temp=0.7, top_p=0.9, top_k=40, min_p=0.05,
+                        repetition_penalty=1.1, seed=11, prompt_lookup_num_tokens=4)
+    assert a == b and len(a) == 25
+    assert all(0 <= t < kit.vocab_size for t in a)
+    assert final.stats.decoding_mode == "prompt_lookup"

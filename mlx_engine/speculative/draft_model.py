@@ -135,8 +135,10 @@ class DraftModelDrafter:
         verify_costs: costs.CostModel | None = None,
         draft_step: float = 0.0,
         prior_acceptance: float = 0.6,
+        vocab_size: int | None = None,
     ):
         self.draft = draft
+        self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         self.fixed = num_draft_tokens
         self.verify_costs = verify_costs
         self.draft_step = draft_step  # one draft step in main-model steps
@@ -173,13 +175,13 @@ class DraftModelDrafter:
             raise DrafterUnavailable("the draft model's cache cannot be rewound")
         if reason := cache.rewind_limit_reason(len(history) - keep + k):
             raise DrafterUnavailable(f"draft model: {reason}")
-        logits = cache.feed(history[keep:])[-1]
+        logits = cache.feed(history[keep:])[-1][: self.vocab_size]
         drafts = []
         for i in range(k):
             tok = int(mx.argmax(logits).item())
             drafts.append(tok)
             if i + 1 < k:
-                logits = cache.feed([tok])[-1]
+                logits = cache.feed([tok])[-1][: self.vocab_size]
         return drafts
 
     def observe(self, drafted: int, accepted: int) -> None:
