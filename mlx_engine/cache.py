@@ -72,7 +72,10 @@ class SequenceCache:
                 continue
             if isinstance(c, RotatingKVCache):
                 if c.offset + extra >= c.max_size:
-                    return f"rotating KV cache (max_kv_size={c.max_size}) is full and cannot be rewound"
+                    return (
+                        f"a rotating KV cache (window of {c.max_size} tokens: max_kv_size or the model's "
+                        "sliding window) is full and cannot be rewound"
+                    )
                 continue
             if not c.is_trimmable():
                 return f"{type(c).__name__} layers (e.g. recurrent state) cannot be rewound"
