@@ -175,13 +175,14 @@ class DraftModelDrafter:
             raise DrafterUnavailable("the draft model's cache cannot be rewound")
         if reason := cache.rewind_limit_reason(len(history) - keep + k):
             raise DrafterUnavailable(f"draft model: {reason}")
-        logits = cache.feed(history[keep:])[-1][: self.vocab_size]
-        drafts = []
-        for i in range(k):
-            tok = int(mx.argmax(logits).item())
-            drafts.append(tok)
-            if i + 1 < k:
-                logits = cache.feed([tok])[-1][: self.vocab_size]
+        # Chain the k draft steps lazily and evaluate once: no sync per token.
+        y = mx.argmax(cache.feed(history[keep:])[-1][: self.vocab_size])
+        ys = [y]
+        for _ in range(k - 1):
+            y = mx.argmax(cache.forward(y.reshape(1, 1))[0, -1][: self.vocab_size])
+            ys.append(y)
+        drafts = mx.stack(ys).tolist()
+        cache.tokens.extend(drafts[:-1])  # the last draft is proposed, not fed
         return drafts
 
     def observe(self, drafted: int, accepted: int) -> None:
