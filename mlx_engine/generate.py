@@ -76,18 +76,10 @@ def load_model(
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         mx.random.seed(seed)
     if loading.is_vision_config(config):
-        return VisionModelKit(
-            path,
-            max_kv_size=max_kv_size,
-            vocab_only=vocab_only,
-            trust_remote_code=trust_remote_code,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-            compute_dtype=compute_dtype,
-            max_image_pixels=max_image_pixels,
-        )
-    return ModelKit(
+        kit_class, extra = VisionModelKit, {"max_image_pixels": max_image_pixels}
+    else:
+        kit_class, extra = ModelKit, {}
+    return kit_class(
         path,
         max_kv_size=max_kv_size,
         vocab_only=vocab_only,
@@ -96,6 +88,7 @@ def load_model(
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
         compute_dtype=compute_dtype,
+        **extra,
     )
 
 
