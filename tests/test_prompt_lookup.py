@@ -183,3 +183,14 @@ def test_sampling_modes_work_with_prompt_lookup(kit):
     assert a == b and len(a) == 25
     assert all(0 <= t < kit.vocab_size for t in a)
     assert final.stats.decoding_mode == "prompt_lookup"
+
+
+def test_cost_model_is_measured_once_per_kit(kit):
+    prompt = me.tokenize(kit, "for i in range(10):\n    print(i, i * i)\n" * 8)
+    generate_ids(kit, prompt, max_tokens=4, auto_speculative=True)
+    cm = kit.cost_model
+    assert cm is not None and cm.step() > 0
+    rel = [cm.relative(n) for n in range(1, 18)]
+    assert rel[0] == 1.0 and rel == sorted(rel)
+    generate_ids(kit, prompt, max_tokens=4, auto_speculative=True)
+    assert kit.cost_model is cm
