@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None, help="e.g. 1.2; small models loop without one")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--stop-strings", nargs="*", default=None)
     p.add_argument("--top-logprobs", type=int, default=None)
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         temp=args.temp,
         top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop_strings=args.stop_strings,
         top_logprobs=args.top_logprobs,
