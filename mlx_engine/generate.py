@@ -440,7 +440,7 @@ def _generate(
                 )
                 yield finish(tail.text, [], None, stop)
                 return
-            token = Token(tok, kit.tokenizer.decode([tok]), step.logprobs[tok].item(), step.from_draft)
+            token = Token(tok, kit.tokenizer.decode([tok]), step.logprob, step.from_draft)
             tops = [_top_logprobs(kit, step.logprobs, params.top_logprobs)] if params.top_logprobs else None
             last = n_generated >= max_tokens
             event = stream.push(tok, final=last)

@@ -194,3 +194,21 @@ def test_cost_model_is_measured_once_per_kit(kit):
     assert rel[0] == 1.0 and rel == sorted(rel)
     generate_ids(kit, prompt, max_tokens=4, auto_speculative=True)
     assert kit.cost_model is cm
+
+
+def test_router_probes_lookup_when_output_starts_repeating(llama_path):
+    import mlx.core as mx
+
+    vocab = me.load_model(llama_path, vocab_only=True).vocab_size
+    nxt = [(t + 1) % vocab for t in range(vocab)]
+    nxt[104] = 100  # tokens 100..104 form a loop, as a degenerate model's output does
+    table = mx.array([[12.0 if j == nxt[i] else 0.0 for j in range(vocab)] for i in range(vocab)])
+    kit = markov_kit(llama_path, table)
+    prompt = list(range(60, 100))  # short and without repeats: lookup is not allowed at first
+    plain, _ = generate_ids(kit, prompt, max_tokens=120)
+    ids, final = generate_ids(kit, prompt, max_tokens=120, auto_speculative=True)
+    assert ids == plain
+    s = final.stats
+    assert "too short" in s.mode_reason
+    assert any("repeats an earlier" in m for m in s.mode_switches)
+    assert s.decoding_mode == "auto:prompt_lookup" and s.acceptance_rate > 0.8

@@ -21,7 +21,8 @@ from ..sampling import LogitsProcessor, Sampler
 
 class Step(NamedTuple):
     token: int
-    logprobs: mx.array  # (vocab,) log-probabilities the token was sampled from
+    logprob: float  # log-probability of ``token`` under the distribution it was sampled from
+    logprobs: mx.array  # (vocab,) that distribution, for top-logprobs
     from_draft: bool
 
 
@@ -62,6 +63,14 @@ def sample_rows(
         logits = mx.concatenate(rows, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return sampler(logprobs), logprobs
+
+
+def _queue(tokens: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Start evaluating a round; the chosen tokens' log-probabilities are
+    computed with them so reading them later never waits on a queued round."""
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    mx.async_eval(tokens, chosen, logprobs)
+    return tokens, chosen, logprobs
 
 
 class _AcceptanceTracker:
@@ -110,7 +119,7 @@ def decode(
     tracker = _AcceptanceTracker(stats)
     produced = 0
 
-    def launch() -> tuple[list[int], mx.array, mx.array]:
+    def launch() -> tuple[list[int], mx.array, mx.array, mx.array]:
         nonlocal drafter
         limit = max_new - produced - 1
         drafts: list[int] = []
@@ -124,14 +133,25 @@ def decode(
                 if on_fallback is not None:
                     on_fallback(str(exc))
         logits = cache.feed([history[-1]] + drafts)
-        tokens, logprobs = sample_rows(logits, history, drafts, sampler, processors, context_window)
-        mx.async_eval(tokens, logprobs)
-        return drafts, tokens, logprobs
+        return (drafts, *_queue(*sample_rows(logits, history, drafts, sampler, processors, context_window)))
+
+    def launch_plain_from(token: mx.array) -> tuple[list[int], mx.array, mx.array, mx.array]:
+        # Plain decoding without logits processors: build the next step from the
+        # token before it is known (as mlx-lm's generate_step does), so graph
+        # construction overlaps the running step. The id joins cache.tokens once read.
+        logits = cache.forward(token.reshape(1, 1))[0]
+        return ([], *_queue(*sample_rows(logits, [], [], sampler, [], context_window)))
 
     pending = launch()
     while True:
-        drafts, tokens, logprobs = pending
+        drafts, tokens, chosen, logprobs = pending
+        ahead = drafter is None and not processors and produced + 1 < max_new
+        if ahead:
+            pending = launch_plain_from(tokens)
         sampled = tokens.tolist()
+        sampled_lp = chosen.tolist()
+        if ahead:
+            cache.tokens.append(sampled[0])
         k = len(drafts)
         n = 0
         while n < k and sampled[n] == drafts[n]:
@@ -145,9 +165,9 @@ def decode(
         emitted = sampled[: n + 1]
         history.extend(emitted)
         produced += len(emitted)
-        if produced < max_new:
+        if produced < max_new and not ahead:
             pending = launch()
         for i, tok in enumerate(emitted):
-            yield Step(tok, logprobs[i], i < n)
+            yield Step(tok, sampled_lp[i], logprobs[i], i < n)
         if produced >= max_new:
             return

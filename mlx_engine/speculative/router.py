@@ -33,6 +33,7 @@ class RouterSettings:
     probe_draft_tokens: int = 4
     commit_acceptance: float = 0.30
     reprobe_after: int = 96  # plain tokens before prompt lookup is probed again
+    repeat_probe_after: int = 24  # plain tokens before a probe when the output repeats itself
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
 
 
@@ -107,8 +108,17 @@ class AutoRouter:
         elif self.mode == "draft_model":
             self.draft.observe(drafted, accepted)
             self._watch_draft()
-        elif self.mode == "plain" and self.lookup_allowed and self.produced >= self.s.reprobe_after:
+        elif self.mode == "plain":
+            self._maybe_reprobe()
+
+    def _maybe_reprobe(self) -> None:
+        # Generated text can repeat itself (lists, tables, a model looping) even
+        # when the prompt was too short or sparse for lookup: the index notices
+        # for free, and a probe then decides with measured acceptance.
+        if self.lookup_allowed and self.produced >= self.s.reprobe_after:
             self._enter("probe", f"re-probing prompt lookup after {self.s.reprobe_after} plain tokens")
+        elif self.produced >= self.s.repeat_probe_after and self.lookup.index.suffix_seen_before():
+            self._enter("probe", f"output repeats an earlier {self.lookup.index.max_ngram}-gram: probing prompt lookup")
 
     def _lookup_speedup(self) -> tuple[int, float, float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
