@@ -26,7 +26,6 @@ from .results import (
 from .sampling import SamplingParams, build_logits_processors, build_sampler, validate_sampling
 from .speculative import costs
 from .speculative.draft_model import (
-    DraftCompatibility,
     DraftModelDrafter,
     check_draft_model,
     load_draft,
@@ -296,7 +295,7 @@ def _kit_costs(kit: ModelKit) -> costs.CostModel:
 def _draft_step_cost(kit: ModelKit) -> float:
     """A draft-model step in main-model steps (measured once per loaded draft)."""
     draft = kit.draft
-    if getattr(draft, "step_cost", None) is None:
+    if draft.step_cost is None:
         draft.step_cost = costs.measure(draft.model, kit.vocab_size, repeats=3).step()
     return draft.step_cost / _kit_costs(kit).step()
 
@@ -327,7 +326,7 @@ def _process_prompt(
     draft_todo, draft_weight = 0, 0.0
     if draft_drafter is not None:
         draft_todo = len(prompt) - 1 - min(len(draft_drafter.draft.cache.tokens), len(prompt) - 1)
-        draft_weight = kit.draft.num_params / _param_total(kit)
+        draft_weight = kit.draft.num_params / kit.num_params
     total = len(main_todo) + draft_weight * draft_todo
     done = 0.0
 
@@ -473,14 +472,6 @@ def _reset_caches(kit: ModelKit) -> None:
         kit.cache.reset()
     if kit.draft is not None:
         kit.draft.cache.reset()
-
-
-def _param_total(kit: ModelKit) -> int:
-    if getattr(kit, "_num_params", None) is None:
-        from mlx.utils import tree_flatten
-
-        kit._num_params = sum(v.size for _, v in tree_flatten(kit.model.parameters()))
-    return kit._num_params
 
 
 def _make_drafter(kit: ModelKit, prompt: list[int], mode: dict, stats: GenerationStats) -> tuple[Drafter | None, DraftModelDrafter | None]:

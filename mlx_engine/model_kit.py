@@ -25,6 +25,7 @@ class DraftModel:
     model: nn.Module
     cache: SequenceCache
     num_params: int
+    step_cost: float | None = None  # seconds per decode step, measured when first needed
 
 
 @dataclass
@@ -78,10 +79,12 @@ class ModelKit:
         self.draft: DraftModel | None = None
         self.compute_dtype: mx.Dtype | None = None
         self.cost_model = None  # measured lazily by the speculative router
+        self.num_params = 0
         self._activity = _Activity()
         if vocab_only:
             return
         self.model, self.config = loading.load_weights(self.model_path, trust_remote_code)
+        self.num_params = param_count(self.model)
         self.compute_dtype = loading.choose_compute_dtype(self.model, compute_dtype)
         if self.compute_dtype is not None:
             self.model.set_dtype(self.compute_dtype)
@@ -133,6 +136,12 @@ class ModelKit:
         self.draft = None
         self.cost_model = None
         mx.clear_cache()
+
+
+def param_count(model: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
 def _head_dim(config: dict) -> int | None:

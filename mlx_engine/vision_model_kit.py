@@ -36,7 +36,7 @@ from . import loading
 from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
-from .model_kit import ModelKit, PromptPlan, _Activity, _validate_kv_options
+from .model_kit import ModelKit, PromptPlan, _Activity, _validate_kv_options, param_count
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,7 @@ class VisionModelKit(ModelKit):
         self.draft = None
         self.compute_dtype = None
         self.cost_model = None
+        self.num_params = 0
         self._activity = _Activity()
         self._images: OrderedDict[str, _ImageEntry] = OrderedDict()
         self._plan: VisionPromptPlan | None = None
@@ -154,6 +155,7 @@ class VisionModelKit(ModelKit):
         if self.compute_dtype is not None:
             self.vlm.set_dtype(self.compute_dtype)
         self.model = VisionLanguageModel(self.vlm)
+        self.num_params = param_count(self.model)
         self.cache = self.new_cache(self.model)
         logger.info("loaded vision model %s (%s, compute dtype %s)", self.model_path, self.model_type, self.compute_dtype or "native")
 

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..model_kit import DraftModel, ModelKit
+from ..model_kit import DraftModel, ModelKit, param_count
 from . import costs
 from .loop import DrafterUnavailable
 
@@ -87,10 +86,6 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     return DraftCompatibility(not reasons, reasons)
 
 
-def _param_count(model) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
-
-
 def load_draft(kit: ModelKit, path: str | Path) -> None:
     """Load a draft model into the kit, replacing any loaded one."""
     report = check_draft_model(kit, path)
@@ -104,7 +99,7 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
     dtype = loading.choose_compute_dtype(model, "auto")
     if dtype is not None:
         model.set_dtype(dtype)
-    kit.draft = DraftModel(draft_path, model, kit.new_cache(model), _param_count(model))
+    kit.draft = DraftModel(draft_path, model, kit.new_cache(model), param_count(model))
     logger.info("loaded draft model %s (%.1fM parameters)", draft_path, kit.draft.num_params / 1e6)
 
 
