@@ -6,7 +6,6 @@ without a cache): every greedy token the engine produces must be the
 reference's argmax at that position, up to near-ties."""
 
 import base64
-import io
 import struct
 import zlib
 
