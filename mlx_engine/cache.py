@@ -18,6 +18,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 logger = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512
+#: Recorded for a token fed to the model before its id is known (a lazily
+#: computed draft or sampled token). It matches no real id, so a cache left
+#: holding one (a round abandoned mid-flight) is trimmed there at the next sync.
+UNKNOWN = -1
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -107,13 +111,28 @@ class SequenceCache:
     def feed(self, tokens: list[int]) -> mx.array:
         """Run the model on ``tokens`` after the cached ones; returns lazy logits
         of shape (len(tokens), vocab) and records the tokens as cached."""
-        logits = self.forward(mx.array(tokens, dtype=mx.uint32)[None])
+        logits = self._forward(mx.array(tokens, dtype=mx.uint32)[None])
         self.tokens.extend(tokens)
         return logits[0]
 
-    def forward(self, inputs: mx.array) -> mx.array:
-        """Run the model on a (1, n) array of token ids through the cache without
-        recording them; the caller appends the ids to ``tokens``."""
+    def feed_lazy(self, known: list[int], lazy: mx.array) -> tuple[mx.array, int]:
+        """Like ``feed`` for ``known`` followed by the not-yet-evaluated ids ``lazy``,
+        so the pass can be built before they are computed. The lazy ids are
+        recorded as UNKNOWN from the returned position until ``resolve``."""
+        inputs = lazy.reshape(-1).astype(mx.uint32)
+        if known:
+            inputs = mx.concatenate([mx.array(known, dtype=mx.uint32), inputs])
+        logits = self._forward(inputs[None])
+        self.tokens.extend(known)
+        start = len(self.tokens)
+        self.tokens.extend([UNKNOWN] * lazy.size)
+        return logits[0], start
+
+    def resolve(self, start: int, ids: list[int]) -> None:
+        """Name the ids that ``feed_lazy`` recorded as UNKNOWN from ``start``."""
+        self.tokens[start : start + len(ids)] = ids
+
+    def _forward(self, inputs: mx.array) -> mx.array:
         logits = self.model(inputs, cache=self.layers)
         if self.kv_bits is not None:
             maybe_quantize_kv_cache(self.layers, self.quantized_kv_start, self.kv_group_size, self.kv_bits)

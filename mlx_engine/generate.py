@@ -293,10 +293,11 @@ def _kit_costs(kit: ModelKit) -> costs.CostModel:
 
 
 def _draft_step_cost(kit: ModelKit) -> float:
-    """A draft-model step in main-model steps (measured once per loaded draft)."""
+    """A draft-model step, as the drafter chains them, in main-model steps
+    (measured once per loaded draft)."""
     draft = kit.draft
     if draft.step_cost is None:
-        draft.step_cost = costs.measure(draft.model, kit.vocab_size, repeats=3).step()
+        draft.step_cost = costs.measure_chained_step(draft.model, kit.vocab_size)
     return draft.step_cost / _kit_costs(kit).step()
 
 

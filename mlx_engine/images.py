@@ -28,8 +28,9 @@ class DecodedImage:
 
     @property
     def key(self) -> int:
-        """A negative cache key (never a real token id) derived from the hash."""
-        return -(int(self.sha256[:15], 16) + 1)
+        """A negative cache key derived from the hash: never a real token id, nor
+        the cache's placeholder for a not-yet-known id (-1)."""
+        return -(int(self.sha256[:15], 16) + 2)
 
 
 def _header_size(raw: bytes) -> tuple[int, int] | None:

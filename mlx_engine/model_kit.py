@@ -25,7 +25,7 @@ class DraftModel:
     model: nn.Module
     cache: SequenceCache
     num_params: int
-    step_cost: float | None = None  # seconds per decode step, measured when first needed
+    step_cost: float | None = None  # seconds per chained draft step, measured when first needed
 
 
 @dataclass

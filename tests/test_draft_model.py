@@ -4,7 +4,7 @@ from conftest import assert_same_or_near_tie, generate_ids
 from tiny_models import MarkovLM, make_model, successor_table
 
 import mlx_engine as me
-from mlx_engine.cache import SequenceCache
+from mlx_engine.cache import UNKNOWN, SequenceCache
 from mlx_engine.model_kit import DraftModel
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
@@ -135,6 +135,14 @@ def test_cancel_mid_round_then_generation_is_correct(llama_path, draft_path, whe
             me.stop_generation(kit, "r")
     else:
         assert r.stop_condition.stop_reason == "user_cancelled"
+    for cache in (kit.cache, kit.draft.cache):
+        # One entry per cached position; ids of an abandoned queued round are
+        # UNKNOWN, and only at the end, where the next prefix match stops.
+        assert len(cache.tokens) == cache.layers[0].offset
+        if UNKNOWN in cache.tokens:
+            assert set(cache.tokens[cache.tokens.index(UNKNOWN) :]) == {UNKNOWN}
+    if when == "close":  # closed while the next round's lazy drafts were queued
+        assert UNKNOWN in kit.cache.tokens
     follow = prompt + me.tokenize(kit, " def area")
     ids, _ = generate_ids(kit, follow, max_tokens=20, num_draft_tokens=4)
     fresh = me.load_model(llama_path)

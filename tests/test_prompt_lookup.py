@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 import mlx_engine as me
 from mlx_engine.results import GenerationStats
-from mlx_engine.speculative.costs import CostModel, best_draft_length
+from mlx_engine.speculative.costs import AcceptanceModel, CostModel, best_draft_length, expected_tokens
 from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
 from mlx_engine.speculative.router import AutoRouter
 
@@ -86,6 +86,33 @@ def test_best_draft_length_uses_costs():
     assert k >= 8 and speed > 3
     expensive = CostModel(tuple(0.01 * n for n in range(1, 18)))  # verify costs scale with width
     assert best_draft_length(0.9, expensive)[0] == 0
+
+
+def test_acceptance_model_sees_bursts_that_a_single_rate_misses():
+    bursty = AcceptanceModel(decay=1.0)
+    for _ in range(20):
+        bursty.observe(4, 4)  # a run of matches...
+        bursty.observe(4, 0)  # ...or a miss at the first position
+    assert bursty.rate == 0.5
+    p = bursty.conditional()
+    assert abs(p[0] - 0.5) < 0.05 and min(p[1:4]) > 0.9
+    assert p[8] == p[3]  # untried positions lean on the last tried one
+    assert bursty.expected_tokens(4) > expected_tokens(0.5, 4) + 0.8
+    costs = flat_costs(1.6)
+    assert best_draft_length(bursty, costs)[0] > best_draft_length(bursty.rate, costs)[0]
+
+
+def test_acceptance_model_follows_a_change_in_the_text():
+    model = AcceptanceModel()
+    for _ in range(30):
+        model.observe(4, 4)
+    assert model.expected_tokens(4) > 4.5
+    k_high = best_draft_length(model, flat_costs(3.0))[0]
+    for _ in range(30):
+        model.observe(4, 0)
+    assert model.conditional()[0] < 0.2
+    assert model.expected_tokens(4) < 1.3
+    assert best_draft_length(model, flat_costs(3.0))[0] <= 1 < k_high
 
 
 def test_prompt_lookup_exact_and_fast_on_repetitive_text(llama_path):

@@ -45,18 +45,19 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
     cache = make_prompt_cache(model)
     rng = mx.random.randint(0, vocab_size, (context + 32,), key=mx.random.key(0))
     mx.eval(model(rng[:context][None], cache=cache))
-    timings: dict[int, float] = {}
-    for n in _SIZES:
-        samples = []
-        for _ in range(repeats):
+    samples: dict[int, list[float]] = {n: [] for n in _SIZES}
+    # One untimed pass over every width first (the first calls of a shape are
+    # slower), then the widths interleaved so drift in machine load hits all alike.
+    for rep in range(repeats + 1):
+        for n in _SIZES:
             t0 = time.perf_counter()
             out = model(rng[context : context + n][None], cache=cache)
             mx.eval(out[:, -1])
-            samples.append(time.perf_counter() - t0)
+            if rep:
+                samples[n].append(time.perf_counter() - t0)
             for c in cache:
                 c.trim(n)
-        samples.sort()
-        timings[n] = samples[len(samples) // 2]
+    timings = {n: sorted(xs)[len(xs) // 2] for n, xs in samples.items()}
     # Interpolate the sizes not measured.
     known = sorted(timings)
     seconds = []
@@ -76,6 +77,28 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
     return cm
 
 
+def measure_chained_step(model: nn.Module, vocab_size: int, chain: int = 4, context: int = 128, repeats: int = 5) -> float:
+    """Seconds per step when ``chain`` greedy steps are built lazily, each queued
+    as soon as it is built, and evaluated once: how a drafter runs its model,
+    cheaper than isolated steps because graph building overlaps computation."""
+    cache = make_prompt_cache(model)
+    prompt = mx.random.randint(0, vocab_size, (context,), key=mx.random.key(1))
+    mx.eval(model(prompt[None], cache=cache))
+    samples = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        y = prompt[-1:]
+        for _ in range(chain):
+            y = mx.argmax(model(y.reshape(1, 1), cache=cache)[0, -1])
+            mx.async_eval(y)
+        mx.eval(y)
+        samples.append((time.perf_counter() - t0) / chain)
+        for c in cache:
+            c.trim(chain)
+    samples = sorted(samples[1:])
+    return samples[len(samples) // 2]
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Expected tokens per verify round with k drafts accepted independently with
     probability alpha (accepted prefix plus the target's own token)."""
@@ -84,12 +107,70 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def best_draft_length(alpha: float, verify: CostModel, draft_step: float = 0.0, max_k: int = MAX_DRAFT) -> tuple[int, float]:
+class AcceptanceModel:
+    """Acceptance by draft position, each conditional on the drafts before it
+    being accepted, from decaying counts of observed rounds.
+
+    Acceptance is bursty: a draft that has matched so far usually keeps matching
+    (an echoed passage, a loop), so one average rate undervalues long drafts
+    exactly where they pay. A position with little evidence leans on the one
+    before it, which lets the draft length grow when early positions do well."""
+
+    def __init__(self, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9, size: int = MAX_DRAFT):
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.tries = [0.0] * size
+        self.hits = [0.0] * size
+        self.drafted = 0
+        self.accepted = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self.tries = [t * self.decay for t in self.tries]
+        self.hits = [h * self.decay for h in self.hits]
+        for i in range(min(drafted, accepted + 1, len(self.tries))):
+            self.tries[i] += 1
+            self.hits[i] += i < accepted
+
+    @property
+    def rate(self) -> float:
+        """Accepted / drafted over everything observed (the prior when nothing is)."""
+        return self.accepted / self.drafted if self.drafted else self.prior
+
+    def conditional(self) -> list[float]:
+        """P(draft i accepted | drafts before it accepted), for each position."""
+        out, previous = [], self.prior
+        for tries, hits in zip(self.tries, self.hits):
+            previous = (hits + self.prior_weight * previous) / (tries + self.prior_weight)
+            out.append(previous)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected tokens from a round of k drafts (accepted prefix + one)."""
+        total, survive = 1.0, 1.0
+        for p in self.conditional()[:k]:
+            survive *= p
+            total += survive
+        return total
+
+
+def best_draft_length(
+    acceptance: float | AcceptanceModel, verify: CostModel, draft_step: float = 0.0, max_k: int = MAX_DRAFT
+) -> tuple[int, float]:
     """The draft length with the best expected speed-up over plain decoding, and
-    that speed-up. ``draft_step`` is a draft token's cost in main-model steps."""
+    that speed-up. ``acceptance`` is a per-token rate (independent positions) or an
+    AcceptanceModel; ``draft_step`` is a draft token's cost in main-model steps."""
+    if isinstance(acceptance, AcceptanceModel):
+        expected = acceptance.expected_tokens
+    else:
+        expected = lambda k: expected_tokens(float(acceptance), k)  # noqa: E731
     best_k, best = 0, 1.0
     for k in range(1, max_k + 1):
-        speedup = expected_tokens(alpha, k) / (verify.relative(k + 1) + k * draft_step)
+        speedup = expected(k) / (verify.relative(k + 1) + k * draft_step)
         if speedup > best:
             best_k, best = k, speedup
     return best_k, best

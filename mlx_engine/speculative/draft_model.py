@@ -137,12 +137,8 @@ class DraftModelDrafter:
         self.fixed = num_draft_tokens
         self.verify_costs = verify_costs
         self.draft_step = draft_step  # one draft step in main-model steps
-        self._accepted = 2 * prior_acceptance
-        self._tried = 2.0
-
-    @property
-    def acceptance(self) -> float:
-        return self._accepted / self._tried
+        self.acceptance = costs.AcceptanceModel(prior_acceptance)
+        self._unresolved: tuple[int, mx.array] | None = None
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
         """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
@@ -160,7 +156,8 @@ class DraftModelDrafter:
         k, _ = costs.best_draft_length(self.acceptance, self.verify_costs, self.draft_step, max_k=min(limit, costs.MAX_DRAFT))
         return max(1, k)
 
-    def propose(self, history: list[int], limit: int) -> list[int]:
+    def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
+        self._resolve()
         k = self.num_tokens(limit)
         if k <= 0:
             return []
@@ -170,19 +167,28 @@ class DraftModelDrafter:
             raise DrafterUnavailable("the draft model's cache cannot be rewound")
         if reason := cache.rewind_limit_reason(len(history) - keep + k):
             raise DrafterUnavailable(f"draft model: {reason}")
-        # Chain the k draft steps lazily and evaluate once: no sync per token.
+        # Chain the k draft steps lazily, each queued as soon as it is built, and
+        # hand them over unevaluated: the main model's verify pass is built on
+        # them and one evaluation runs both (no sync per token or per model).
         y = mx.argmax(cache.feed(history[keep:])[-1][: self.vocab_size])
+        mx.async_eval(y)
         ys = [y]
+        start = len(cache)
         for _ in range(k - 1):
-            y = mx.argmax(cache.forward(y.reshape(1, 1))[0, -1][: self.vocab_size])
+            logits, _ = cache.feed_lazy([], y)
+            y = mx.argmax(logits[-1][: self.vocab_size])
+            mx.async_eval(y)
             ys.append(y)
-        drafts = mx.stack(ys).tolist()
-        cache.tokens.extend(drafts[:-1])  # the last draft is proposed, not fed
+        drafts = mx.stack(ys)
+        self._unresolved = (start, drafts)  # all but the last draft were fed
         return drafts
 
+    def _resolve(self) -> None:
+        """Name the draft ids fed lazily last round (evaluated by now)."""
+        if self._unresolved is not None:
+            start, drafts = self._unresolved
+            self.draft.cache.resolve(start, drafts.tolist()[:-1])
+            self._unresolved = None
+
     def observe(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        tried = accepted + 1 if accepted < drafted else drafted
-        self._accepted = 0.9 * self._accepted + accepted
-        self._tried = 0.9 * self._tried + tried
+        self.acceptance.observe(drafted, accepted)

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, NamedTuple, Protocol
 import mlx.core as mx
 
 from ..cache import SequenceCache
+from .costs import MAX_DRAFT
 from ..results import GenerationStats
 from ..sampling import LogitsProcessor, Sampler
 
@@ -31,12 +32,17 @@ class DrafterUnavailable(Exception):
     its cache cannot be rewound); the loop continues with plain decoding."""
 
 
+Drafts = list[int] | mx.array
+
+
 class Drafter(Protocol):
     name: str
 
-    def propose(self, history: list[int], limit: int) -> list[int]:
+    def propose(self, history: list[int], limit: int) -> Drafts:
         """Up to ``limit`` tokens that may follow ``history`` (whose last token the
-        main model has not processed yet)."""
+        main model has not processed yet). A lazy ``mx.array`` of ids lets the loop
+        build the verify pass before the drafts are computed and evaluate both at
+        once, as mlx-lm's speculative loop does."""
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Feedback after each verify round."""
@@ -65,12 +71,20 @@ def sample_rows(
     return sampler(logprobs), logprobs
 
 
-def _queue(tokens: mx.array, logprobs: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+class _Round(NamedTuple):
+    drafts: Drafts
+    start: int  # cache position of the ids fed lazily (UNKNOWN there until read)
+    tokens: mx.array  # the target's choice at each position
+    chosen: mx.array  # their log-probabilities
+    logprobs: mx.array
+
+
+def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array) -> _Round:
     """Start evaluating a round; the chosen tokens' log-probabilities are
     computed with them so reading them later never waits on a queued round."""
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     mx.async_eval(tokens, chosen, logprobs)
-    return tokens, chosen, logprobs
+    return _Round(drafts, start, tokens, chosen, logprobs)
 
 
 class _AcceptanceTracker:
@@ -112,46 +126,56 @@ def decode(
 
     Each round is queued on MLX before the previous round's tokens are handed
     out, so the caller's work (detokenizing, stop strings) overlaps the model, as
-    in mlx-lm's ``generate_step``. ``cache.tokens`` always names exactly what the
-    cache holds (possibly a queued round's drafts, whose keys/values are valid for
-    those tokens), so the caller may stop at any point and the next request's
-    prefix matching stays correct."""
+    in mlx-lm's ``generate_step``. ``cache.tokens`` always has one entry per cached
+    position: the id, or UNKNOWN for an id of a queued round that is not read yet.
+    The caller may therefore stop at any point: the next request's prefix match
+    stops at the first UNKNOWN and recomputes from there."""
     tracker = _AcceptanceTracker(stats)
     produced = 0
 
-    def launch() -> tuple[list[int], mx.array, mx.array, mx.array]:
+    def launch() -> _Round:
         nonlocal drafter
         limit = max_new - produced - 1
-        drafts: list[int] = []
+        drafts: Drafts = []
         if drafter is not None and limit > 0:
             try:
-                drafts = drafter.propose(history, limit)[:limit]
-                if drafts and (reason := cache.rewind_limit_reason(len(drafts) + 1)):
+                # Checked before drafting: a lazily drafted round cannot be undone.
+                if reason := cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
                     raise DrafterUnavailable(reason)
+                drafts = drafter.propose(history, limit)[:limit]
             except DrafterUnavailable as exc:
                 drafter, drafts = None, []
                 if on_fallback is not None:
                     on_fallback(str(exc))
+        if isinstance(drafts, mx.array):
+            if drafts.size and not processors:
+                logits, start = cache.feed_lazy([history[-1]], drafts)
+                return _queue(drafts, start, *sample_rows(logits, [], [], sampler, [], context_window))
+            drafts = drafts.tolist()  # processors need each position's exact context
         logits = cache.feed([history[-1]] + drafts)
-        return (drafts, *_queue(*sample_rows(logits, history, drafts, sampler, processors, context_window)))
+        return _queue(drafts, len(cache), *sample_rows(logits, history, drafts, sampler, processors, context_window))
 
-    def launch_plain_from(token: mx.array) -> tuple[list[int], mx.array, mx.array, mx.array]:
+    def launch_plain_from(token: mx.array) -> _Round:
         # Plain decoding without logits processors: build the next step from the
         # token before it is known (as mlx-lm's generate_step does), so graph
-        # construction overlaps the running step. The id joins cache.tokens once read.
-        logits = cache.forward(token.reshape(1, 1))[0]
-        return ([], *_queue(*sample_rows(logits, [], [], sampler, [], context_window)))
+        # construction overlaps the running step.
+        logits, start = cache.feed_lazy([], token)
+        return _queue([], start, *sample_rows(logits, [], [], sampler, [], context_window))
 
     pending = launch()
     while True:
-        drafts, tokens, chosen, logprobs = pending
+        rnd = pending
         ahead = drafter is None and not processors and produced + 1 < max_new
         if ahead:
-            pending = launch_plain_from(tokens)
-        sampled = tokens.tolist()
-        sampled_lp = chosen.tolist()
+            pending = launch_plain_from(rnd.tokens)
+        sampled = rnd.tokens.tolist()
+        sampled_lp = rnd.chosen.tolist()
         if ahead:
-            cache.tokens.append(sampled[0])
+            cache.resolve(pending.start, sampled[:1])
+        drafts = rnd.drafts
+        if isinstance(drafts, mx.array):
+            drafts = drafts.tolist()  # already evaluated: the verify pass used them
+            cache.resolve(rnd.start, drafts)
         k = len(drafts)
         n = 0
         while n < k and sampled[n] == drafts[n]:
@@ -168,6 +192,6 @@ def decode(
         if produced < max_new and not ahead:
             pending = launch()
         for i, tok in enumerate(emitted):
-            yield Step(tok, sampled_lp[i], logprobs[i], i < n)
+            yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n)
         if produced >= max_new:
             return

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..results import GenerationStats
 from . import costs
 from .draft_model import DraftModelDrafter
+from .loop import Drafts
 from .prompt_lookup import PromptLookupDrafter, density_score
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class AutoRouter:
     # -- bookkeeping -------------------------------------------------------
     def _reset_evidence(self) -> None:
         self.rounds = self.drafted = self.accepted = self.produced = self.misses = 0
+        self.lookup_acceptance = costs.AcceptanceModel(prior=0.5)
 
     def _enter(self, mode: str, why: str) -> None:
         previous = getattr(self, "mode", None)
@@ -86,7 +88,7 @@ class AutoRouter:
         logger.debug("router: %s (%s)", mode, why)
 
     # -- drafter interface -------------------------------------------------
-    def propose(self, history: list[int], limit: int) -> list[int]:
+    def propose(self, history: list[int], limit: int) -> Drafts:
         if self.mode in ("probe", "prompt_lookup"):
             self.lookup.num_tokens = self.lookup_k
             return self.lookup.propose(history, limit)
@@ -102,8 +104,10 @@ class AutoRouter:
         self.produced += accepted + 1
         self.misses = self.misses + 1 if accepted == 0 else 0
         if self.mode == "probe":
+            self.lookup_acceptance.observe(drafted, accepted)
             self._after_probe_round()
         elif self.mode == "prompt_lookup":
+            self.lookup_acceptance.observe(drafted, accepted)
             self._watch_lookup()
         elif self.mode == "draft_model":
             self.draft.observe(drafted, accepted)
@@ -122,7 +126,7 @@ class AutoRouter:
 
     def _lookup_speedup(self) -> tuple[int, float, float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
-        k, speedup = costs.best_draft_length(rate, self.costs, 0.0, self.max_lookup)
+        k, speedup = costs.best_draft_length(self.lookup_acceptance, self.costs, 0.0, self.max_lookup)
         return k, speedup, rate
 
     def _fallback_mode(self) -> str:
@@ -159,4 +163,4 @@ class AutoRouter:
             return
         k, speedup = costs.best_draft_length(self.draft.acceptance, self.costs, self.draft.draft_step)
         if k == 0:
-            self._enter("plain", f"draft acceptance {self.draft.acceptance:.0%} does not pay for its cost")
+            self._enter("plain", f"draft acceptance {self.draft.acceptance.rate:.0%} does not pay for its cost")
