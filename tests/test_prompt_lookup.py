@@ -223,7 +223,7 @@ def test_cost_model_is_measured_once_per_kit(kit):
     assert kit.cost_model is cm
 
 
-def test_router_probes_lookup_when_output_starts_repeating(llama_path):
+def test_router_switches_to_lookup_when_output_starts_repeating(llama_path):
     import mlx.core as mx
 
     vocab = me.load_model(llama_path, vocab_only=True).vocab_size
@@ -237,5 +237,38 @@ def test_router_probes_lookup_when_output_starts_repeating(llama_path):
     assert ids == plain
     s = final.stats
     assert "too short" in s.mode_reason
-    assert any("repeats an earlier" in m for m in s.mode_switches)
+    assert any(m.startswith("plain -> prompt_lookup") and "shadow drafts" in m for m in s.mode_switches)
     assert s.decoding_mode == "auto:prompt_lookup" and s.acceptance_rate > 0.8
+
+
+class _StubDraft:
+    """Stands in for a DraftModelDrafter whose drafts are always rejected."""
+
+    draft_step = 0.1
+
+    def __init__(self):
+        self.acceptance = AcceptanceModel()
+
+    def propose(self, history, limit):
+        return [0]
+
+    def observe(self, drafted, accepted):
+        self.acceptance.observe(drafted, accepted)
+
+
+@pytest.mark.parametrize("repeating", [True, False])
+def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(repeating):
+    stats = GenerationStats()
+    history = list(range(1000, 1100))  # short, fresh prompt: no probe, straight to the draft
+    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft())
+    assert router.mode == "draft_model"
+    for i in range(60):
+        router.propose(history, 8)
+        router.observe(1, 0)
+        history.append(2000 + i % 7 if repeating else 3000 + i)
+    if repeating:
+        assert router.mode == "prompt_lookup"
+        assert "shadow drafts" in stats.mode_switches[-1]
+    else:
+        assert router.mode in ("draft_model", "plain")
+        assert not any("shadow" in m for m in stats.mode_switches)

@@ -30,15 +30,6 @@ class NGramIndex:
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self._table[tuple(self.tokens[end - n : end])].append(end)
 
-    def suffix_seen_before(self) -> bool:
-        """Whether the longest indexed n-gram ending the history occurred earlier:
-        a free signal that the text has started repeating itself."""
-        n = self.max_ngram
-        if len(self.tokens) <= n:
-            return False
-        positions = self._table.get(tuple(self.tokens[-n:]), [])
-        return len(positions) > 1
-
     def lookup(self, num_tokens: int, num_candidates: int = 4) -> list[int]:
         """Draft up to ``num_tokens`` tokens continuing the indexed history: the
         continuation of the longest suffix n-gram that occurred before. Among the

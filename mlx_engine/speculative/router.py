@@ -8,7 +8,9 @@ consecutive misses; commit to prompt lookup above 30% acceptance. Beyond it:
 acceptance is turned into expected speed with the kit's measured verify costs
 (and the draft model's step cost), the draft length is the one with the best
 expected speed, and acceptance keeps being watched so the mode switches when it no
-longer pays. Probe tokens are real output; nothing is recomputed.
+longer pays. While another mode runs, what lookup would have drafted is scored
+against the actual output (shadow drafts), so the router moves to lookup when the
+text starts repeating itself. Probe tokens are real output; nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -33,9 +35,8 @@ class RouterSettings:
     probe_max_misses: int = 4
     probe_draft_tokens: int = 4
     commit_acceptance: float = 0.30
-    reprobe_after: int = 96  # plain tokens before prompt lookup is probed again
-    repeat_probe_after: int = 24  # plain tokens before a probe when the output repeats itself
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
+    switch_margin: float = 1.1  # how much better shadow lookup must look to switch to it
 
 
 class AutoRouter:
@@ -74,6 +75,11 @@ class AutoRouter:
     def _reset_evidence(self) -> None:
         self.rounds = self.drafted = self.accepted = self.produced = self.misses = 0
         self.lookup_acceptance = costs.AcceptanceModel(prior=0.5)
+        # Shadow lookup: what prompt lookup would have drafted while another
+        # mode runs, scored against the tokens that followed. Free evidence.
+        self.shadow = costs.AcceptanceModel(prior=0.5)
+        self.shadow_scored = 0
+        self._shadows: list[tuple[int, list[int]]] = []
 
     def _enter(self, mode: str, why: str) -> None:
         previous = getattr(self, "mode", None)
@@ -93,6 +99,7 @@ class AutoRouter:
             self.lookup.num_tokens = self.lookup_k
             return self.lookup.propose(history, limit)
         self.lookup.index.extend(history)  # keep the index current for a later probe
+        self._shadow_lookup(history)
         if self.mode == "draft_model":
             return self.draft.propose(history, limit)
         return []
@@ -112,17 +119,45 @@ class AutoRouter:
         elif self.mode == "draft_model":
             self.draft.observe(drafted, accepted)
             self._watch_draft()
-        elif self.mode == "plain":
-            self._maybe_reprobe()
+        if self.mode in ("plain", "draft_model"):
+            self._consider_lookup()
 
-    def _maybe_reprobe(self) -> None:
-        # Generated text can repeat itself (lists, tables, a model looping) even
-        # when the prompt was too short or sparse for lookup: the index notices
-        # for free, and a probe then decides with measured acceptance.
-        if self.lookup_allowed and self.produced >= self.s.reprobe_after:
-            self._enter("probe", f"re-probing prompt lookup after {self.s.reprobe_after} plain tokens")
-        elif self.produced >= self.s.repeat_probe_after and self.lookup.index.suffix_seen_before():
-            self._enter("probe", f"output repeats an earlier {self.lookup.index.max_ngram}-gram: probing prompt lookup")
+    def _shadow_lookup(self, history: list[int]) -> None:
+        """Score earlier shadow proposals as soon as the output decides them, then
+        make one for this round (an index lookup: microseconds)."""
+        open_ = []
+        for pos, drafts in self._shadows:
+            actual = history[pos : pos + len(drafts)]
+            n = 0
+            while n < len(actual) and actual[n] == drafts[n]:
+                n += 1
+            if n < len(actual) or len(actual) == len(drafts):
+                self.shadow.observe(len(drafts), n)
+                self.shadow_scored += 1
+            else:
+                open_.append((pos, drafts))
+        self._shadows = open_
+        if drafts := self.lookup.index.lookup(self.max_lookup, self.lookup.num_candidates):
+            self._shadows.append((len(history), drafts))
+
+    def _consider_lookup(self) -> None:
+        """Switch to prompt lookup when its shadow record promises clearly more
+        than the running mode."""
+        if self.shadow_scored < self.s.watch_rounds:
+            return
+        k, speedup = costs.best_draft_length(self.shadow, self.costs, 0.0, self.max_lookup)
+        current = 1.0
+        if self.mode == "draft_model":
+            current = costs.best_draft_length(self.draft.acceptance, self.costs, self.draft.draft_step)[1]
+        if k and speedup > self.s.switch_margin * current:
+            shadow = self.shadow
+            self._enter(
+                "prompt_lookup",
+                f"lookup would have had {shadow.rate:.0%} of {shadow.drafted} shadow drafts accepted: "
+                f"expected speed-up x{speedup:.2f} at k={k} against x{current:.2f}",
+            )
+            self.lookup_k = k
+            self.lookup_acceptance = shadow
 
     def _lookup_speedup(self) -> tuple[int, float, float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
