@@ -210,3 +210,22 @@ def test_markov_target_and_draft_greedy_exact():
     spec = [s.token for s in decode(SequenceCache(target), [3], 40, sampler, [], 20, drafter, stats)]
     assert spec == plain
     assert stats.accepted_tokens > 0
+
+
+def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
+    from mlx_engine.speculative.costs import CostModel
+
+    table = successor_table(50)
+    target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong
+    verify = CostModel(tuple(0.01 * (1 + 0.3 * (n - 1)) for n in range(1, 18)))  # each drafted token costs 0.3 steps
+    sampler = build_sampler(SamplingParams())
+    plain = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, None, GenerationStats())]
+    stats = GenerationStats()
+    draft = DraftModel(None, draft_model, SequenceCache(draft_model), 0)
+    drafter = DraftModelDrafter(draft, None, verify, draft_step=0.2, vocab_size=50)
+    spec = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, drafter, stats)]
+    assert spec == plain
+    # After the first rejections it stops drafting, except a one-token draft
+    # every explore_every rounds to notice if acceptance changes.
+    assert stats.verify_rounds < 60 / drafter.explore_every + 6
+    assert stats.drafted_tokens <= 2 * stats.verify_rounds

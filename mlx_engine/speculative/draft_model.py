@@ -119,9 +119,12 @@ class DraftModelDrafter:
     The draft cache is synchronised to the history by longest common prefix each
     round, which rewinds rejected drafts and reuses prefixes across requests with
     the same mechanism. With ``num_draft_tokens=None`` the length is chosen each
-    round from the observed acceptance and the measured costs."""
+    round from the observed acceptance and the measured costs; when no length
+    pays, rounds go undrafted, with a one-token draft every ``explore_every``
+    rounds so a change in acceptance is noticed."""
 
     name = "draft_model"
+    explore_every = 8
 
     def __init__(
         self,
@@ -138,6 +141,7 @@ class DraftModelDrafter:
         self.verify_costs = verify_costs
         self.draft_step = draft_step  # one draft step in main-model steps
         self.acceptance = costs.AcceptanceModel(prior_acceptance)
+        self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
         self._unresolved: tuple[int, mx.array] | None = None
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
@@ -154,7 +158,13 @@ class DraftModelDrafter:
         if self.verify_costs is None:
             return min(4, limit)
         k, _ = costs.best_draft_length(self.acceptance, self.verify_costs, self.draft_step, max_k=min(limit, costs.MAX_DRAFT))
-        return max(1, k)
+        if k == 0:
+            self.idle_rounds += 1
+            if self.idle_rounds < self.explore_every:
+                return 0
+            k = 1
+        self.idle_rounds = 0
+        return k
 
     def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
         self._resolve()
