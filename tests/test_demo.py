@@ -38,7 +38,7 @@ def test_conflicting_flags_are_rejected(argv):
 
 def test_demo_runs_end_to_end(llama_path, draft_path):
     cmd = [sys.executable, str(ROOT / "demo.py"), "--model", str(llama_path), "--prompt", "hello", "--max-tokens", "8",
-           "--draft-model", str(draft_path), "--print-prompt-progress", "--system", "be brief", "--top-logprobs", "2"]
+           "--draft-model", str(draft_path), "--num-draft-tokens", "2", "--print-prompt-progress", "--system", "be brief", "--top-logprobs", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "Generation stats:" in out.stdout
