@@ -164,13 +164,17 @@ def best_draft_length(
     """The draft length with the best expected speed-up over plain decoding, and
     that speed-up. ``acceptance`` is a per-token rate (independent positions) or an
     AcceptanceModel; ``draft_step`` is a draft token's cost in main-model steps."""
+    # Per-position acceptance, computed once: E(k) = 1 + p1 + p1p2 + ... + p1..pk.
     if isinstance(acceptance, AcceptanceModel):
-        expected = acceptance.expected_tokens
+        ps = acceptance.conditional()
     else:
-        expected = lambda k: expected_tokens(float(acceptance), k)  # noqa: E731
+        ps = [float(acceptance)] * max_k
     best_k, best = 0, 1.0
-    for k in range(1, max_k + 1):
-        speedup = expected(k) / (verify.relative(k + 1) + k * draft_step)
+    expected, survive = 1.0, 1.0
+    for k, p in enumerate(ps[:max_k], start=1):
+        survive *= p
+        expected += survive
+        speedup = expected / (verify.relative(k + 1) + k * draft_step)
         if speedup > best:
             best_k, best = k, speedup
     return best_k, best

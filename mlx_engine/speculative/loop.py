@@ -15,9 +15,9 @@ from typing import Callable, Iterator, NamedTuple, Protocol
 import mlx.core as mx
 
 from ..cache import SequenceCache
-from .costs import MAX_DRAFT
 from ..results import GenerationStats
 from ..sampling import LogitsProcessor, Sampler
+from .costs import MAX_DRAFT
 
 
 class Step(NamedTuple):
