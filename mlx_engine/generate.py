@@ -490,18 +490,18 @@ def _make_drafter(kit: ModelKit, prompt: list[int], mode: dict, stats: Generatio
         return lookup, None
     draft = None
     if kind == "draft_model" or mode.get("draft"):
-        adaptive = mode["draft_k"] is None
+        # Round costs drive the adaptive length, and the router's choice of mode.
+        needs_costs = mode["draft_k"] is None or kind == "auto"
         draft = DraftModelDrafter(
             kit.draft,
             mode["draft_k"],
-            _kit_costs(kit) if adaptive else None,
-            _draft_step_cost(kit) if adaptive else 0.0,
+            costs.RoundCosts(_kit_costs(kit), _draft_step_cost(kit)) if needs_costs else None,
             vocab_size=kit.vocab_size,
         )
     if kind == "draft_model":
         stats.decoding_mode = "draft_model"
         stats.mode_reason = "draft model loaded; " + (
-            "draft length adapts to acceptance and measured costs" if mode["draft_k"] is None else f"num_draft_tokens={mode['draft_k']}"
+            "draft length adapts to acceptance and round times" if mode["draft_k"] is None else f"num_draft_tokens={mode['draft_k']}"
         )
         return draft, draft
     return AutoRouter(prompt, _kit_costs(kit), stats, lookup, draft), draft

@@ -95,6 +95,14 @@ def load_or_train_tokenizer(args, work: Path):
     if path.exists() and not args.retrain_tokenizer:
         log.info("loading cached tokenizer %s", path)
         return Tokenizer.from_file(str(path)), path
+    # Continuing from (or distilling from) a saved model must keep its exact vocabulary.
+    for start in (args.init_target, args.init_draft, args.distill_from):
+        if start and (Path(start) / "tokenizer.json").exists() and not args.retrain_tokenizer:
+            import shutil
+
+            shutil.copyfile(Path(start) / "tokenizer.json", path)
+            log.info("using the tokenizer of %s", start)
+            return Tokenizer.from_file(str(path)), path
     t0 = time.time()
     files = corpus.training_files()
     log.info("training byte-level BPE (vocab %d) on %d files", args.vocab_size, len(files))
@@ -331,6 +339,32 @@ def mean_ce(model, windows: np.ndarray, batch: int = 4) -> float:
     return tot / cnt
 
 
+def load_teacher(path: str):
+    """The frozen float32 model a draft is distilled from (an HF dir made by this script)."""
+    import mlx.core as mx
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    teacher = build_model(cfg)
+    teacher.load_weights(str(Path(path) / "model.safetensors"))
+    teacher.set_dtype(mx.float32)
+    teacher.freeze()
+    mx.eval(teacher.parameters())
+    log.info("distilling from %s", path)
+    return teacher
+
+
+def top1_agreement(model, teacher, windows: np.ndarray, batch: int = 4) -> float:
+    """How often the model's argmax equals the teacher's: a draft's greedy acceptance proxy."""
+    import mlx.core as mx
+
+    same, cnt = 0, 0
+    for i in range(0, len(windows), batch):
+        x = mx.array(windows[i:i + batch, :-1])
+        same += int((model(x).argmax(-1) == teacher(x).argmax(-1)).sum().item())
+        cnt += int(x.size)
+    return same / cnt
+
+
 # ------------------------------------------------------------------ training
 def train_model(name, args, tok_path, train, held, eos_id, minutes, lr, out: Path):
     import mlx.core as mx
@@ -360,15 +394,24 @@ def train_model(name, args, tok_path, train, held, eos_id, minutes, lr, out: Pat
 
     opt = optim.AdamW(learning_rate=lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
 
-    def loss_fn(m, x, y, w):
-        ce = nn.losses.cross_entropy(m(x), y)
+    teacher = load_teacher(args.distill_from) if name == "draft" and args.distill_from else None
+
+    def loss_fn(m, x, y, w, soft):
+        logits = m(x)
+        if soft is None:
+            ce = nn.losses.cross_entropy(logits, y)
+        else:
+            # Distillation: cross-entropy against the teacher's next-token distribution,
+            # which is what raises the draft's agreement with the target (its acceptance).
+            ce = -(soft * nn.log_softmax(logits, axis=-1)).sum(axis=-1)
         return (ce * w).sum() / w.sum()
 
     vg = nn.value_and_grad(model, loss_fn)
     state = [model.state, opt.state]
 
     def step(x, y, w):
-        loss, grads = vg(model, x, y, w)
+        soft = None if teacher is None else mx.softmax(teacher(x), axis=-1)
+        loss, grads = vg(model, x, y, w, soft)
         grads, gnorm = optim.clip_grad_norm(grads, args.grad_clip)
         opt.update(model, grads)
         return loss, gnorm
@@ -430,10 +473,15 @@ def train_model(name, args, tok_path, train, held, eos_id, minutes, lr, out: Pat
         if it % args.eval_every == 0:
             ca = copy_accuracy(model, args.vocab_size)
             hl = mean_ce(model, hw)
-            history.append({"step": it, "train_loss": float(np.mean(losses[-args.eval_every:])),
-                            "heldout_loss": hl, "copy_acc": ca,
-                            "elapsed_min": (time.time() - t_start) / 60})
-            log.info("[%s] eval step %d: copy_acc %.3f heldout_loss %.4f", name, it, ca, hl)
+            entry = {"step": it, "train_loss": float(np.mean(losses[-args.eval_every:])),
+                     "heldout_loss": hl, "copy_acc": ca,
+                     "elapsed_min": (time.time() - t_start) / 60}
+            if teacher is not None:
+                entry["teacher_agreement"] = top1_agreement(model, teacher, hw)
+            history.append(entry)
+            log.info("[%s] eval step %d: copy_acc %.3f heldout_loss %.4f%s", name, it, ca, hl,
+                     f" teacher top-1 agreement {entry['teacher_agreement']:.3f}"
+                     if teacher is not None else "")
         if time.time() - last_save > args.save_every_min * 60:
             save_hf(model, cfg, out, tok_path)
             last_save = time.time()
@@ -443,6 +491,10 @@ def train_model(name, args, tok_path, train, held, eos_id, minutes, lr, out: Pat
     hl = mean_ce(model, hw)
     history.append({"step": it, "train_loss": float(np.mean(losses[-args.eval_every:])) if losses else None,
                     "heldout_loss": hl, "copy_acc": ca, "elapsed_min": wall / 60})
+    if teacher is not None:
+        history[-1]["teacher_agreement"] = top1_agreement(model, teacher, hw)
+        log.info("[%s] teacher top-1 agreement on held-out text %.3f", name,
+                 history[-1]["teacher_agreement"])
     info = {
         "model": name, "parameters": n_params, "steps": it, "planned_steps": planned,
         "stop_reason": stop_reason, "tokens_seen": tokens_seen, "train_wall_s": round(wall, 1),
@@ -453,6 +505,7 @@ def train_model(name, args, tok_path, train, held, eos_id, minutes, lr, out: Pat
         "final_train_loss": float(np.mean(losses[-args.log_every:])) if losses else None,
         "history": history,
         "init_from": init_from, "prior_steps": args.prior_steps if init_from else 0,
+        "distilled_from": args.distill_from if teacher is not None else None,
         "prior_tokens": args.prior_steps * tokens_per_step if init_from else 0,
     }
     save_hf(model, cfg, out, tok_path, info)
@@ -489,6 +542,8 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--init-target", default=None, help="start the target from this HF model dir")
     p.add_argument("--init-draft", default=None, help="start the draft from this HF model dir")
+    p.add_argument("--distill-from", default=None,
+                   help="train the draft on this model's next-token distributions (distillation)")
     p.add_argument("--prior-steps", type=int, default=0,
                    help="steps already trained by the --init-* checkpoint (recorded only)")
     p.add_argument("--retrain-tokenizer", action="store_true")

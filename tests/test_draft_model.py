@@ -212,8 +212,24 @@ def test_markov_target_and_draft_greedy_exact():
     assert stats.accepted_tokens > 0
 
 
+def test_decode_reports_round_times_to_the_drafter():
+    table = successor_table(50)
+    target = MarkovLM(table)
+    seen = []
+
+    class Recorder(DraftModelDrafter):
+        def observe(self, drafted, accepted, seconds=None):
+            seen.append((drafted, seconds))
+
+    drafter = Recorder(DraftModel(None, MarkovLM(table), SequenceCache(MarkovLM(table)), 0), 3)
+    sampler = build_sampler(SamplingParams())
+    list(decode(SequenceCache(target), [3], 30, sampler, [], 20, drafter, GenerationStats()))
+    assert seen[0][1] is None  # the first round has no previous result to time from
+    assert len(seen) > 3 and all(s > 0 for _, s in seen[1:])
+
+
 def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
-    from mlx_engine.speculative.costs import CostModel
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
 
     table = successor_table(50)
     target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong
@@ -222,7 +238,7 @@ def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
     plain = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, None, GenerationStats())]
     stats = GenerationStats()
     draft = DraftModel(None, draft_model, SequenceCache(draft_model), 0)
-    drafter = DraftModelDrafter(draft, None, verify, draft_step=0.2, vocab_size=50)
+    drafter = DraftModelDrafter(draft, None, RoundCosts(verify, draft_step=0.2), vocab_size=50)
     spec = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, drafter, stats)]
     assert spec == plain
     # After the first rejections it stops drafting, except a one-token draft

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 import mlx_engine as me
 from mlx_engine.results import GenerationStats
-from mlx_engine.speculative.costs import AcceptanceModel, CostModel, best_draft_length, expected_tokens
+from mlx_engine.speculative.costs import AcceptanceModel, CostModel, RoundCosts, best_draft_length, expected_tokens
 from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
 from mlx_engine.speculative.router import AutoRouter
 
@@ -80,12 +80,37 @@ def flat_costs(rel: float = 1.1) -> CostModel:
     return CostModel(tuple(0.01 * (1 + (rel - 1) * (n - 1) / 16) for n in range(1, 18)))
 
 
+def flat_rounds(rel: float = 1.1) -> RoundCosts:
+    return RoundCosts(flat_costs(rel))
+
+
 def test_best_draft_length_uses_costs():
-    assert best_draft_length(0.0, flat_costs())[0] == 0
-    k, speed = best_draft_length(0.9, flat_costs())
+    assert best_draft_length(0.0, flat_rounds())[0] == 0
+    k, speed = best_draft_length(0.9, flat_rounds())
     assert k >= 8 and speed > 3
-    expensive = CostModel(tuple(0.01 * n for n in range(1, 18)))  # verify costs scale with width
+    expensive = RoundCosts(CostModel(tuple(0.01 * n for n in range(1, 18))))  # verify costs scale with width
     assert best_draft_length(0.9, expensive)[0] == 0
+
+
+def test_round_costs_learn_from_round_times():
+    wide = RoundCosts(flat_costs(3.0))  # the measurement says a 17-token verify costs 3 steps
+    assert wide.seconds(0) == pytest.approx(0.01) and wide.seconds(16) == pytest.approx(0.03)
+    k_before = best_draft_length(0.6, wide)[0]
+    # A uniformly slower machine (other work, a longer context) changes no decision.
+    slower = RoundCosts(flat_costs(3.0))
+    for k in (0, 2, 4, 0, 2, 4) * 5:
+        slower.observe(k, 2 * slower.prior[k])
+    assert slower.seconds(9) == pytest.approx(2 * slower.prior[9], rel=0.05)
+    assert best_draft_length(0.6, slower)[0] == k_before
+    # Rounds that actually cost no more than an undrafted one make longer drafts pay.
+    cheap = RoundCosts(flat_costs(3.0))
+    for _ in range(10):
+        for k in (0, 4, 8, 12, 16):
+            cheap.observe(k, 0.01)
+    assert best_draft_length(0.6, cheap)[0] > k_before
+    # One stall does not undo that.
+    cheap.observe(16, 5.0)
+    assert cheap.seconds(16) < 0.02
 
 
 def test_acceptance_model_sees_bursts_that_a_single_rate_misses():
@@ -98,7 +123,7 @@ def test_acceptance_model_sees_bursts_that_a_single_rate_misses():
     assert abs(p[0] - 0.5) < 0.05 and min(p[1:4]) > 0.9
     assert p[8] == p[3]  # untried positions lean on the last tried one
     assert bursty.expected_tokens(4) > expected_tokens(0.5, 4) + 0.8
-    costs = flat_costs(1.6)
+    costs = flat_rounds(1.6)
     assert best_draft_length(bursty, costs)[0] > best_draft_length(bursty.rate, costs)[0]
 
 
@@ -107,12 +132,12 @@ def test_acceptance_model_follows_a_change_in_the_text():
     for _ in range(30):
         model.observe(4, 4)
     assert model.expected_tokens(4) > 4.5
-    k_high = best_draft_length(model, flat_costs(3.0))[0]
+    k_high = best_draft_length(model, flat_rounds(3.0))[0]
     for _ in range(30):
         model.observe(4, 0)
     assert model.conditional()[0] < 0.2
     assert model.expected_tokens(4) < 1.3
-    assert best_draft_length(model, flat_costs(3.0))[0] <= 1 < k_high
+    assert best_draft_length(model, flat_rounds(3.0))[0] <= 1 < k_high
 
 
 def test_prompt_lookup_exact_and_fast_on_repetitive_text(llama_path):
@@ -244,15 +269,14 @@ def test_router_switches_to_lookup_when_output_starts_repeating(llama_path):
 class _StubDraft:
     """Stands in for a DraftModelDrafter whose drafts are always rejected."""
 
-    draft_step = 0.1
-
     def __init__(self):
         self.acceptance = AcceptanceModel()
+        self.round_costs = RoundCosts(flat_costs(1.5), draft_step=0.1)
 
     def propose(self, history, limit):
         return [0]
 
-    def observe(self, drafted, accepted):
+    def observe(self, drafted, accepted, seconds=None):
         self.acceptance.observe(drafted, accepted)
 
 

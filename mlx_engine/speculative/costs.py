@@ -158,23 +158,103 @@ class AcceptanceModel:
         return total
 
 
-def best_draft_length(
-    acceptance: float | AcceptanceModel, verify: CostModel, draft_step: float = 0.0, max_k: int = MAX_DRAFT
-) -> tuple[int, float]:
-    """The draft length with the best expected speed-up over plain decoding, and
+class RoundCosts:
+    """Seconds of a verify round with k drafts (k = 0..MAX_DRAFT), learned from the
+    rounds as they run.
+
+    The prior comes from the once-per-kit measurement: a (k+1)-token verify pass
+    plus k draft steps. That measurement is taken at a short context on a machine
+    whose load changes, so each round's wall time corrects it: per draft length,
+    a decaying average of observed/prior ratios, which leans on the recent ratio
+    over all lengths until that length has evidence of its own. This follows longer
+    contexts (attention grows with them), other work on the machine, and whatever
+    else the measurement missed (pipelining, the host's per-token work)."""
+
+    def __init__(self, verify: CostModel, draft_step: float = 0.0, weight: float = 2.0, decay: float = 0.9, age: float = 0.99):
+        self.draft_step = draft_step  # one draft token in main-model steps
+        self.prior = [verify.step() * (verify.relative(k + 1) + k * draft_step) for k in range(MAX_DRAFT + 1)]
+        self.weight = weight
+        self.decay = decay  # per length: how fast its own evidence turns over
+        self.age = age  # every round: old evidence fades even for lengths not tried lately
+        self.sums = [0.0] * (MAX_DRAFT + 1)
+        self.counts = [0.0] * (MAX_DRAFT + 1)
+        self.scale_sum = self.scale_count = 0.0
+        self.observed = 0
+
+    def observe(self, k: int, seconds: float | None) -> None:
+        """Record the wall time of a round that verified k drafts."""
+        if seconds is None or seconds <= 0 or not 0 <= k <= MAX_DRAFT:
+            return
+        # One stall (garbage collection, the host's own work) must not dominate.
+        ratio = min(seconds / self.prior[k], 3.0 * self.seconds(k) / self.prior[k])
+        self.sums = [x * self.age for x in self.sums]
+        self.counts = [c * self.age for c in self.counts]
+        self.sums[k] = self.sums[k] * self.decay + ratio
+        self.counts[k] = self.counts[k] * self.decay + 1.0
+        self.scale_sum = self.scale_sum * self.decay + ratio
+        self.scale_count = self.scale_count * self.decay + 1.0
+        self.observed += 1
+
+    def scale(self) -> float:
+        """Observed over predicted round time, recent rounds of any length (a few
+        rounds outweigh the measurement: the same kind of evidence, taken where
+        the generation actually runs)."""
+        return (self.scale_sum + 0.5) / (self.scale_count + 0.5)
+
+    def _fallback(self) -> list[float]:
+        """For each length, the ratio of the nearest lengths with evidence
+        (interpolated between them), or the overall scale when none has any."""
+        seen = [k for k, c in enumerate(self.counts) if c >= 0.5]
+        if not seen:
+            return [self.scale()] * len(self.counts)
+        r = {k: self.sums[k] / self.counts[k] for k in seen}
+        out = []
+        for k in range(len(self.counts)):
+            lo = max((j for j in seen if j <= k), default=None)
+            hi = min((j for j in seen if j >= k), default=None)
+            if lo is None or hi is None or lo == hi:
+                out.append(r[lo if hi is None else hi])
+            else:
+                w = (k - lo) / (hi - lo)
+                out.append(r[lo] * (1 - w) + r[hi] * w)
+        return out
+
+    def table(self) -> list[float]:
+        """Seconds of a round with k drafts, for k = 0..MAX_DRAFT: each length's
+        own evidence, leaning on its neighbours' until it has some; never less
+        than a shorter round."""
+        fallback = self._fallback()
+        out, floor = [], 0.0
+        for k, prior in enumerate(self.prior):
+            ratio = (self.sums[k] + self.weight * fallback[k]) / (self.counts[k] + self.weight)
+            floor = max(floor, prior * ratio)
+            out.append(floor)
+        return out
+
+    def seconds(self, k: int) -> float:
+        return self.table()[k]
+
+    def summary(self) -> str:
+        t = self.table()
+        return ", ".join(f"k{k}={t[k] * 1e3:.1f}ms" for k in (0, 1, 2, 4, 8))
+
+
+def best_draft_length(acceptance: float | AcceptanceModel, rounds: RoundCosts, max_k: int = MAX_DRAFT) -> tuple[int, float]:
+    """The draft length with the best expected speed-up over undrafted rounds, and
     that speed-up. ``acceptance`` is a per-token rate (independent positions) or an
-    AcceptanceModel; ``draft_step`` is a draft token's cost in main-model steps."""
+    AcceptanceModel; ``rounds`` gives the time of a round with k drafts."""
     # Per-position acceptance, computed once: E(k) = 1 + p1 + p1p2 + ... + p1..pk.
     if isinstance(acceptance, AcceptanceModel):
         ps = acceptance.conditional()
     else:
         ps = [float(acceptance)] * max_k
+    seconds = rounds.table()
     best_k, best = 0, 1.0
     expected, survive = 1.0, 1.0
     for k, p in enumerate(ps[:max_k], start=1):
         survive *= p
         expected += survive
-        speedup = expected / (verify.relative(k + 1) + k * draft_step)
+        speedup = expected * seconds[0] / seconds[k]
         if speedup > best:
             best_k, best = k, speedup
     return best_k, best

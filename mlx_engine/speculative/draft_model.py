@@ -119,9 +119,9 @@ class DraftModelDrafter:
     The draft cache is synchronised to the history by longest common prefix each
     round, which rewinds rejected drafts and reuses prefixes across requests with
     the same mechanism. With ``num_draft_tokens=None`` the length is chosen each
-    round from the observed acceptance and the measured costs; when no length
-    pays, rounds go undrafted, with a one-token draft every ``explore_every``
-    rounds so a change in acceptance is noticed."""
+    round from the observed acceptance and round times (``round_costs``); when no
+    length pays, rounds go undrafted, with a one-token draft every
+    ``explore_every`` rounds so a change in acceptance is noticed."""
 
     name = "draft_model"
     explore_every = 8
@@ -130,16 +130,14 @@ class DraftModelDrafter:
         self,
         draft: DraftModel,
         num_draft_tokens: int | None,
-        verify_costs: costs.CostModel | None = None,
-        draft_step: float = 0.0,
+        round_costs: costs.RoundCosts | None = None,
         prior_acceptance: float = 0.6,
         vocab_size: int | None = None,
     ):
         self.draft = draft
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         self.fixed = num_draft_tokens
-        self.verify_costs = verify_costs
-        self.draft_step = draft_step  # one draft step in main-model steps
+        self.round_costs = round_costs
         self.acceptance = costs.AcceptanceModel(prior_acceptance)
         self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
         self._unresolved: tuple[int, mx.array] | None = None
@@ -155,9 +153,9 @@ class DraftModelDrafter:
     def num_tokens(self, limit: int) -> int:
         if self.fixed is not None:
             return min(self.fixed, limit)
-        if self.verify_costs is None:
+        if self.round_costs is None:
             return min(4, limit)
-        k, _ = costs.best_draft_length(self.acceptance, self.verify_costs, self.draft_step, max_k=min(limit, costs.MAX_DRAFT))
+        k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k=min(limit, costs.MAX_DRAFT))
         if k == 0:
             self.idle_rounds += 1
             if self.idle_rounds < self.explore_every:
@@ -200,5 +198,7 @@ class DraftModelDrafter:
             self.draft.cache.resolve(start, drafts.tolist()[:-1])
             self._unresolved = None
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         self.acceptance.observe(drafted, accepted)
+        if self.round_costs is not None:
+            self.round_costs.observe(drafted, seconds)

@@ -10,6 +10,7 @@ proposes. With no drafter, or a round with no draft, this is plain decoding.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator, NamedTuple, Protocol
 
 import mlx.core as mx
@@ -44,8 +45,10 @@ class Drafter(Protocol):
         build the verify pass before the drafts are computed and evaluate both at
         once, as mlx-lm's speculative loop does."""
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """Feedback after each verify round."""
+    def observe(self, drafted: int, accepted: int, seconds: float | None) -> None:
+        """Feedback after each verify round: drafts verified and accepted, and the
+        round's wall time (from the previous round's result to this one's, so it
+        includes drafting and the caller's overlapped work; None for the first)."""
 
 
 def sample_rows(
@@ -132,6 +135,7 @@ def decode(
     stops at the first UNKNOWN and recomputes from there."""
     tracker = _AcceptanceTracker(stats)
     produced = 0
+    last_read: float | None = None
 
     def launch() -> _Round:
         nonlocal drafter
@@ -170,6 +174,9 @@ def decode(
             pending = launch_plain_from(rnd.tokens)
         sampled = rnd.tokens.tolist()
         sampled_lp = rnd.chosen.tolist()
+        now = time.perf_counter()
+        seconds = None if last_read is None else now - last_read
+        last_read = now
         if ahead:
             cache.resolve(pending.start, sampled[:1])
         drafts = rnd.drafts
@@ -182,10 +189,10 @@ def decode(
             n += 1
         if k:
             cache.rewind_to(len(cache.tokens) - (k - n))
-            drafter.observe(k, n)
+            drafter.observe(k, n, seconds)
             tracker.record(k, n)
         elif drafter is not None:
-            drafter.observe(0, 0)
+            drafter.observe(0, 0, seconds)
         emitted = sampled[: n + 1]
         history.extend(emitted)
         produced += len(emitted)

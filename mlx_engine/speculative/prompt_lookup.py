@@ -93,5 +93,5 @@ class PromptLookupDrafter:
         self.index.extend(history)
         return self.index.lookup(min(self.num_tokens, limit), self.num_candidates)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        pass
+    def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        pass  # a fixed length; the router adapts lookup lengths

@@ -53,7 +53,7 @@ class AutoRouter:
         draft: DraftModelDrafter | None = None,
         settings: RouterSettings = RouterSettings(),
     ):
-        self.costs = verify_costs
+        self.lookup_costs = costs.RoundCosts(verify_costs)  # a lookup draft costs nothing to make
         self.stats = stats
         self.lookup = lookup
         self.draft = draft
@@ -104,7 +104,13 @@ class AutoRouter:
             return self.draft.propose(history, limit)
         return []
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        # Round times teach the cost of the mode that ran; an undrafted round
+        # costs the same whichever mode would have drafted.
+        if self.mode in ("probe", "prompt_lookup") or drafted == 0:
+            self.lookup_costs.observe(drafted, seconds)
+        if self.draft is not None and self.mode != "draft_model" and drafted == 0:
+            self.draft.round_costs.observe(0, seconds)
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -117,7 +123,7 @@ class AutoRouter:
             self.lookup_acceptance.observe(drafted, accepted)
             self._watch_lookup()
         elif self.mode == "draft_model":
-            self.draft.observe(drafted, accepted)
+            self.draft.observe(drafted, accepted, seconds)
             self._watch_draft()
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
@@ -145,10 +151,10 @@ class AutoRouter:
         than the running mode."""
         if self.shadow_scored < self.s.watch_rounds:
             return
-        k, speedup = costs.best_draft_length(self.shadow, self.costs, 0.0, self.max_lookup)
+        k, speedup = costs.best_draft_length(self.shadow, self.lookup_costs, self.max_lookup)
         current = 1.0
         if self.mode == "draft_model":
-            current = costs.best_draft_length(self.draft.acceptance, self.costs, self.draft.draft_step)[1]
+            current = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs)[1]
         if k and speedup > self.s.switch_margin * current:
             shadow = self.shadow
             self._enter(
@@ -161,7 +167,7 @@ class AutoRouter:
 
     def _lookup_speedup(self) -> tuple[int, float, float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
-        k, speedup = costs.best_draft_length(self.lookup_acceptance, self.costs, 0.0, self.max_lookup)
+        k, speedup = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, self.max_lookup)
         return k, speedup, rate
 
     def _fallback_mode(self) -> str:
@@ -196,6 +202,6 @@ class AutoRouter:
     def _watch_draft(self) -> None:
         if self.rounds < self.s.watch_rounds:
             return
-        k, speedup = costs.best_draft_length(self.draft.acceptance, self.costs, self.draft.draft_step)
+        k, speedup = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs)
         if k == 0:
             self._enter("plain", f"draft acceptance {self.draft.acceptance.rate:.0%} does not pay for its cost")
