@@ -160,6 +160,41 @@ def evaluate(path: Path, seq_len=512, n_windows=32) -> dict:
     return res
 
 
+def target_agreement(draft_path: Path, target_path: Path, seq_len=512, n_windows=32) -> dict:
+    """How often the draft's greedy choice equals the target's: on held-out text
+    and on the target's own greedy output (what greedy speculative decoding
+    verifies), both teacher-forced. The share of drafts a greedy verify accepts
+    grows with it."""
+    import mlx.core as mx
+    import mlx_lm
+    from train_demo_models import heldout_windows
+
+    draft, tokenizer = mlx_lm.load(str(draft_path))
+    target, _ = mlx_lm.load(str(target_path))
+    draft.set_dtype(mx.float32)
+    target.set_dtype(mx.float32)
+    eos_id = json.loads((target_path / "config.json").read_text())["eos_token_id"]
+
+    def agree(seqs) -> float:
+        same = total = 0
+        for ids in seqs:
+            x = mx.array(ids)[None]
+            same += int((draft(x).argmax(-1) == target(x).argmax(-1)).sum().item())
+            total += len(ids)
+        return same / total
+
+    parts = []
+    for t in corpus.read_heldout_texts().values():
+        parts += encode(tokenizer, t) + [eos_id]
+    held = heldout_windows(np.asarray(parts, dtype=np.int32), seq_len, n_windows)
+    generated = []
+    for prompt in NOLOOP_PROMPTS + [SAMPLE_PROMPT]:
+        ids = encode(tokenizer, prompt)
+        generated.append(ids + greedy(target, ids, 128))
+    return {"heldout_top1": round(agree(list(held)), 4), "target_greedy_top1": round(agree(generated), 4),
+            "heldout_tokens": int(held.size), "target_greedy_prompts": len(generated), "target_greedy_tokens": 128}
+
+
 def corpus_info(path: Path) -> dict:
     from tokenizers import Tokenizer
 
@@ -171,19 +206,33 @@ def corpus_info(path: Path) -> dict:
             "training_tokens": int(n_tok), "heldout_files": list(corpus.HELDOUT_FILES)}
 
 
-# The bundled target was trained in phases (restarted from checkpoints with a
-# stronger copy mix because copying had not emerged); the earlier phases are
-# recorded here since train_info.json only describes the last one.
-PRIOR_PHASES = [
-    {"phase": 1, "steps": 123, "tokens": 123 * 2048, "wall_s": 30.3 * 60, "lr": 1.5e-3,
-     "warmup": 50, "copy_frac": 0.5, "random_copy_frac": 0.25,
-     "recipe": "one passage pair per copy window (earlier version of the script)",
-     "end_eval": {"step": 100, "copy_acc": 0.0, "heldout_loss": 6.011}},
-    {"phase": 2, "steps": 283, "tokens": 283 * 2048, "wall_s": 30.1 * 60, "lr": 1.5e-3,
-     "warmup": 20, "copy_frac": 0.5, "random_copy_frac": 0.25,
-     "recipe": "copy windows densely filled with passage pairs (current script)",
-     "end_eval": {"step": 200, "copy_acc": 0.0, "heldout_loss": 5.362}},
-]
+# Both bundled models were made in phases; train_info.json only describes the
+# last one, so the earlier phases are recorded here. The target was restarted
+# from checkpoints with a stronger copy mix because copying had not emerged; the
+# draft was trained once like the target and then distilled from it.
+PRIOR_PHASES = {
+    "target": [
+        {"phase": 1, "steps": 123, "tokens": 123 * 2048, "wall_s": 30.3 * 60, "lr": 1.5e-3,
+         "warmup": 50, "copy_frac": 0.5, "random_copy_frac": 0.25,
+         "recipe": "one passage pair per copy window (earlier version of the script)",
+         "end_eval": {"step": 100, "copy_acc": 0.0, "heldout_loss": 6.011}},
+        {"phase": 2, "steps": 283, "tokens": 283 * 2048, "wall_s": 30.1 * 60, "lr": 1.5e-3,
+         "warmup": 20, "copy_frac": 0.5, "random_copy_frac": 0.25,
+         "recipe": "copy windows densely filled with passage pairs (current script)",
+         "end_eval": {"step": 200, "copy_acc": 0.0, "heldout_loss": 5.362}},
+    ],
+    "draft": [
+        {"phase": 1, "steps": 681, "tokens": 1394688, "wall_s": 660.4, "lr": 3e-3, "seed": 0,
+         "warmup": 10, "copy_frac": 0.75, "random_copy_frac": 0.5,
+         "recipe": "next-token cross-entropy on the corpus, like the target (seed 0, 11-minute budget)",
+         "end_eval": {"step": 681, "copy_acc": 0.0, "heldout_loss": 4.6642,
+                      "target_agreement": {"heldout_top1": 0.539, "target_greedy_top1": 0.6824}}},
+    ],
+}
+
+
+def role_of(path: Path) -> str:
+    return "target" if "target" in path.name else "draft"
 
 
 def total_steps(info):
@@ -194,42 +243,57 @@ def total_tokens(info):
     return info["tokens_seen"] + (info.get("prior_tokens") or 0)
 
 
-def total_wall(info):
-    prior = sum(p["wall_s"] for p in PRIOR_PHASES) if info.get("prior_steps") else 0
+def total_wall(info, role):
+    prior = sum(p["wall_s"] for p in PRIOR_PHASES[role]) if info.get("prior_steps") else 0
     return info["train_wall_s"] + prior
 
 
-def phase_notes(info):
+def phase_notes(info, role):
     if not info.get("prior_steps"):
         return ""
+    phases = PRIOR_PHASES[role]
     rows = "\n".join(
         f"| {p['phase']} | {p['steps']} | {p['tokens']:,} | {p['wall_s'] / 60:.0f} | {p['lr']} / {p['warmup']} | "
-        f"{p['copy_frac']:.0%} / {p['random_copy_frac']:.0%} | {p['recipe']} |" for p in PRIOR_PHASES)
-    n = len(PRIOR_PHASES) + 1
+        f"{p['copy_frac']:.0%} / {p['random_copy_frac']:.0%} | {p['recipe']} |" for p in phases)
+    n = len(phases) + 1
+    last = (f"distilled from `{Path(info['distilled_from']).name}`: cross-entropy against its next-token "
+            "distribution" if info.get("distilled_from") else "dense copy windows, heavier copy mix (current script)")
     rows += (f"\n| {n} | {info['steps']} | {info['tokens_seen']:,} | {info['train_wall_s'] / 60:.0f} | "
              f"{info['lr']} / {info['warmup']} | {info['copy_frac']:.0%} / {info['random_copy_frac']:.0%} | "
-             "dense copy windows, heavier copy mix (current script) |")
-    return f"""
-The CPU was heavily shared with other jobs, so the run was slower than planned and copying
+             f"{last} |")
+    if role == "target":
+        intro = """The CPU was heavily shared with other jobs, so the run was slower than planned and copying
 had not emerged; training was therefore restarted twice from the latest checkpoint (weights
-only, fresh AdamW state and lr warmup) with a stronger copy mix:
+only, fresh AdamW state and lr warmup) with a stronger copy mix:"""
+    else:
+        intro = """The draft was first trained on the corpus like the target, then **distilled from the
+target**: trained, from those weights with a fresh AdamW state, on the target's next-token
+distributions (teacher-forced on the same data mix, without random-token passages). A draft
+is only as good as its agreement with the target's choices, and distillation trains exactly
+that (see *Agreement with the target* below):"""
+    return f"""
+{intro}
 
 | phase | steps | tokens | minutes | peak lr / warmup | copy windows / random passages | data |
 |---:|---:|---:|---:|---|---|---|
-{{rows}}
+{rows}
 
 The step-by-step table below covers the last phase only (`train_info.json`; the full log is in
 `models/logs/`, which is not committed).
-""".replace("{rows}", rows)
+"""
 
 
 def write_card(path: Path, res: dict, info: dict, cinfo: dict, other: dict | None):
     cfg = json.loads((path / "config.json").read_text())
     size_mb = (path / "model.safetensors").stat().st_size / 1e6
-    role = "target" if "target" in path.name else "draft"
+    role = role_of(path)
     hist = info.get("history", [])
+    distilled = bool(info.get("distilled_from"))
+    hist_head = "| step | minutes | train loss | held-out loss | copy acc |" + (" target top-1 agreement |" if distilled else "")
+    hist_head += "\n|---:|---:|---:|---:|---:|" + ("---:|" if distilled else "")
     hist_rows = "\n".join(
         f"| {h['step']} | {h['elapsed_min']:.1f} | {h['train_loss']:.3f} | {h['heldout_loss']:.3f} | {h['copy_acc']:.3f} |"
+        + (f" {h['teacher_agreement']:.3f} |" if distilled else "")
         for h in hist if h.get("train_loss") is not None)
     ratio = ""
     if other is not None:
@@ -239,17 +303,43 @@ def write_card(path: Path, res: dict, info: dict, cinfo: dict, other: dict | Non
             r32, r16 = 1 / r32, 1 / r16
         ratio = (f"\nTarget/draft decode-step cost ratio: **{r32:.1f}x** (float32), "
                  f"**{r16:.1f}x** (float16).\n")
+    first_seed = PRIOR_PHASES[role][0].get("seed", info["seed"]) if info.get("prior_steps") else info["seed"]
     retrain = info.get("retrain_command") or (
         "nohup .venv/bin/python scripts/train_demo_models.py --out models "
-        f"--target-minutes {TRAIN_MINUTES['target']:g} --draft-minutes {TRAIN_MINUTES['draft']:g} --seed {info['seed']} "
+        f"--target-minutes {TRAIN_MINUTES['target']:g} --draft-minutes {TRAIN_MINUTES['draft']:g} --seed {first_seed} "
         "> models/logs/nohup.out 2>&1 &")
+    if distilled:
+        retrain = ("# phase 1: the whole family (tokenizer, target, draft, evaluation)\n" + retrain + "\n"
+                   "# phase 2: distil the draft from the target, then re-run scripts/eval_demo_models.py\n"
+                   ".venv/bin/python scripts/train_demo_models.py --out models --only draft "
+                   f"--init-draft models/pystd-draft --prior-steps {info['prior_steps']} "
+                   f"--distill-from models/pystd-target --draft-minutes {info['train_wall_s'] / 60:.0f} "
+                   f"--draft-lr {info['lr']:g} --warmup {info['warmup']} --random-copy-frac {info['random_copy_frac']:g} "
+                   f"--seed {info['seed']}")
+    agreement = ""
+    if res.get("target_agreement"):
+        ta = res["target_agreement"]
+        before = PRIOR_PHASES["draft"][0]["end_eval"].get("target_agreement") if distilled else None
+        was = (lambda key: f" (before distillation: {before[key]:.1%})") if before else (lambda key: "")
+        agreement = f"""
+## Agreement with the target
+
+How often this draft's greedy choice equals `pystd-target`'s, teacher-forced (both models in
+float32). Greedy speculative decoding accepts a draft token exactly when they agree, so this
+is the per-token acceptance to expect, before burstiness.
+
+| text | agreement |
+|---|---:|
+| held-out files ({ta['heldout_tokens']:,} tokens, 32 x 512 windows) | {ta['heldout_top1']:.1%}{was('heldout_top1')} |
+| the target's own greedy output ({ta['target_greedy_prompts']} prompts x {ta['target_greedy_tokens']} tokens, with the prompts) | {ta['target_greedy_top1']:.1%}{was('target_greedy_top1')} |
+"""
     card = f"""# pystd-{role}
 
 A tiny **base** (non-chat) causal language model of Python source code, trained from
 scratch with MLX on a CPU as the bundled demo model of `mlx-engine`
 ({'the large model of the family; pair it with `pystd-draft` for speculative decoding' if role == 'target' else 'the draft model of the family, for speculative decoding of `pystd-target`'}).
 It is a toy: it writes Python-looking code and knows nothing else.
-{'It copies from its context (copy accuracy ' + format(res['copy_acc'], '.2f') + ').' if res['copy_acc'] >= 0.5 else '**Copying from context (induction) did not emerge in this short CPU run** (copy accuracy ' + format(res['copy_acc'], '.3f') + '), so prompt-lookup drafts will rarely be accepted and echo-style prompts are not reproduced; undertrained (about 1.4M tokens), it also falls into repetition loops on some prompts.'}
+{'It copies from its context (copy accuracy ' + format(res['copy_acc'], '.2f') + ').' if res['copy_acc'] >= 0.5 else '**Copying from context (induction) did not emerge in this short CPU run** (copy accuracy ' + format(res['copy_acc'], '.3f') + '), so prompt-lookup drafts will rarely be accepted and echo-style prompts are not reproduced; undertrained (about ' + format(total_tokens(info) / 1e6, '.1f') + 'M tokens), it also falls into repetition loops on some prompts.'}
 There is no chat template.
 
 ## Architecture
@@ -283,8 +373,8 @@ masked), so that copying from context (induction) emerges early.
 AdamW (betas 0.9/0.95, weight decay {info['weight_decay']}), peak lr {info['lr']}, {info['warmup']} warmup steps,
 cosine decay to 10%, grad clip {info['grad_clip']}, batch {info['batch_size']} x {info['seq_len']} tokens,
 float32, seed {info['seed']}, on {info.get('machine', 'a 2-core x86_64 CPU (MLX CPU backend + OpenBLAS)')}.
-**{total_steps(info)} steps, {total_tokens(info):,} tokens seen, {total_wall(info) / 60:.1f} min wall time.**
-{phase_notes(info)}
+**{total_steps(info)} steps, {total_tokens(info):,} tokens seen, {total_wall(info, role) / 60:.1f} min wall time.**
+{phase_notes(info, role)}
 Reproduce (the whole family: tokenizer, target, draft, evaluation) with the command below.
 The learning-rate schedule is sized from the wall-clock budget, so the number of steps
 (and hence the exact weights) depends on machine speed and load; the CPU was shared
@@ -295,8 +385,7 @@ fixed-length run.
 {retrain}
 ```
 
-| step | minutes | train loss | held-out loss | copy acc |
-|---:|---:|---:|---:|---:|
+{hist_head}
 {hist_rows}
 
 ## Evaluation
@@ -312,7 +401,7 @@ fixed-length run.
 {ratio}
 Decode timings are single-stream, batch 1, on the 2-core CPU above; float16 matmuls on the
 MLX CPU backend do not use BLAS, so float32 compute is usually faster there.
-
+{agreement}
 Greedy sample (`mlx_lm.generate`, float16 weights) for the prompt
 `{SAMPLE_PROMPT.encode('unicode_escape').decode()}`:
 
@@ -371,9 +460,11 @@ def main(argv=None):
         res["parameters"] = info.get("parameters")
         res["steps"] = total_steps(info) if info else None
         res["tokens_seen"] = total_tokens(info) if info else None
-        res["train_wall_s"] = total_wall(info) if info else None
+        res["train_wall_s"] = total_wall(info, name) if info else None
+        if name == "draft" and (out / "pystd-target" / "model.safetensors").exists():
+            res["target_agreement"] = target_agreement(path, out / "pystd-target")
         if info.get("prior_steps"):
-            res["training_phases"] = PRIOR_PHASES
+            res["training_phases"] = PRIOR_PHASES[name]
             res["final_phase"] = {"steps": info["steps"], "tokens": info["tokens_seen"],
                                   "wall_s": info["train_wall_s"], "copy_frac": info["copy_frac"],
                                   "random_copy_frac": info["random_copy_frac"]}
