@@ -195,6 +195,11 @@ class RoundCosts:
         self.scale_count = self.scale_count * self.decay + 1.0
         self.observed += 1
 
+    def needs_undrafted_timing(self) -> bool:
+        """True when no recent undrafted round was timed (after the first timed
+        round): the speed-up of drafting is relative to one."""
+        return self.observed > 0 and self.counts[0] < 0.5
+
     def scale(self) -> float:
         """Observed over predicted round time, recent rounds of any length (a few
         rounds outweigh the measurement: the same kind of evidence, taken where

@@ -120,11 +120,13 @@ class DraftModelDrafter:
     round, which rewinds rejected drafts and reuses prefixes across requests with
     the same mechanism. With ``num_draft_tokens=None`` the length is chosen each
     round from the observed acceptance and round times (``round_costs``); when no
-    length pays, rounds go undrafted, with a one-token draft every
-    ``explore_every`` rounds so a change in acceptance is noticed."""
+    length pays, rounds go undrafted, with a one-token draft after
+    ``explore_every`` of them so a change in acceptance is noticed (the gap
+    doubles, up to ``max_explore_gap``, while those drafts keep not paying)."""
 
     name = "draft_model"
     explore_every = 8
+    max_explore_gap = 64
 
     def __init__(
         self,
@@ -140,6 +142,7 @@ class DraftModelDrafter:
         self.round_costs = round_costs
         self.acceptance = costs.AcceptanceModel(prior_acceptance)
         self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
+        self.explore_gap = self.explore_every
         self._unresolved: tuple[int, mx.array] | None = None
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
@@ -155,13 +158,21 @@ class DraftModelDrafter:
             return min(self.fixed, limit)
         if self.round_costs is None:
             return min(4, limit)
+        if self.round_costs.needs_undrafted_timing():
+            # Drafting is judged against an undrafted round, so time one now and
+            # then: inferring its cost from drafted rounds flatters drafting.
+            return 0
         k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k=min(limit, costs.MAX_DRAFT))
         if k == 0:
             self.idle_rounds += 1
-            if self.idle_rounds < self.explore_every:
+            if self.idle_rounds < self.explore_gap:
                 return 0
-            k = 1
+            # Explore with one draft; back off while exploring keeps not paying.
+            self.idle_rounds = 0
+            self.explore_gap = min(2 * self.explore_gap, self.max_explore_gap)
+            return 1
         self.idle_rounds = 0
+        self.explore_gap = self.explore_every
         return k
 
     def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
