@@ -140,7 +140,9 @@ class DraftModelDrafter:
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         self.fixed = num_draft_tokens
         self.round_costs = round_costs
-        self.acceptance = costs.AcceptanceModel(prior_acceptance)
+        # A draft model's acceptance changes quickly between copied and free
+        # text, so its evidence turns over faster than the default.
+        self.acceptance = costs.AcceptanceModel(prior_acceptance, decay=0.8)
         self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
         self.explore_gap = self.explore_every
         self._unresolved: tuple[int, mx.array] | None = None
