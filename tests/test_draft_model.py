@@ -245,3 +245,28 @@ def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
     # every explore_every rounds to notice if acceptance changes.
     assert stats.verify_rounds < 60 / drafter.explore_every + 6
     assert stats.drafted_tokens <= 2 * stats.verify_rounds
+
+
+def test_adaptive_length_backs_off_exploring_and_times_undrafted_rounds():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+
+    verify = CostModel(tuple(0.01 * (1 + 0.5 * (n - 1)) for n in range(1, 18)))
+    drafter = DraftModelDrafter(None, None, RoundCosts(verify, draft_step=0.2))
+    explored = []
+    for i in range(200):
+        k = drafter.num_tokens(16)
+        if k:
+            explored.append(i)
+        drafter.observe(k, 0, None)  # every draft is rejected; rounds are not timed
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    # No length pays from the start: the first exploration draft comes after 7
+    # undrafted rounds, and the gap doubles while exploring keeps failing.
+    assert explored[0] == 7 and gaps == [16, 32, 64, 64], explored
+    # Once rounds are timed, an undrafted round is timed whenever none is recent.
+    rounds = RoundCosts(verify, draft_step=0.2)
+    timed = DraftModelDrafter(None, None, rounds)
+    for _ in range(5):
+        timed.observe(3, 3, 0.02)  # drafting pays: every draft accepted, rounds cheap
+    assert rounds.needs_undrafted_timing() and timed.num_tokens(16) == 0
+    timed.observe(0, 0, 0.01)
+    assert not rounds.needs_undrafted_timing() and timed.num_tokens(16) > 0

@@ -171,7 +171,7 @@ class RoundCosts:
     else the measurement missed (pipelining, the host's per-token work)."""
 
     def __init__(self, verify: CostModel, draft_step: float = 0.0, weight: float = 2.0, decay: float = 0.9, age: float = 0.99):
-        self.draft_step = draft_step  # one draft token in main-model steps
+        # draft_step: one draft token's cost in main-model steps (0 for lookup).
         self.prior = [verify.step() * (verify.relative(k + 1) + k * draft_step) for k in range(MAX_DRAFT + 1)]
         self.weight = weight
         self.decay = decay  # per length: how fast its own evidence turns over

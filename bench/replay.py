@@ -1,0 +1,131 @@
+"""Replay draft-length policies offline: ``python -m bench.replay``.
+
+Greedy decoding is deterministic, so how many draft tokens would be accepted
+at a position of the output does not depend on how earlier rounds were cut:
+it is the number of the draft model's greedy tokens, rolled out from the true
+prefix, that equal the target's greedy output there (``accept_lengths``). With
+those sequences, any policy for choosing draft lengths can be replayed without
+timing noise: a round of k drafts at a position with accept length L yields
+min(k, L) + 1 tokens and costs T(k). ``T`` comes from the engine's own
+measurement (``costs.measure`` at the workload's context, plus the chained draft
+step), so results are tokens per undrafted-round time: 1.0 is plain decoding. Run it
+on a quiet machine: the cost measurement sees any other load.
+
+The adaptive policy replayed is the engine's own ``DraftModelDrafter.num_tokens``
+(with fixed round costs: nothing is timed here). Used to choose the acceptance
+model's decay; see docs/decoding.md.
+"""
+
+from __future__ import annotations
+
+import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from mlx_engine.speculative import costs  # noqa: E402
+from mlx_engine.speculative.draft_model import DraftModelDrafter  # noqa: E402
+
+from . import workloads as W  # noqa: E402
+from .run import DEFAULT_DRAFT, DEFAULT_MODEL  # noqa: E402
+
+
+def greedy(kit: me.ModelKit, prompt: list[int], n: int) -> list[int]:
+    return [t.id for r in me.create_generator(kit, prompt, max_tokens=n, temp=0.0, speculative_decoding_toggle=False)
+            for t in r.tokens]
+
+
+def accept_lengths(draft: mx.array, sequence: list[int], start: int, count: int, max_k: int = costs.MAX_DRAFT) -> list[int]:
+    """For each position t in [start, start + count): how many of the draft's
+    greedy tokens from ``sequence[:t]`` equal ``sequence[t:]`` (up to max_k)."""
+    cache = make_prompt_cache(draft)
+    mx.eval(draft(mx.array(sequence[: start - 1])[None], cache=cache))
+    out = []
+    for t in range(start, start + count):
+        y, matched, fed = mx.array([sequence[t - 1]]), 0, 0
+        while matched < max_k:
+            y = mx.argmax(draft(y[None], cache=cache)[0, -1:], axis=-1)
+            fed += 1
+            if t + matched < len(sequence) and y.item() == sequence[t + matched]:
+                matched += 1
+            else:
+                break
+        for c in cache:
+            c.trim(fed)
+        mx.eval(draft(mx.array([sequence[t - 1]])[None], cache=cache))
+        out.append(matched)
+    return out
+
+
+def replay(lengths: list[int], round_cost: list[float], policy) -> float:
+    """Tokens per undrafted-round time when ``policy.num_tokens`` picks each round's k."""
+    t, tokens, spent = 0, 0, 0.0
+    while t < len(lengths):
+        k = policy.num_tokens(costs.MAX_DRAFT)
+        accepted = min(k, lengths[t])
+        tokens += accepted + 1
+        spent += round_cost[k]
+        t += accepted + 1
+        policy.observe(k, accepted, None)
+    return tokens / spent
+
+
+class Fixed:
+    def __init__(self, k: int):
+        self.k = k
+
+    def num_tokens(self, limit: int) -> int:
+        return min(self.k, limit)
+
+    def observe(self, drafted: int, accepted: int, seconds: float | None) -> None:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=Path(DEFAULT_MODEL))
+    p.add_argument("--draft", type=Path, default=Path(DEFAULT_DRAFT))
+    p.add_argument("--tokens", type=int, default=128, help="generated tokens replayed per workload")
+    p.add_argument("--decays", default="0.9,0.8", help="acceptance-model decays to replay")
+    args = p.parse_args(argv)
+
+    kit = me.load_model(args.model)
+    me.load_draft_model(kit, args.draft)
+    tokenize = lambda s: kit.tokenizer.encode(s)  # noqa: E731
+    workloads = W.build_workloads(tokenize, lambda p, n: greedy(kit, p, n), lengths=(128, 512, 1024),
+                                  multi_turn_lengths=(512,))
+    draft_step = costs.measure_chained_step(kit.draft.model, kit.vocab_size)
+    measured: dict[int, costs.CostModel] = {}
+    policies = {f"k={k}": (lambda rounds, k=k: Fixed(k)) for k in (1, 2, 3, 4, 6, 8)}
+    for decay in (float(d) for d in args.decays.split(",")):
+        def adaptive(rounds: costs.RoundCosts, decay: float = decay) -> DraftModelDrafter:
+            drafter = DraftModelDrafter(kit.draft, None, rounds)
+            drafter.acceptance = costs.AcceptanceModel(0.6, decay=decay)
+            return drafter
+        policies[f"adaptive d={decay:g}"] = adaptive
+    print("| workload | mean accept length | " + " | ".join(policies) + " |")
+    print("|---|---:|" + "---:|" * len(policies))
+    logs = {name: [] for name in policies}
+    for w in workloads:
+        sequence = w.prompt + greedy(kit, w.prompt, args.tokens + costs.MAX_DRAFT)
+        lengths = accept_lengths(kit.draft.model, sequence, len(w.prompt), args.tokens)
+        context = 1024 if len(w.prompt) > 768 else 128
+        if context not in measured:
+            measured[context] = costs.measure(kit.model, kit.vocab_size, context=context)
+        cm = measured[context]
+        rounds = costs.RoundCosts(cm, draft_step / cm.step())
+        round_cost = [t / rounds.prior[0] for t in rounds.prior]
+        row = {name: replay(lengths, round_cost, make(rounds)) for name, make in policies.items()}
+        for name, v in row.items():
+            logs[name].append(math.log(v))
+        mean_length = sum(lengths) / len(lengths)
+        print(f"| {w.name} | {mean_length:.2f} | " + " | ".join(f"{v:.2f}" for v in row.values()) + " |")
+    print("| geomean | | " + " | ".join(f"{math.exp(sum(v) / len(v)):.3f}" for v in logs.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
