@@ -227,6 +227,14 @@ PRIOR_PHASES = {
          "recipe": "next-token cross-entropy on the corpus, like the target (seed 0, 11-minute budget)",
          "end_eval": {"step": 681, "copy_acc": 0.0, "heldout_loss": 4.6642,
                       "target_agreement": {"heldout_top1": 0.539, "target_greedy_top1": 0.6824}}},
+        {"phase": 2, "steps": 1021, "tokens": 2091008, "wall_s": 2400.1, "lr": 2e-3, "seed": 1,
+         "warmup": 20, "copy_frac": 0.75, "random_copy_frac": 0.0,
+         "recipe": "distilled from `pystd-target` on 512-token windows",
+         "command": ".venv/bin/python scripts/train_demo_models.py --out models --only draft "
+                    "--init-draft models/pystd-draft --prior-steps 681 --distill-from models/pystd-target "
+                    "--draft-minutes 40 --draft-lr 2e-3 --warmup 20 --random-copy-frac 0 --seed 1",
+         "end_eval": {"step": 1021, "heldout_loss": 4.7201,
+                      "target_agreement": {"heldout_top1": 0.7762, "target_greedy_top1": 0.7357}}},
     ],
 }
 
@@ -256,8 +264,8 @@ def phase_notes(info, role):
         f"| {p['phase']} | {p['steps']} | {p['tokens']:,} | {p['wall_s'] / 60:.0f} | {p['lr']} / {p['warmup']} | "
         f"{p['copy_frac']:.0%} / {p['random_copy_frac']:.0%} | {p['recipe']} |" for p in phases)
     n = len(phases) + 1
-    last = (f"distilled from `{Path(info['distilled_from']).name}`: cross-entropy against its next-token "
-            "distribution" if info.get("distilled_from") else "dense copy windows, heavier copy mix (current script)")
+    last = (f"distilled from `{Path(info['distilled_from']).name}` on {info['seq_len']}-token windows"
+            if info.get("distilled_from") else "dense copy windows, heavier copy mix (current script)")
     rows += (f"\n| {n} | {info['steps']} | {info['tokens_seen']:,} | {info['train_wall_s'] / 60:.0f} | "
              f"{info['lr']} / {info['warmup']} | {info['copy_frac']:.0%} / {info['random_copy_frac']:.0%} | "
              f"{last} |")
@@ -267,10 +275,12 @@ had not emerged; training was therefore restarted twice from the latest checkpoi
 only, fresh AdamW state and lr warmup) with a stronger copy mix:"""
     else:
         intro = """The draft was first trained on the corpus like the target, then **distilled from the
-target**: trained, from those weights with a fresh AdamW state, on the target's next-token
-distributions (teacher-forced on the same data mix, without random-token passages). A draft
-is only as good as its agreement with the target's choices, and distillation trains exactly
-that (see *Agreement with the target* below):"""
+target**: trained, from those weights with a fresh AdamW state each phase, on the target's
+next-token distributions (teacher-forced on the same data mix, without random-token
+passages), first on 512-token windows, then on 1024-token windows so that it also follows
+the target past the 512 positions both were first trained on. A draft is only as good as
+its agreement with the target's choices, and distillation trains exactly that (see
+*Agreement with the target* below):"""
     return f"""
 {intro}
 
@@ -309,18 +319,28 @@ def write_card(path: Path, res: dict, info: dict, cinfo: dict, other: dict | Non
         f"--target-minutes {TRAIN_MINUTES['target']:g} --draft-minutes {TRAIN_MINUTES['draft']:g} --seed {first_seed} "
         "> models/logs/nohup.out 2>&1 &")
     if distilled:
-        retrain = ("# phase 1: the whole family (tokenizer, target, draft, evaluation)\n" + retrain + "\n"
-                   "# phase 2: distil the draft from the target, then re-run scripts/eval_demo_models.py\n"
-                   ".venv/bin/python scripts/train_demo_models.py --out models --only draft "
-                   f"--init-draft models/pystd-draft --prior-steps {info['prior_steps']} "
-                   f"--distill-from models/pystd-target --draft-minutes {info['train_wall_s'] / 60:.0f} "
-                   f"--draft-lr {info['lr']:g} --warmup {info['warmup']} --random-copy-frac {info['random_copy_frac']:g} "
-                   f"--seed {info['seed']}")
+        phases = PRIOR_PHASES[role]
+        lines = ["# phase 1: the whole family (tokenizer, target, draft, evaluation)", retrain]
+        for ph in phases[1:]:
+            lines += [f"# phase {ph['phase']}: {ph['recipe']}", ph["command"]]
+        lines += [f"# phase {len(phases) + 1}: distil the draft from the target on {info['seq_len']}-token windows, "
+                  "then re-run scripts/eval_demo_models.py",
+                  ".venv/bin/python scripts/train_demo_models.py --out models --only draft "
+                  f"--init-draft models/pystd-draft --prior-steps {info['prior_steps']} "
+                  f"--distill-from models/pystd-target --draft-minutes {info['train_wall_s'] / 60:.0f} "
+                  f"--draft-lr {info['lr']:g} --warmup {info['warmup']} --random-copy-frac {info['random_copy_frac']:g} "
+                  f"--seq-len {info['seq_len']} --batch-size {info['batch_size']} --seed {info['seed']}"]
+        retrain = "\n".join(lines)
     agreement = ""
     if res.get("target_agreement"):
         ta = res["target_agreement"]
-        before = PRIOR_PHASES["draft"][0]["end_eval"].get("target_agreement") if distilled else None
-        was = (lambda key: f" (before distillation: {before[key]:.1%})") if before else (lambda key: "")
+        earlier = [(ph["phase"], ph["end_eval"]["target_agreement"]) for ph in PRIOR_PHASES["draft"]
+                   if distilled and "target_agreement" in ph.get("end_eval", {})]
+
+        def was(key: str) -> str:
+            if not earlier:
+                return ""
+            return " (" + ", ".join(f"after phase {n}: {a[key]:.1%}" for n, a in earlier) + ")"
         agreement = f"""
 ## Agreement with the target
 
