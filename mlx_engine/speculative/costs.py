@@ -165,8 +165,8 @@ class RoundCosts:
     The prior comes from the once-per-kit measurement: a (k+1)-token verify pass
     plus k draft steps. That measurement is taken at a short context on a machine
     whose load changes, so each round's wall time corrects it: per draft length,
-    a decaying average of observed/prior ratios, which leans on the recent ratio
-    over all lengths until that length has evidence of its own. This follows longer
+    a decaying average of observed/prior ratios, which leans on the nearest
+    lengths that have evidence until that length has its own. This follows longer
     contexts (attention grows with them), other work on the machine, and whatever
     else the measurement missed (pipelining, the host's per-token work)."""
 
@@ -178,7 +178,6 @@ class RoundCosts:
         self.age = age  # every round: old evidence fades even for lengths not tried lately
         self.sums = [0.0] * (MAX_DRAFT + 1)
         self.counts = [0.0] * (MAX_DRAFT + 1)
-        self.scale_sum = self.scale_count = 0.0
         self.observed = 0
 
     def observe(self, k: int, seconds: float | None) -> None:
@@ -191,8 +190,6 @@ class RoundCosts:
         self.counts = [c * self.age for c in self.counts]
         self.sums[k] = self.sums[k] * self.decay + ratio
         self.counts[k] = self.counts[k] * self.decay + 1.0
-        self.scale_sum = self.scale_sum * self.decay + ratio
-        self.scale_count = self.scale_count * self.decay + 1.0
         self.observed += 1
 
     def needs_undrafted_timing(self) -> bool:
@@ -200,18 +197,13 @@ class RoundCosts:
         round): the speed-up of drafting is relative to one."""
         return self.observed > 0 and self.counts[0] < 0.5
 
-    def scale(self) -> float:
-        """Observed over predicted round time, recent rounds of any length (a few
-        rounds outweigh the measurement: the same kind of evidence, taken where
-        the generation actually runs)."""
-        return (self.scale_sum + 0.5) / (self.scale_count + 0.5)
-
     def _fallback(self) -> list[float]:
         """For each length, the ratio of the nearest lengths with evidence
-        (interpolated between them), or the overall scale when none has any."""
+        (interpolated between them); the measurement itself before any round.
+        The length observed last always counts as having evidence."""
         seen = [k for k, c in enumerate(self.counts) if c >= 0.5]
         if not seen:
-            return [self.scale()] * len(self.counts)
+            return [1.0] * len(self.counts)
         r = {k: self.sums[k] / self.counts[k] for k in seen}
         out = []
         for k in range(len(self.counts)):
@@ -238,10 +230,6 @@ class RoundCosts:
 
     def seconds(self, k: int) -> float:
         return self.table()[k]
-
-    def summary(self) -> str:
-        t = self.table()
-        return ", ".join(f"k{k}={t[k] * 1e3:.1f}ms" for k in (0, 1, 2, 4, 8))
 
 
 def best_draft_length(acceptance: float | AcceptanceModel, rounds: RoundCosts, max_k: int = MAX_DRAFT) -> tuple[int, float]:
