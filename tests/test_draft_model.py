@@ -241,8 +241,8 @@ def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
     drafter = DraftModelDrafter(draft, None, RoundCosts(verify, draft_step=0.2), vocab_size=50)
     spec = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, drafter, stats)]
     assert spec == plain
-    # After the first rejections it stops drafting, except a one-token draft
-    # every explore_every rounds to notice if acceptance changes.
+    # After the first rejections it stops drafting, except a short exploration
+    # draft every explore_every rounds (or less often) to notice a change.
     assert stats.verify_rounds < 60 / drafter.explore_every + 6
     assert stats.drafted_tokens <= 2 * stats.verify_rounds
 
@@ -270,3 +270,39 @@ def test_adaptive_length_backs_off_exploring_and_times_undrafted_rounds():
     assert rounds.needs_undrafted_timing() and timed.num_tokens(16) == 0
     timed.observe(0, 0, 0.01)
     assert not rounds.needs_undrafted_timing() and timed.num_tokens(16) > 0
+
+
+def test_exploration_drafts_the_most_promising_length():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+
+    # Going from a 1-token pass to a 2-token one doubles the cost; each further
+    # token adds 5% of a step (MLX's CPU kernels at a long context look like
+    # this). At 50% acceptance no length pays, but a one-token exploration draft
+    # would be the least informative and the dearest per token.
+    verify = CostModel((0.01,) + tuple(0.02 + 0.0005 * (n - 2) for n in range(2, 18)))
+    drafter = DraftModelDrafter(None, None, RoundCosts(verify), prior_acceptance=0.5)
+    lengths = [drafter.num_tokens(16) for _ in range(drafter.explore_every)]
+    assert lengths[:-1] == [0] * (drafter.explore_every - 1)
+    assert lengths[-1] > 2, lengths
+
+
+def test_rounds_after_the_draft_model_caught_up_are_not_timed():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+
+    table = successor_table(50)
+    timed = []
+
+    class Recording(RoundCosts):
+        def observe(self, k, seconds):
+            timed.append((k, seconds))
+
+    draft = DraftModel(None, MarkovLM(table), SequenceCache(MarkovLM(table)), 0)
+    drafter = DraftModelDrafter(draft, 3, Recording(CostModel((0.01,) * 17)), vocab_size=50)
+    history = list(range(10))
+    drafter.propose(history, 16)  # the draft model processes all 10 tokens first
+    drafter.observe(3, 3, 0.05)
+    history += [10, 11, 12, 13]  # three drafts accepted plus the target's token
+    drafter.propose(history, 16)  # catches up on two tokens: a steady round
+    drafter.observe(3, 1, 0.02)
+    drafter.observe(0, 0, 0.01)  # undrafted rounds are always timed
+    assert timed == [(3, None), (3, 0.02), (0, 0.01)]

@@ -232,22 +232,25 @@ class RoundCosts:
         return self.table()[k]
 
 
-def best_draft_length(acceptance: float | AcceptanceModel, rounds: RoundCosts, max_k: int = MAX_DRAFT) -> tuple[int, float]:
-    """The draft length with the best expected speed-up over undrafted rounds, and
-    that speed-up. ``acceptance`` is a per-token rate (independent positions) or an
-    AcceptanceModel; ``rounds`` gives the time of a round with k drafts."""
+def best_draft_length(
+    acceptance: float | AcceptanceModel, rounds: RoundCosts, max_k: int = MAX_DRAFT, min_k: int = 0
+) -> tuple[int, float]:
+    """The draft length in [min_k, max_k] with the best expected speed-up over
+    undrafted rounds, and that speed-up (1.0 for k = 0). ``acceptance`` is a
+    per-token rate (independent positions) or an AcceptanceModel; ``rounds``
+    gives the time of a round with k drafts."""
     # Per-position acceptance, computed once: E(k) = 1 + p1 + p1p2 + ... + p1..pk.
     if isinstance(acceptance, AcceptanceModel):
         ps = acceptance.conditional()
     else:
         ps = [float(acceptance)] * max_k
     seconds = rounds.table()
-    best_k, best = 0, 1.0
+    speedups = [1.0]
     expected, survive = 1.0, 1.0
     for k, p in enumerate(ps[:max_k], start=1):
         survive *= p
         expected += survive
-        speedup = expected * seconds[0] / seconds[k]
-        if speedup > best:
-            best_k, best = k, speedup
-    return best_k, best
+        speedups.append(expected * seconds[0] / seconds[k])
+    lengths = range(min(min_k, len(speedups) - 1), len(speedups))
+    best_k = max(lengths, key=lambda k: (speedups[k], -k))
+    return best_k, speedups[best_k]

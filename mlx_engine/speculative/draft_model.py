@@ -127,6 +127,9 @@ class DraftModelDrafter:
     name = "draft_model"
     explore_every = 8
     max_explore_gap = 64
+    # Between drafted rounds the draft model is one or two tokens behind: the
+    # target's own token, after the last draft it had not been fed.
+    steady_catch_up = 2
 
     def __init__(
         self,
@@ -146,6 +149,7 @@ class DraftModelDrafter:
         self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
         self.explore_gap = self.explore_every
         self._unresolved: tuple[int, mx.array] | None = None
+        self._catch_up = 0  # tokens the draft model processed before this round's drafts
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
         """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
@@ -164,15 +168,19 @@ class DraftModelDrafter:
             # Drafting is judged against an undrafted round, so time one now and
             # then: inferring its cost from drafted rounds flatters drafting.
             return 0
-        k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k=min(limit, costs.MAX_DRAFT))
+        max_k = min(limit, costs.MAX_DRAFT)
+        k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k)
         if k == 0:
             self.idle_rounds += 1
             if self.idle_rounds < self.explore_gap:
                 return 0
-            # Explore with one draft; back off while exploring keeps not paying.
+            # Explore with the most promising drafted length, not one token: on
+            # MLX's CPU backend the step from a 1- to a 2-token pass is the dear
+            # part of a verify, and acceptance is bursty, so only a longer draft
+            # shows whether drafting pays. Back off while exploring keeps not paying.
             self.idle_rounds = 0
             self.explore_gap = min(2 * self.explore_gap, self.max_explore_gap)
-            return 1
+            return costs.best_draft_length(self.acceptance, self.round_costs, max_k, min_k=1)[0]
         self.idle_rounds = 0
         self.explore_gap = self.explore_every
         return k
@@ -184,6 +192,7 @@ class DraftModelDrafter:
             return []
         cache = self.draft.cache
         keep = min(cache.sync_to(history), len(history) - 1)
+        self._catch_up = len(history) - keep
         if not cache.rewind_to(keep):
             raise DrafterUnavailable("the draft model's cache cannot be rewound")
         if reason := cache.rewind_limit_reason(len(history) - keep + k):
@@ -213,5 +222,11 @@ class DraftModelDrafter:
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         self.acceptance.observe(drafted, accepted)
+        if drafted and self._catch_up > self.steady_catch_up:
+            # The draft model first caught up on tokens decoded without it: a
+            # one-off cost of resuming drafting, not what a round of this length
+            # costs. Counting it made the first draft after undrafted rounds
+            # look 2x dearer than it is, which kept drafting off for good.
+            seconds = None
         if self.round_costs is not None:
             self.round_costs.observe(drafted, seconds)
