@@ -113,6 +113,23 @@ def test_round_costs_learn_from_round_times():
     assert cheap.seconds(16) < 0.02
 
 
+def test_round_costs_price_every_length_from_any_drafted_round():
+    # The measurement says drafting is nearly free (a 17-token verify costs 1.1
+    # steps); the rounds say any drafted round costs about 1.8 undrafted ones,
+    # plus 0.05 per draft, and only k=3 has been run.
+    rounds = RoundCosts(flat_costs(1.1))
+    for _ in range(10):
+        rounds.observe(0, 0.01)
+        rounds.observe(3, 0.01 * (1.8 + 0.05 * 3))
+    table = [t / rounds.seconds(0) for t in rounds.table()]
+    assert table[3] == pytest.approx(1.95, rel=0.03)
+    # Shorter drafts share the fixed part of that cost instead of being priced
+    # near an undrafted round, so a modest acceptance does not pick them.
+    assert table[1] > 1.7 and table[2] > 1.75
+    assert all(a <= b for a, b in zip(table, table[1:]))
+    assert best_draft_length(0.4, rounds)[0] == 0
+
+
 def test_acceptance_model_sees_bursts_that_a_single_rate_misses():
     bursty = AcceptanceModel(decay=1.0)
     for _ in range(20):
