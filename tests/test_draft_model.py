@@ -306,3 +306,17 @@ def test_rounds_after_the_draft_model_caught_up_are_not_timed():
     drafter.observe(3, 1, 0.02)
     drafter.observe(0, 0, 0.01)  # undrafted rounds are always timed
     assert timed == [(3, None), (3, 0.02), (0, 0.01)]
+
+
+def test_after_a_rejection_the_next_draft_is_at_most_twice_as_far_plus_two():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+
+    # Drafts are nearly free and acceptance has been perfect: the longest pays.
+    drafter = DraftModelDrafter(None, None, RoundCosts(CostModel((0.01,) * 17)), prior_acceptance=0.95)
+    for _ in range(5):
+        drafter.observe(16, 16)
+    assert drafter.num_tokens(16) == 16
+    drafter.observe(16, 1)  # the burst ends at the second draft
+    assert drafter.num_tokens(16) == 2 * (1 + 1) + 2
+    drafter.observe(6, 6)  # a fully accepted round lifts the bound
+    assert drafter.num_tokens(16) == 16

@@ -150,6 +150,7 @@ class DraftModelDrafter:
         self.explore_gap = self.explore_every
         self._unresolved: tuple[int, mx.array] | None = None
         self._catch_up = 0  # tokens the draft model processed before this round's drafts
+        self._reach_cap = costs.MAX_DRAFT  # longest draft after the last round (see observe)
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
         """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
@@ -168,7 +169,7 @@ class DraftModelDrafter:
             # Drafting is judged against an undrafted round, so time one now and
             # then: inferring its cost from drafted rounds flatters drafting.
             return 0
-        max_k = min(limit, costs.MAX_DRAFT)
+        max_k = min(limit, costs.MAX_DRAFT, self._reach_cap)
         k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k)
         if k == 0:
             self.idle_rounds += 1
@@ -222,6 +223,13 @@ class DraftModelDrafter:
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         self.acceptance.observe(drafted, accepted)
+        if drafted:
+            # After a rejection, draft at most twice as far as that round got, plus
+            # two: the next round starts right after a token the draft missed, and
+            # acceptance learned deep inside the burst that just ended is stale
+            # there (replay: long drafts kept failing at the first token or two
+            # for several rounds after each burst on open-gen and code-edit).
+            self._reach_cap = costs.MAX_DRAFT if accepted == drafted else 2 * (accepted + 1) + 2
         if drafted and self._catch_up > self.steady_catch_up:
             # The draft model first caught up on tokens decoded without it: a
             # one-off cost of resuming drafting, not what a round of this length
