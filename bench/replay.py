@@ -8,8 +8,10 @@ those sequences, any policy for choosing draft lengths can be replayed without
 timing noise: a round of k drafts at a position with accept length L yields
 min(k, L) + 1 tokens and costs T(k). ``T`` comes from the engine's own
 measurement (``costs.measure`` at the workload's context, plus the chained draft
-step), so results are tokens per undrafted-round time: 1.0 is plain decoding. Run it
-on a quiet machine: the cost measurement sees any other load.
+step), or, with ``--cost-lines``, from straight lines fitted to timed rounds (the
+measurement misses each drafted round's fixed overheads), so results are tokens
+per undrafted-round time: 1.0 is plain decoding. Measuring, run it on a quiet
+machine: the cost measurement sees any other load.
 
 The adaptive policy replayed is the engine's own ``DraftModelDrafter.num_tokens``
 (with fixed round costs: nothing is timed here). Used to choose the acceptance
@@ -74,6 +76,16 @@ def replay(lengths: list[int], round_cost: list[float], policy) -> float:
     return tokens / spent
 
 
+def _parse_line(item: str) -> tuple[int, tuple[float, float]]:
+    """'128=0.55+0.12k' -> (128, (0.55, 0.12))."""
+    try:
+        ctx, rest = item.split("=")
+        jump, slope = rest.rstrip("k").split("+")
+        return int(ctx), (float(jump), float(slope))
+    except ValueError:
+        raise SystemExit(f"--cost-lines: cannot read {item!r}; expected CTX=JUMP+SLOPEk, e.g. 128=0.55+0.12k")
+
+
 class Fixed:
     def __init__(self, k: int):
         self.k = k
@@ -91,14 +103,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft", type=Path, default=Path(DEFAULT_DRAFT))
     p.add_argument("--tokens", type=int, default=128, help="generated tokens replayed per workload")
     p.add_argument("--decays", default="0.9,0.8", help="acceptance-model decays to replay")
+    p.add_argument("--cost-lines", metavar="CTX=JUMP+SLOPEk,...",
+                   help="replay with round costs T(k) = 1 + JUMP + SLOPE*k undrafted rounds for workloads at "
+                        "context CTX (128 or 1024) instead of measuring; e.g. '128=0.55+0.12k,1024=0.45+0.16k', "
+                        "the lines timed rounds fitted on the development machine. Deterministic.")
     args = p.parse_args(argv)
+    lines = dict(_parse_line(item) for item in args.cost_lines.split(",")) if args.cost_lines else None
 
     kit = me.load_model(args.model)
     me.load_draft_model(kit, args.draft)
     tokenize = lambda s: kit.tokenizer.encode(s)  # noqa: E731
     workloads = W.build_workloads(tokenize, lambda p, n: greedy(kit, p, n), lengths=(128, 512, 1024),
                                   multi_turn_lengths=(512,))
-    draft_step = costs.measure_chained_step(kit.draft.model, kit.vocab_size)
+    draft_step = costs.measure_chained_step(kit.draft.model, kit.vocab_size) if lines is None else 0.0
     measured: dict[int, costs.CostModel] = {}
     policies = {f"k={k}": (lambda rounds, k=k: Fixed(k)) for k in (1, 2, 3, 4, 6, 8)}
     for decay in (float(d) for d in args.decays.split(",")):
@@ -114,10 +131,15 @@ def main(argv: list[str] | None = None) -> None:
         sequence = w.prompt + greedy(kit, w.prompt, args.tokens + costs.MAX_DRAFT)
         lengths = accept_lengths(kit.draft.model, sequence, len(w.prompt), args.tokens)
         context = 1024 if len(w.prompt) > 768 else 128
-        if context not in measured:
-            measured[context] = costs.measure(kit.model, kit.vocab_size, context=context)
-        cm = measured[context]
-        rounds = costs.RoundCosts(cm, draft_step / cm.step())
+        if lines is not None:
+            jump, slope = lines[context]
+            line = (1.0,) + tuple(1.0 + jump + slope * k for k in range(1, costs.MAX_DRAFT + 1))
+            rounds = costs.RoundCosts(costs.CostModel(line))  # the line is the whole round: no draft steps on top
+        else:
+            if context not in measured:
+                measured[context] = costs.measure(kit.model, kit.vocab_size, context=context)
+            cm = measured[context]
+            rounds = costs.RoundCosts(cm, draft_step / cm.step())
         round_cost = [t / rounds.prior[0] for t in rounds.prior]
         row = {name: replay(lengths, round_cost, make(rounds)) for name, make in policies.items()}
         for name, v in row.items():

@@ -241,9 +241,9 @@ def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
     drafter = DraftModelDrafter(draft, None, RoundCosts(verify, draft_step=0.2), vocab_size=50)
     spec = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, drafter, stats)]
     assert spec == plain
-    # After the first rejections it stops drafting, except a short exploration
-    # draft every explore_every rounds (or less often) to notice a change.
-    assert stats.verify_rounds < 60 / drafter.explore_every + 6
+    # After the first rejections it stops drafting, except short exploration
+    # drafts, ever further apart, to notice a change.
+    assert stats.verify_rounds <= 8, stats.verify_rounds
     assert stats.drafted_tokens <= 2 * stats.verify_rounds
 
 
@@ -259,9 +259,9 @@ def test_adaptive_length_backs_off_exploring_and_times_undrafted_rounds():
             explored.append(i)
         drafter.observe(k, 0, None)  # every draft is rejected; rounds are not timed
     gaps = [b - a for a, b in zip(explored, explored[1:])]
-    # No length pays from the start: the first exploration draft comes after 7
-    # undrafted rounds, and the gap doubles while exploring keeps failing.
-    assert explored[0] == 7 and gaps == [16, 32, 64, 64], explored
+    # No length pays from the start: the first exploration draft comes after one
+    # undrafted round, and the gap doubles while exploring keeps failing.
+    assert explored[0] == 1 and gaps == [4, 8, 16, 32, 64, 64], explored
     # Once rounds are timed, an undrafted round is timed whenever none is recent.
     rounds = RoundCosts(verify, draft_step=0.2)
     timed = DraftModelDrafter(None, None, rounds)

@@ -120,12 +120,12 @@ class DraftModelDrafter:
     round, which rewinds rejected drafts and reuses prefixes across requests with
     the same mechanism. With ``num_draft_tokens=None`` the length is chosen each
     round from the observed acceptance and round times (``round_costs``); when no
-    length pays, rounds go undrafted, with a one-token draft after
+    length pays, rounds go undrafted, with an exploration draft after
     ``explore_every`` of them so a change in acceptance is noticed (the gap
     doubles, up to ``max_explore_gap``, while those drafts keep not paying)."""
 
     name = "draft_model"
-    explore_every = 8
+    explore_every = 2
     max_explore_gap = 64
     # Between drafted rounds the draft model is one or two tokens behind: the
     # target's own token, after the last draft it had not been fed.
