@@ -262,14 +262,23 @@ def test_adaptive_length_backs_off_exploring_and_times_undrafted_rounds():
     # No length pays from the start: the first exploration draft comes after one
     # undrafted round, and the gap doubles while exploring keeps failing.
     assert explored[0] == 1 and gaps == [4, 8, 16, 32, 64, 64], explored
-    # Once rounds are timed, an undrafted round is timed whenever none is recent.
+    # Once rounds are timed, an undrafted round is timed whenever none is recent:
+    # right after a rejected draft, or after max_timing_wait rounds of accepts.
     rounds = RoundCosts(verify, draft_step=0.2)
     timed = DraftModelDrafter(None, None, rounds)
     for _ in range(5):
         timed.observe(3, 3, 0.02)  # drafting pays: every draft accepted, rounds cheap
-    assert rounds.needs_undrafted_timing() and timed.num_tokens(16) == 0
-    timed.observe(0, 0, 0.01)
+    assert rounds.needs_undrafted_timing()
+    lengths = []
+    while not lengths or lengths[-1]:
+        lengths.append(timed.num_tokens(16))
+        timed.observe(lengths[-1], lengths[-1], 0.01 if lengths[-1] == 0 else 0.02)
+    assert len(lengths) == timed.max_timing_wait + 1 and min(lengths[:-1]) > 0
     assert not rounds.needs_undrafted_timing() and timed.num_tokens(16) > 0
+    rejected = DraftModelDrafter(None, None, RoundCosts(verify, draft_step=0.2))
+    rejected.observe(3, 3, 0.02)
+    rejected.observe(4, 2, 0.02)
+    assert rejected.num_tokens(16) == 0
 
 
 def test_exploration_drafts_the_most_promising_length():

@@ -130,6 +130,14 @@ def test_round_costs_price_every_length_from_any_drafted_round():
     assert best_draft_length(0.4, rounds)[0] == 0
 
 
+def test_round_costs_reread_drafted_rounds_when_the_undrafted_round_is_timed():
+    rounds = RoundCosts(flat_costs(1.1))  # the measurement says a step takes 10 ms
+    for _ in range(5):
+        rounds.observe(3, 0.039)  # drafted rounds come first (no undrafted one timed yet)
+    rounds.observe(0, 0.02)  # the machine is twice as slow as measured
+    assert rounds.seconds(3) / rounds.seconds(0) == pytest.approx(1.95, rel=0.02)
+
+
 def test_acceptance_model_sees_bursts_that_a_single_rate_misses():
     bursty = AcceptanceModel(decay=1.0)
     for _ in range(20):

@@ -200,7 +200,10 @@ class RoundCosts:
         self._prior_slope = sum((k - k_mean) * (y - y_mean) for k, y in zip(ks, ys)) / sum((k - k_mean) ** 2 for k in ks)
         self._prior_jump = y_mean - self._prior_slope * k_mean
         self.t0_sum = self.t0_count = 0.0  # undrafted rounds: decaying sum of seconds, count
-        self.fit = [0.0] * 5  # drafted rounds: decaying sums of w, w·k, w·k², w·y, w·k·y
+        # Drafted rounds: decaying sums of w, w·k, w·k², w·s, w·k·s (s in seconds),
+        # read in units of T(0) when solving, so a later or better-timed T(0)
+        # re-reads every drafted round instead of leaving them on the old one.
+        self.fit = [0.0] * 5
         self.observed = 0
         self._coef = self._solve()
 
@@ -214,9 +217,11 @@ class RoundCosts:
         slope to which the measurement's contributes like ``weight`` rounds a
         quarter of the length range either side: rounds of one length set the
         level and do not tilt the line."""
-        w, wk, wkk, wy, wky = self.fit
+        w, wk, wkk, ws, wks = self.fit
         if w < 1e-9:
             return self._prior_jump, self._prior_slope
+        t0 = self.undrafted()
+        wy, wky = ws / t0 - w, wks / t0 - wk  # y = s / T(0) - 1
         k_mean, y_mean = wk / w, wy / w
         spread = self.weight * (MAX_DRAFT / 4) ** 2
         slope = max(0.0, (wky - w * k_mean * y_mean + spread * self._prior_slope) / (wkk - w * k_mean**2 + spread))
@@ -226,17 +231,18 @@ class RoundCosts:
         """Record the wall time of a round that verified k drafts."""
         if seconds is None or seconds <= 0 or not 0 <= k <= MAX_DRAFT:
             return
-        # One stall (garbage collection, the host's own work) must not dominate.
-        seconds = min(seconds, 2.0 * self.seconds(k))
+        # One stall (garbage collection, the host's own work) must not dominate
+        # what earlier rounds of the same kind established.
+        if (self.t0_count if k == 0 else self.fit[0]) >= 0.5:
+            seconds = min(seconds, 2.0 * self.seconds(k))
         self.t0_sum *= self.age
         self.t0_count *= self.age
         if k == 0:
             self.t0_sum = self.t0_sum * self.decay + seconds
             self.t0_count = self.t0_count * self.decay + 1.0
         else:
-            y = seconds / self.undrafted() - 1.0
-            self.fit = [x * self.decay + v for x, v in zip(self.fit, (1.0, k, k * k, y, k * y))]
-            self._coef = self._solve()
+            self.fit = [x * self.decay + v for x, v in zip(self.fit, (1.0, k, k * k, seconds, k * seconds))]
+        self._coef = self._solve()
         self.observed += 1
 
     def needs_undrafted_timing(self) -> bool:

@@ -127,6 +127,7 @@ class DraftModelDrafter:
     name = "draft_model"
     explore_every = 2
     max_explore_gap = 64
+    max_timing_wait = 8
     # Between drafted rounds the draft model is one or two tokens behind: the
     # target's own token, after the last draft it had not been fed.
     steady_catch_up = 2
@@ -151,6 +152,8 @@ class DraftModelDrafter:
         self._unresolved: tuple[int, mx.array] | None = None
         self._catch_up = 0  # tokens the draft model processed before this round's drafts
         self._reach_cap = costs.MAX_DRAFT  # longest draft after the last round (see observe)
+        self._rejected = False  # whether the last drafted round had a draft rejected
+        self._timing_wait = 0  # rounds an undrafted timing has waited for a rejection
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
         """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
@@ -167,8 +170,14 @@ class DraftModelDrafter:
             return min(4, limit)
         if self.round_costs.needs_undrafted_timing():
             # Drafting is judged against an undrafted round, so time one now and
-            # then: inferring its cost from drafted rounds flatters drafting.
-            return 0
+            # then: inferring its cost from drafted rounds flatters drafting. Time
+            # it where it costs least, right after a rejected draft, unless that
+            # takes more than max_timing_wait rounds (in a burst of accepts an
+            # undrafted round gives up a whole round's worth of tokens).
+            self._timing_wait += 1
+            if self._rejected or self._timing_wait > self.max_timing_wait:
+                self._timing_wait = 0
+                return 0
         max_k = min(limit, costs.MAX_DRAFT, self._reach_cap)
         k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k)
         if k == 0:
@@ -229,7 +238,8 @@ class DraftModelDrafter:
             # acceptance learned deep inside the burst that just ended is stale
             # there (replay: long drafts kept failing at the first token or two
             # for several rounds after each burst on open-gen and code-edit).
-            self._reach_cap = costs.MAX_DRAFT if accepted == drafted else 2 * (accepted + 1) + 2
+            self._rejected = accepted < drafted
+            self._reach_cap = 2 * (accepted + 1) + 2 if self._rejected else costs.MAX_DRAFT
         if drafted and self._catch_up > self.steady_catch_up:
             # The draft model first caught up on tokens decoded without it: a
             # one-off cost of resuming drafting, not what a round of this length
