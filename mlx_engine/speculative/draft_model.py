@@ -119,10 +119,12 @@ class DraftModelDrafter:
     The draft cache is synchronised to the history by longest common prefix each
     round, which rewinds rejected drafts and reuses prefixes across requests with
     the same mechanism. With ``num_draft_tokens=None`` the length is chosen each
-    round from the observed acceptance and round times (``round_costs``); when no
-    length pays, rounds go undrafted, with an exploration draft after
-    ``explore_every`` of them so a change in acceptance is noticed (the gap
-    doubles, up to ``max_explore_gap``, while those drafts keep not paying)."""
+    round from the observed acceptance and round times (``round_costs``), and is
+    at most ``2·(a+1)+2`` after a round that accepted ``a`` drafts and rejected
+    one. When no length pays, rounds go undrafted, with an exploration draft
+    after ``explore_every`` of them so a change in acceptance is noticed (the gap
+    doubles, up to ``max_explore_gap``, while those drafts keep not paying).
+    docs/decoding.md explains each rule and how it was chosen."""
 
     name = "draft_model"
     explore_every = 2
