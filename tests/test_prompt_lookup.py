@@ -319,5 +319,32 @@ def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(r
         assert router.mode == "prompt_lookup"
         assert "shadow drafts" in stats.mode_switches[-1]
     else:
-        assert router.mode in ("draft_model", "plain")
-        assert not any("shadow" in m for m in stats.mode_switches)
+        # Rejected drafts do not send it to plain decoding, from which only prompt
+        # lookup could be reached: the drafter pauses and explores by itself.
+        assert router.mode == "draft_model" and not stats.mode_switches
+
+
+def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadows_promised():
+    stats = GenerationStats()
+    history = list(range(1000, 1100))
+    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft())
+
+    def run(rounds: int, drafted_accepted) -> None:
+        for _ in range(rounds):
+            drafts = router.propose(history, 8)
+            drafted, accepted = drafted_accepted(len(drafts))
+            router.observe(drafted, accepted)
+            for _ in range(accepted + 1):  # the output repeats a 7-token cycle
+                history.append(2000 + len(history) % 7)
+            if router.mode != start_mode:
+                return
+
+    start_mode = "draft_model"
+    run(60, lambda n: (2, 2))  # the draft model pays, and shadow lookup would pay more
+    assert router.mode == "prompt_lookup" and "shadow drafts" in stats.mode_switches[-1]
+    start_mode = "prompt_lookup"
+    run(60, lambda n: (n, 2))  # but lookup's own rounds stop at the third draft
+    assert router.mode == "draft_model"
+    assert "no more switches to lookup" in stats.mode_switches[-1]
+    run(60, lambda n: (2, 2))  # the shadow keeps promising, but is not followed again
+    assert router.mode == "draft_model"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -190,6 +191,7 @@ class RoundCosts:
     ):
         # draft_step: one draft token's cost in main-model steps (0 for lookup).
         self.prior = [verify.step() * (verify.relative(k + 1) + k * draft_step) for k in range(MAX_DRAFT + 1)]
+        self.draft_seconds = verify.step() * draft_step  # one draft step, as measured
         self.weight = weight  # of the measurement, in rounds
         self.decay = decay  # per observation of the same kind: how fast evidence turns over
         self.age = age  # every round: the undrafted time must be re-timed now and then
@@ -259,20 +261,30 @@ class RoundCosts:
     def seconds(self, k: int) -> float:
         return self.table()[k]
 
+    def without_drafting(self) -> list[float]:
+        """These rounds' times less the draft model's own work (its catch-up pass
+        and k steps, as measured): what rounds of drafts that cost nothing to
+        make, such as prompt lookup's, cost on this machine at this context."""
+        table = self.table()
+        return [table[0]] + [max(table[0], t - (k + 1) * self.draft_seconds) for k, t in enumerate(table[1:], start=1)]
+
 
 def best_draft_length(
-    acceptance: float | AcceptanceModel, rounds: RoundCosts, max_k: int = MAX_DRAFT, min_k: int = 0
+    acceptance: float | AcceptanceModel,
+    rounds: RoundCosts | Sequence[float],
+    max_k: int = MAX_DRAFT,
+    min_k: int = 0,
 ) -> tuple[int, float]:
     """The draft length in [min_k, max_k] with the best expected speed-up over
     undrafted rounds, and that speed-up (1.0 for k = 0). ``acceptance`` is a
     per-token rate (independent positions) or an AcceptanceModel; ``rounds``
-    gives the time of a round with k drafts."""
+    gives the time of a round with k drafts (a RoundCosts or its table)."""
     # Per-position acceptance, computed once: E(k) = 1 + p1 + p1p2 + ... + p1..pk.
     if isinstance(acceptance, AcceptanceModel):
         ps = acceptance.conditional()
     else:
         ps = [float(acceptance)] * max_k
-    seconds = rounds.table()
+    seconds = rounds.table() if isinstance(rounds, RoundCosts) else rounds
     speedups = [1.0]
     expected, survive = 1.0, 1.0
     for k, p in enumerate(ps[:max_k], start=1):

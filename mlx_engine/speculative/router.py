@@ -62,6 +62,12 @@ class AutoRouter:
         self.lookup_allowed = len(prompt) >= settings.min_prompt_tokens and self.density >= settings.min_density
         self.max_lookup = lookup.num_tokens
         self.lookup_k = min(settings.probe_draft_tokens, self.max_lookup)
+        # Shadow drafts are scored where the draft model's rounds start, not
+        # where lookup's own would: they can promise more than lookup then gets.
+        # So a switch from the draft model is checked against what it replaced,
+        # and one that does not deliver is not made again in this request.
+        self._replaced_draft_speedup: float | None = None
+        self._lookup_retired = False
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
         if self.lookup_allowed:
@@ -75,6 +81,8 @@ class AutoRouter:
     def _reset_evidence(self) -> None:
         self.rounds = self.drafted = self.accepted = self.produced = self.misses = 0
         self.lookup_acceptance = costs.AcceptanceModel(prior=0.5)
+        # Lookup's own rounds only (lookup_acceptance may start from the shadow's).
+        self.lookup_own = costs.AcceptanceModel(prior=0.5)
         # Shadow lookup: what prompt lookup would have drafted while another
         # mode runs, scored against the tokens that followed. Free evidence.
         self.shadow = costs.AcceptanceModel(prior=0.5)
@@ -121,10 +129,15 @@ class AutoRouter:
             self._after_probe_round()
         elif self.mode == "prompt_lookup":
             self.lookup_acceptance.observe(drafted, accepted)
+            self.lookup_own.observe(drafted, accepted)
             self._watch_lookup()
         elif self.mode == "draft_model":
+            # Not left for plain decoding when it stops paying: the drafter then
+            # pauses drafting by itself and keeps exploring, so it resumes when
+            # the text turns predictable (plain decoding could only leave for
+            # prompt lookup; after a pessimistic start on open-gen-1024 that
+            # left 2.2x on the table).
             self.draft.observe(drafted, accepted, seconds)
-            self._watch_draft()
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
 
@@ -149,14 +162,23 @@ class AutoRouter:
     def _consider_lookup(self) -> None:
         """Switch to prompt lookup when its shadow record promises clearly more
         than the running mode."""
-        if self.shadow_scored < self.s.watch_rounds:
+        if self.shadow_scored < self.s.watch_rounds or (self.mode == "draft_model" and self._lookup_retired):
             return
-        k, speedup = costs.best_draft_length(self.shadow, self.lookup_costs, self.max_lookup)
+        lookup_rounds: costs.RoundCosts | list[float] = self.lookup_costs
         current = 1.0
         if self.mode == "draft_model":
             current = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs)[1]
+            # Lookup's own line comes from the short-context measurement or a few
+            # probe rounds; the draft's rounds, timed here and now, less the draft
+            # model's work, keep it from being priced under what its rounds cost
+            # (at a 1024-token context it was about 40% under, and lookup won
+            # switches it then lost).
+            own = self.lookup_costs.table()
+            lookup_rounds = [max(a, b) for a, b in zip(own, self.draft.round_costs.without_drafting())]
+        k, speedup = costs.best_draft_length(self.shadow, lookup_rounds, self.max_lookup)
         if k and speedup > self.s.switch_margin * current:
             shadow = self.shadow
+            self._replaced_draft_speedup = current if self.mode == "draft_model" else None
             self._enter(
                 "prompt_lookup",
                 f"lookup would have had {shadow.rate:.0%} of {shadow.drafted} shadow drafts accepted: "
@@ -192,16 +214,20 @@ class AutoRouter:
         if k == 0:
             self._enter(self._fallback_mode(), f"lookup acceptance fell to {rate:.0%}; no draft length pays")
             return
+        replaced = self._replaced_draft_speedup
+        delivered = costs.best_draft_length(self.lookup_own, self.lookup_costs, self.max_lookup)[1]
+        if replaced is not None and delivered * self.s.switch_margin < replaced:
+            self._lookup_retired = True
+            self._replaced_draft_speedup = None
+            self._enter(
+                "draft_model",
+                f"lookup delivers x{delivered:.2f} ({rate:.0%} accepted) against the draft model's x{replaced:.2f}; "
+                "no more switches to lookup in this request",
+            )
+            return
         self.lookup_k = k
         if self.rounds >= 4 * self.s.watch_rounds:
             # Keep the evidence recent so a change in the text is noticed.
             self.rounds //= 2
             self.drafted //= 2
             self.accepted //= 2
-
-    def _watch_draft(self) -> None:
-        if self.rounds < self.s.watch_rounds:
-            return
-        k, speedup = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs)
-        if k == 0:
-            self._enter("plain", f"draft acceptance {self.draft.acceptance.rate:.0%} does not pay for its cost")
