@@ -175,8 +175,9 @@ class RoundCosts:
     units of ``T(0)``, so any drafted length informs every other one. The
     once-per-kit measurement (a (k+1)-token verify pass plus k draft steps, at a
     short context) is the prior: its straight line until rounds are timed, then
-    its slope, held until rounds of several lengths have been seen. Ratios to ``T(0)`` make a
-    uniformly slower machine (other work, a longer context) change no decision.
+    its slope, held until rounds of several lengths have been seen. Ratios to
+    ``T(0)`` make a uniformly slower machine (other work, a longer context)
+    change no decision.
     An earlier per-length model interpolated between lengths with evidence, so
     after rounds of only k=0 and k=3 it priced k=1 and 2 near the undrafted
     round and chose them for it."""

@@ -153,8 +153,9 @@ class DraftModelDrafter:
         self.explore_gap = self.explore_every
         self._unresolved: tuple[int, mx.array] | None = None
         self._catch_up = 0  # tokens the draft model processed before this round's drafts
-        self._reach_cap = costs.MAX_DRAFT  # longest draft after the last round (see observe)
-        self._rejected = False  # whether the last drafted round had a draft rejected
+        # How far the last drafted round got (accepted + 1) if it had a draft
+        # rejected, else None; bounds the next draft (see observe).
+        self._rejected_at: int | None = None
         self._timing_wait = 0  # rounds an undrafted timing has waited for a rejection
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
@@ -177,10 +178,12 @@ class DraftModelDrafter:
             # takes more than max_timing_wait rounds (in a burst of accepts an
             # undrafted round gives up a whole round's worth of tokens).
             self._timing_wait += 1
-            if self._rejected or self._timing_wait > self.max_timing_wait:
+            if self._rejected_at is not None or self._timing_wait > self.max_timing_wait:
                 self._timing_wait = 0
                 return 0
-        max_k = min(limit, costs.MAX_DRAFT, self._reach_cap)
+        max_k = min(limit, costs.MAX_DRAFT)
+        if self._rejected_at is not None:
+            max_k = min(max_k, 2 * self._rejected_at + 2)
         k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k)
         if k == 0:
             self.idle_rounds += 1
@@ -240,8 +243,7 @@ class DraftModelDrafter:
             # acceptance learned deep inside the burst that just ended is stale
             # there (replay: long drafts kept failing at the first token or two
             # for several rounds after each burst on open-gen and code-edit).
-            self._rejected = accepted < drafted
-            self._reach_cap = 2 * (accepted + 1) + 2 if self._rejected else costs.MAX_DRAFT
+            self._rejected_at = accepted + 1 if accepted < drafted else None
         if drafted and self._catch_up > self.steady_catch_up:
             # The draft model first caught up on tokens decoded without it: a
             # one-off cost of resuming drafting, not what a round of this length
