@@ -15,7 +15,10 @@ machine: the cost measurement sees any other load.
 
 The adaptive policy replayed is the engine's own ``DraftModelDrafter.num_tokens``
 (with fixed round costs: nothing is timed here). Used to choose the acceptance
-model's decay; see docs/decoding.md.
+model's decay; see docs/decoding.md. Two references frame it: the best fixed
+length in hindsight and the oracle (every round's length chosen knowing the
+accept lengths), and one learner, ``FollowTheLeader``, shows what learning a
+fixed length online costs even with full information.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def replay(lengths: list[int], round_cost: list[float], policy) -> float:
     """Tokens per undrafted-round time when ``policy.num_tokens`` picks each round's k."""
     t, tokens, spent = 0, 0, 0.0
     while t < len(lengths):
+        if hasattr(policy, "reveal"):
+            policy.reveal(lengths, t)
         k = policy.num_tokens(costs.MAX_DRAFT)
         accepted = min(k, lengths[t])
         tokens += accepted + 1
@@ -74,6 +79,55 @@ def replay(lengths: list[int], round_cost: list[float], policy) -> float:
         t += accepted + 1
         policy.observe(k, accepted, None)
     return tokens / spent
+
+
+def oracle(lengths: list[int], round_cost: list[float]) -> float:
+    """The best any policy can do: each round's k chosen knowing every accept
+    length (by dynamic programming over positions, least time to the end)."""
+    n = len(lengths)
+    best = [0.0] * (n + 1)  # time from position t to the end
+    for t in range(n - 1, -1, -1):
+        best[t] = min(cost + best[min(n, t + min(k, lengths[t]) + 1)] for k, cost in enumerate(round_cost))
+    return n / best[0]
+
+
+class FollowTheLeader:
+    """A full-information learner of a fixed length: every round it drafts the
+    length in ``ks`` that would have done best on the output so far. It sees
+    more than any real policy can (whether the draft model's next token was right
+    at every position revealed so far, drafted or not) and starts at k=3, so it
+    bounds what learning one length online buys over a fixed choice."""
+
+    def __init__(self, round_cost: list[float], ks: range = range(0, 9), start: int = 3):
+        self.round_cost = round_cost
+        self.ks = ks
+        self.k = start
+        self.rate = {k: 0.0 for k in ks}
+
+    def reveal(self, lengths: list[int], t: int) -> None:
+        """Positions before ``t`` are known: replay every length on them."""
+        hit = [n >= 1 for n in lengths[:t]]  # the draft model's next token was right there
+        for k in self.ks:
+            pos = tokens = 0
+            spent = 0.0
+            while pos < t:
+                run = 0
+                while run < k and pos + run < t and hit[pos + run]:
+                    run += 1
+                if run < k and pos + run == t:
+                    break  # this round's outcome lies beyond what is known
+                tokens += run + 1
+                spent += self.round_cost[k]
+                pos += run + 1
+            self.rate[k] = tokens / spent if spent else 0.0
+        if t and max(self.rate.values()) > 0:
+            self.k = max(self.ks, key=lambda k: (self.rate[k], -k))
+
+    def num_tokens(self, limit: int) -> int:
+        return min(self.k, limit)
+
+    def observe(self, drafted: int, accepted: int, seconds: float | None) -> None:
+        pass
 
 
 def _parse_line(item: str) -> tuple[int, tuple[float, float]]:
@@ -124,9 +178,11 @@ def main(argv: list[str] | None = None) -> None:
             drafter.acceptance = costs.AcceptanceModel(0.6, decay=decay)
             return drafter
         policies[f"adaptive d={decay:g}"] = adaptive
-    print("| workload | mean accept length | " + " | ".join(policies) + " |")
-    print("|---|---:|" + "---:|" * len(policies))
-    logs = {name: [] for name in policies}
+    policies["follow-the-leader"] = lambda rounds: FollowTheLeader([t / rounds.prior[0] for t in rounds.prior])
+    extra = ["best fixed k", "oracle"]
+    print("| workload | mean accept length | " + " | ".join([*policies, *extra]) + " |")
+    print("|---|---:|" + "---:|" * (len(policies) + len(extra)))
+    logs = {name: [] for name in [*policies, *extra]}
     for w in workloads:
         sequence = w.prompt + greedy(kit, w.prompt, args.tokens + costs.MAX_DRAFT)
         lengths = accept_lengths(kit.draft.model, sequence, len(w.prompt), args.tokens)
@@ -142,10 +198,15 @@ def main(argv: list[str] | None = None) -> None:
             rounds = costs.RoundCosts(cm, draft_step / cm.step())
         round_cost = [t / rounds.prior[0] for t in rounds.prior]
         row = {name: replay(lengths, round_cost, make(rounds)) for name, make in policies.items()}
+        fixed = {k: replay(lengths, round_cost, Fixed(k)) for k in range(costs.MAX_DRAFT + 1)}
+        best_k = max(fixed, key=fixed.get)
+        row["best fixed k"], row["oracle"] = fixed[best_k], oracle(lengths, round_cost)
         for name, v in row.items():
             logs[name].append(math.log(v))
         mean_length = sum(lengths) / len(lengths)
-        print(f"| {w.name} | {mean_length:.2f} | " + " | ".join(f"{v:.2f}" for v in row.values()) + " |")
+        cells = [f"{v:.2f}" for v in row.values()]
+        cells[-2] += f" (k={best_k})"
+        print(f"| {w.name} | {mean_length:.2f} | " + " | ".join(cells) + " |")
     print("| geomean | | " + " | ".join(f"{math.exp(sum(v) / len(v)):.3f}" for v in logs.values()) + " |")
 
 

@@ -35,6 +35,7 @@ from tqdm import tqdm  # noqa: E402
 from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
 from . import systems as S  # noqa: E402
+from .stats import paired_ratio  # noqa: E402
 from . import workloads as W  # noqa: E402
 from .workloads import Workload, build_workloads  # noqa: E402
 
@@ -251,6 +252,10 @@ def analyse(models: S.Models, systems: list[S.System], workloads: list[Workload]
                 row["drafted_per_run"] = drafted / len(rs)
             else:
                 row["acceptance"] = None
+            if s.peer is not None and s.peer in runs[w.name]:
+                # Same rounds, back to back: the per-round ratio cancels the machine's drift.
+                pr = paired_ratio([r.gen_tps for r in rs], [r.gen_tps for r in runs[w.name][s.peer]])
+                row["vs_peer"] = {"peer": s.peer, **pr._asdict(), "verdict": pr.verdict}
             row["exact"] = all(r.tokens == base for r in rs)
             row["deterministic"] = all(r.tokens == rs[0].tokens for r in rs)
             if s.name == S.BASELINE:
@@ -307,6 +312,38 @@ def _reps(rows: list[dict]) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
+def _render_peers(rows: list[dict], names: list[str], workloads: list[str]) -> list[str]:
+    """Engine systems against the mlx-lm system doing the same job, round by round."""
+    by = {(r["workload"], r["system"]): r.get("vs_peer") for r in rows}
+    pairs = [n for n in names if any(by.get((w, n)) for w in workloads)]
+    if not pairs:
+        return []
+    peer_of = {n: next(by[(w, n)]["peer"] for w in workloads if by.get((w, n))) for n in pairs}
+    out = ["\n### Against mlx-lm doing the same job (paired rounds)\n",
+           "Geometric mean over measured rounds of (engine tok/s ÷ peer tok/s in the same round), with a 95% "
+           "bootstrap interval over rounds: **ahead** or **behind** only when the whole interval is on that side "
+           "of 1, else level. Pairing within a round cancels most of the machine's drift, so these are tighter "
+           "than ratios of medians.\n",
+           "| workload | " + " | ".join(f"{n} ÷ {peer_of[n]}" for n in pairs) + " |",
+           "|---|" + "---:|" * len(pairs)]
+    tally = {n: {"ahead": 0, "level": 0, "behind": 0, "?": 0} for n in pairs}
+    for wn in workloads:
+        cells = []
+        for n in pairs:
+            v = by.get((wn, n))
+            if not v:
+                cells.append("–")
+                continue
+            tally[n][v["verdict"]] += 1
+            ci = f" ({v['low']:.2f}-{v['high']:.2f})" if v["low"] is not None else ""
+            mark = {"ahead": " **ahead**", "behind": " **behind**"}.get(v["verdict"], "")
+            cells.append(f"{v['ratio']:.2f}{ci}{mark}")
+        out.append(f"| {wn} | " + " | ".join(cells) + " |")
+    out.append("| ahead / level / behind | " + " | ".join(
+        f"{t['ahead']} / {t['level']} / {t['behind']}" for t in tally.values()) + " |")
+    return out
+
+
 def render_markdown(report: dict) -> str:
     """The results section: summary, ratio matrix, details, divergences."""
     rows, summary, systems = report["rows"], report["summary"], report["systems"]
@@ -339,6 +376,7 @@ def render_markdown(report: dict) -> str:
         cells = [f"{_f(by[(wn, n)]['gen_ratio'], '{:.2f}x')}{'' if by[(wn, n)]['exact'] else '*'}"
                  for n in names if n != S.BASELINE]
         out.append(f"| {wn} | {base['prompt_tokens']} | {_f(base['gen_tps'])} | " + " | ".join(cells) + " |")
+    out.extend(_render_peers(rows, names, workloads))
     out.append("\n### Details\n")
     out.append("Prompt tok/s = prompt tokens ÷ TTFT (cached prefix tokens count, so cache reuse shows up here); "
                "e2e = mlx-lm's total time ÷ this system's; acceptance = accepted ÷ drafted tokens.\n")
@@ -471,6 +509,9 @@ def render_docs(report: dict, results_md: str, out_dir: Path, docs_path: Path) -
           if "pystd" in models["target"]["path"] else []),
         "- The CPU is shared with other work (see the load average above), so numbers are noisy: treat differences "
         "of a few percent as noise, and compare ratios from the same run rather than absolute tok/s across runs.",
+        "- **Against mlx-lm doing the same job** pairs each engine system with its mlx-lm counterpart "
+        "(`engine-plain` with `mlx-lm`, the draft-model modes with `mlx-lm-spec`) round by round "
+        "(`bench/stats.py`): the geometric mean of per-round ratios, with a 95% bootstrap interval over rounds.",
         "",
         "## Results",
         "",

@@ -32,6 +32,8 @@ class System:
     kwargs: dict[str, Any]
     description: str
     needs_draft: bool = False
+    #: The mlx-lm system doing the same job, compared round by round in the report.
+    peer: str | None = None
 
 
 BASELINE = "mlx-lm"
@@ -40,11 +42,12 @@ SYSTEMS: list[System] = [
     System("mlx-lm", "mlx-lm", {}, "mlx_lm.stream_generate, greedy (baseline)"),
     System("mlx-lm-spec", "mlx-lm", {"num_draft_tokens": MLX_LM_DRAFT_TOKENS},
            f"mlx_lm.stream_generate with draft_model, num_draft_tokens={MLX_LM_DRAFT_TOKENS}", needs_draft=True),
-    System("engine-plain", "engine", {"speculative_decoding_toggle": False}, "engine, plain decoding"),
+    System("engine-plain", "engine", {"speculative_decoding_toggle": False}, "engine, plain decoding",
+           peer="mlx-lm"),
     System("engine-draft", "engine", {"speculative_decoding_toggle": True},
-           "engine, draft model, adaptive draft length", needs_draft=True),
+           "engine, draft model, adaptive draft length", needs_draft=True, peer="mlx-lm-spec"),
     System("engine-draft-k3", "engine", {"speculative_decoding_toggle": True, "num_draft_tokens": 3},
-           "engine, draft model, num_draft_tokens=3", needs_draft=True),
+           "engine, draft model, num_draft_tokens=3", needs_draft=True, peer="mlx-lm-spec"),
     System("engine-lookup", "engine", {"prompt_lookup_num_tokens": 8, "speculative_decoding_toggle": False},
            "engine, prompt lookup (8 tokens)"),
     System("engine-auto", "engine", {"auto_speculative": True}, "engine, auto_speculative=True (draft loaded)",
