@@ -324,6 +324,21 @@ def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(r
         assert router.mode == "draft_model" and not stats.mode_switches
 
 
+def test_router_with_a_draft_model_tries_lookup_with_shadow_drafts_instead_of_a_probe():
+    prompt = list(range(50)) * 8  # long and repetitive: worth trying prompt lookup
+    assert AutoRouter(prompt, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8)).mode == "probe"
+    stats = GenerationStats()
+    router = AutoRouter(prompt, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft())
+    assert router.mode == "draft_model" and "shadow drafts" in stats.mode_reason
+    history = list(prompt)
+    for _ in range(30):  # the text keeps repeating: the free shadow drafts find it
+        router.propose(history, 8)
+        router.observe(1, 0)
+        history.append(history[-50])
+    assert router.mode == "prompt_lookup", stats.mode_switches
+    assert "shadow drafts" in stats.mode_switches[-1]
+
+
 def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadows_promised():
     stats = GenerationStats()
     history = list(range(1000, 1100))
