@@ -1,6 +1,7 @@
 """Run the benchmark: ``python -m bench.run [--quick] [--out bench/results]``.
 
-For every workload the systems run interleaved (A B C A B C ...): one warm-up
+For every workload the systems run interleaved, the order rotating each round
+(A B C, B C A, C A B, ...) so no system always runs in the same place: one warm-up
 round, then ``reps`` measured rounds; medians are reported. Outputs:
 ``<out>/latest.json``, ``<out>/latest.md``, ``<out>/ratios.png`` and
 ``docs/benchmarks.md``.
@@ -151,8 +152,11 @@ def measure(models: S.Models, systems: list[S.System], workloads: list[Workload]
 
     A global warm-up (every system once on the shortest prompt) comes first, so
     one-off costs such as the engine's forward-cost measurement are never timed.
-    Then rounds sweep every workload, systems interleaved within each (A B C, A B
-    C, ...); warm-up rounds generate only ``WARMUP_TOKENS`` tokens. Once
+    Then rounds sweep every workload, systems interleaved within each, in an order
+    that rotates by one each round (A B C, B C A, ...): running right after a
+    given system or first in a round can cost a few percent (a fixed A-then-B
+    order measured B 3% slower on identical work), and rotation spreads that over
+    every system. Warm-up rounds generate only ``WARMUP_TOKENS`` tokens. Once
     ``budget_s`` (seconds for this whole function) is spent, the rest of a
     warm-up round is skipped and measuring stops after the first measured round,
     so every workload x system is measured at least once."""
@@ -173,7 +177,8 @@ def measure(models: S.Models, systems: list[S.System], workloads: list[Workload]
                 if over() and (warm or measured >= 1):
                     break
                 bar.set_postfix_str(f"{'warm-up' if warm else f'round {measured + 1}'}: {w.name}")
-                for s in systems:
+                shift = rnd % len(systems)
+                for s in systems[shift:] + systems[:shift]:
                     r = S.run(models, s, w.prompt, min(WARMUP_TOKENS, plan.max_tokens) if warm else plan.max_tokens,
                               setup=w.setup, setup_tokens=w.setup_tokens)
                     if not warm:
@@ -353,7 +358,7 @@ def render_markdown(report: dict) -> str:
     out: list[str] = []
     cfg = report["config"]
     out.append(f"Run: `{cfg['command']}` — {cfg['max_tokens']} new tokens, greedy, {cfg['warmup']} warm-up + "
-               f"{_reps(rows)} measured rounds per workload (systems interleaved), medians; "
+               f"{_reps(rows)} measured rounds per workload (systems interleaved, order rotating each round), medians; "
                f"{report['machine']['date']}, {report['elapsed_s']:.0f} s.\n")
     out.append("### Summary (geometric means over workloads)\n")
     out.append("| system | what | gen tok/s vs mlx-lm | end-to-end speedup | exact |")
