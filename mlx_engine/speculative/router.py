@@ -222,17 +222,18 @@ class AutoRouter:
         if k == 0:
             self._enter(self._fallback_mode(), f"lookup acceptance fell to {rate:.0%}; no draft length pays")
             return
-        replaced = self._replaced_draft_speedup
-        delivered = costs.best_draft_length(self.lookup_own, self.lookup_costs, self.max_lookup)[1]
-        if replaced is not None and delivered * self.s.switch_margin < replaced:
-            self._lookup_retired = True
-            self._replaced_draft_speedup = None
-            self._enter(
-                "draft_model",
-                f"lookup delivers x{delivered:.2f} ({rate:.0%} accepted) against the draft model's x{replaced:.2f}; "
-                "no more switches to lookup in this request",
-            )
-            return
+        if (replaced := self._replaced_draft_speedup) is not None:
+            # Only a switch from the draft model is checked: against what it replaced.
+            delivered = costs.best_draft_length(self.lookup_own, self.lookup_costs, self.max_lookup)[1]
+            if delivered * self.s.switch_margin < replaced:
+                self._lookup_retired = True
+                self._replaced_draft_speedup = None
+                self._enter(
+                    "draft_model",
+                    f"lookup delivers x{delivered:.2f} ({rate:.0%} accepted) against the draft model's "
+                    f"x{replaced:.2f}; no more switches to lookup in this request",
+                )
+                return
         self.lookup_k = k
         if self.rounds >= 4 * self.s.watch_rounds:
             # Keep the evidence recent so a change in the text is noticed.
