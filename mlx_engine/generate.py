@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 import uuid
+from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -23,7 +25,7 @@ from .results import (
     Token,
     TopLogprob,
 )
-from .sampling import SamplingParams, build_logits_processors, build_sampler, validate_sampling
+from .sampling import SamplingParams, build_logits_processors, build_sampler, validate_sampling, validate_seed
 from .speculative import costs
 from .speculative.draft_model import (
     DraftModelDrafter,
@@ -70,9 +72,7 @@ def load_model(
     config = loading.read_config(path)
     if max_image_pixels is not None:
         validate_max_image_pixels(max_image_pixels)
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if (seed := validate_seed(seed)) is not None:
         mx.random.seed(seed)
     if loading.is_vision_config(config):
         kit_class, extra = VisionModelKit, {"max_image_pixels": max_image_pixels}
@@ -189,6 +189,7 @@ def create_generator(
         repetition_context_size=repetition_context_size,
         seed=seed,
         top_logprobs=top_logprobs,
+        vocab_size=kit.vocab_size,
     )
     stops = StopStringMatcher.validate(stop_strings)
     for name, cb in (("prompt_progress_callback", prompt_progress_callback), ("stats_callback", stats_callback)):
@@ -233,8 +234,17 @@ def _require_idle(kit: ModelKit) -> None:
 
 
 def _validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
+    """The prompt as a list of Python ints. Any sequence of integers is accepted
+    (ints, numpy or MLX integer scalars, a 1-D integer array); text, mappings and
+    sets are refused."""
     if isinstance(prompt_tokens, (str, bytes)):
         raise ValueError("prompt_tokens must be a list of token ids; use tokenize(kit, text) for text")
+    if isinstance(prompt_tokens, (Mapping, Set)):
+        raise ValueError(f"prompt_tokens must be a sequence of token ids, got a {type(prompt_tokens).__name__}")
+    if getattr(prompt_tokens, "ndim", 1) != 1:
+        raise ValueError(f"prompt_tokens must be one-dimensional, got shape {tuple(prompt_tokens.shape)}")
+    if isinstance(prompt_tokens, mx.array):
+        prompt_tokens = prompt_tokens.tolist()
     try:
         prompt = list(prompt_tokens)
     except TypeError:
@@ -242,12 +252,27 @@ def _validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
     if not prompt:
         raise ValueError("prompt_tokens must not be empty")
     vocab = kit.vocab_size
+    ids = []
     for i, t in enumerate(prompt):
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise ValueError(f"prompt_tokens must be integers; item {i} is {t!r}")
+        t = _token_id(t)
+        if t is None:
+            raise ValueError(f"prompt_tokens must be integers; item {i} is {prompt[i]!r}")
         if not 0 <= t < vocab:
             raise ValueError(f"prompt_tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
-    return [int(t) for t in prompt]
+        ids.append(t)
+    return ids
+
+
+def _token_id(t) -> int | None:
+    """``t`` as an int if it is an integer (Python, numpy or a 0-d integer array)."""
+    if isinstance(t, bool):
+        return None
+    if isinstance(t, numbers.Integral):
+        return int(t)
+    dtype = getattr(t, "dtype", None)
+    if getattr(t, "ndim", None) == 0 and dtype is not None and "int" in str(dtype) and "bool" not in str(dtype):
+        return int(t.item())
+    return None
 
 
 def _choose_mode(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, lookup_ngrams, auto) -> dict:
@@ -378,6 +403,7 @@ def _generate(
             raise GenerationInProgressError(f"generation {act.active!r} is still running on this kit")
         act.active = request_id
     steps = None
+    model_work = False  # whether the caches may hold a half-recorded forward pass
     try:
         stats = GenerationStats(prompt_tokens=len(prompt))
         t_start = time.perf_counter()
@@ -392,6 +418,7 @@ def _generate(
         # Build the drafter first: the draft model's prompt is prefilled too.
         drafter, draft_drafter = _make_drafter(kit, prompt, mode, stats)
         main_todo = prompt[stats.cached_tokens : -1]
+        model_work = True
         try:
             _process_prompt(kit, prompt, main_todo, draft_drafter, progress_cb, lambda: request_id in act.cancelled)
         except _Cancelled:
@@ -455,9 +482,11 @@ def _generate(
     except CallbackError:
         raise  # raised between prompt chunks or at the end: caches are consistent
     except Exception:
-        # An unexpected failure may have left a forward pass half-recorded; start
-        # the next request from clean caches rather than risk reusing a bad one.
-        _reset_caches(kit)
+        # An unexpected failure during model work may have left a forward pass
+        # half-recorded; start the next request from clean caches rather than
+        # risk reusing a bad one. A failure before it leaves the caches as they were.
+        if model_work:
+            _reset_caches(kit)
         raise
     finally:
         if steps is not None:

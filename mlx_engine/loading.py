@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import ModelLoadError
+from .model_checks import check_config_fields, check_weights_match_config
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ def offline() -> Iterator[None]:
 def resolve_model_dir(model_path: str | os.PathLike, what: str = "model_path") -> Path:
     if not isinstance(model_path, (str, os.PathLike)):
         raise ValueError(f"{what} must be a path to a local model directory, got {model_path!r}")
+    if not str(model_path).strip():
+        raise ValueError(f"{what} must not be empty (an empty path would mean the current directory)")
     path = Path(model_path).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -86,6 +89,7 @@ def read_config(path: Path) -> dict:
         raise ModelLoadError(f"config.json in {str(path)!r} must hold a JSON object")
     if "model_type" not in config:
         raise ModelLoadError(f"config.json in {str(path)!r} has no 'model_type'")
+    check_config_fields(config, path)
     return config
 
 
@@ -98,7 +102,7 @@ def check_architecture(config: dict, path: Path) -> None:
 
     try:
         _get_classes(config)
-    except ValueError as exc:
+    except (ValueError, AttributeError, ImportError, TypeError) as exc:
         raise ModelLoadError(
             f"unsupported model type {config.get('model_type')!r} in {str(path)!r}: mlx-lm has no implementation for it"
         ) from exc
@@ -117,8 +121,10 @@ def load_tokenizer(path: Path):
 def load_weights(path: Path, trust_remote_code: bool) -> tuple[nn.Module, dict]:
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    if not glob.glob(str(path / "model*.safetensors")):
+    files = sorted(glob.glob(str(path / "model*.safetensors")))
+    if not files:
         raise ModelLoadError(f"no model*.safetensors weights in {str(path)!r}")
+    check_weights_match_config(read_config(path), path, [Path(f) for f in files])
     try:
         with offline():
             model, config = mlx_lm_load_model(path, lazy=False, trust_remote_code=trust_remote_code)

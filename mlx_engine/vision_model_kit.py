@@ -35,6 +35,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from . import loading
 from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
+from .model_checks import check_weights_match_config
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
 from .model_kit import ModelKit, PromptPlan, _Activity, _validate_kv_options, param_count
 
@@ -190,6 +191,13 @@ class VisionModelKit(ModelKit):
             )
         if images and prompt[-1] == self.placeholder_id:
             raise ValueError("prompt_tokens must not end with an image placeholder; put text after the image (chat templates do)")
+        for i, img in enumerate(images):
+            # Run the model's image processor now, so an image it refuses (e.g. an
+            # extreme aspect ratio) fails here, naming the item, not mid-request.
+            try:
+                self._image_entry(img)
+            except Exception as exc:
+                raise ValueError(f"images_b64[{i}] was refused by the model's image processor: {exc}") from exc
         return images
 
     def plan_prompt(self, prompt: list[int], images: list[DecodedImage] | None) -> VisionPromptPlan:
@@ -343,8 +351,10 @@ def load_vlm(path: Path, trust_remote_code: bool):
     from mlx_vlm.utils import load_model as vlm_load_model
     from mlx_vlm.utils import load_processor
 
-    if not glob.glob(str(path / "*.safetensors")):
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
         raise ModelLoadError(f"no *.safetensors weights in {str(path)!r}")
+    check_weights_match_config(loading.read_config(path), path, [Path(f) for f in files])
     try:
         with loading.offline():
             model = vlm_load_model(path, lazy=False, trust_remote_code=trust_remote_code)
