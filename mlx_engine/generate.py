@@ -6,13 +6,14 @@ import logging
 import numbers
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from . import loading
+from . import loading, worker
 from .errors import CallbackError, GenerationInProgressError
 from .images import validate_max_image_pixels
 from .model_kit import ModelKit
@@ -67,7 +68,44 @@ def load_model(
     ``compute_dtype="auto"`` computes unquantized half-precision weights in
     float32 on the CPU, where that is several times faster; ``"native"`` keeps
     the stored dtype. A directory whose config.json has ``vision_config`` gives a
-    ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images."""
+    ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images.
+    The kit's MLX work runs on its own engine thread (docs/reliability.md)."""
+    options = dict(max_kv_size=max_kv_size, vocab_only=vocab_only, trust_remote_code=trust_remote_code,
+                   kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+                   seed=seed, compute_dtype=compute_dtype, max_image_pixels=max_image_pixels)
+    thread = worker.acquire()
+    try:
+        kit = thread.call(_load_model, model_path, **options)
+    except BaseException:
+        worker.release(thread)
+        raise
+    _attach_worker(kit, thread)
+    return kit
+
+
+def _attach_worker(kit: ModelKit, thread: worker.MLXWorker) -> worker.MLXWorker:
+    kit._worker = thread
+    weakref.finalize(kit, worker.release, thread)  # the thread serves another kit once this one is gone
+    return thread
+
+
+def _worker_of(kit: ModelKit) -> worker.MLXWorker:
+    return kit._worker or _attach_worker(kit, worker.acquire())
+
+
+def _load_model(
+    model_path: str | Path,
+    *,
+    max_kv_size: int | None,
+    vocab_only: bool,
+    trust_remote_code: bool,
+    kv_bits: int | None,
+    kv_group_size: int | None,
+    quantized_kv_start: int | None,
+    seed: int | None,
+    compute_dtype: str | None,
+    max_image_pixels: int | None,
+) -> ModelKit:
     path = loading.resolve_model_dir(model_path)
     config = loading.read_config(path)
     if max_image_pixels is not None:
@@ -100,16 +138,22 @@ def tokenize(kit: ModelKit, prompt: str) -> list[int]:
 
 
 def unload(kit: ModelKit) -> None:
-    """Free the model, draft model and caches. The kit cannot generate afterwards."""
-    kit.unload()
+    """Free the model, draft model and caches. The kit cannot generate afterwards.
+    Refused with ``GenerationInProgressError`` while a generation is open: stop
+    or close it first."""
+    if not isinstance(kit, ModelKit):
+        raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
+    _require_idle(kit)
+    _worker_of(kit).call(kit.unload)
 
 
 def load_draft_model(kit: ModelKit, path: str | Path) -> None:
     """Load a draft model for speculative decoding; raises
-    ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit."""
+    ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit.
+    All or nothing: when loading fails, the previous draft model stays loaded."""
     _require_model(kit)
     _require_idle(kit)
-    load_draft(kit, path)
+    _worker_of(kit).call(load_draft, kit, path)
 
 
 def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
@@ -120,7 +164,7 @@ def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
 def unload_draft_model(kit: ModelKit) -> None:
     """Release the draft model (no-op when none is loaded); the main cache stays."""
     _require_idle(kit)
-    unload_draft(kit)
+    _worker_of(kit).call(unload_draft, kit)
 
 
 def stop_generation(kit: ModelKit, request_id: str) -> bool:
@@ -173,8 +217,44 @@ def create_generator(
     ``GenerationInProgressError``. Decoding modes are described in docs/decoding.md.
     ``images_b64`` (vision kits, docs/vision.md): base64 images, one per image
     placeholder token in ``prompt_tokens``, decoded and checked here.
+    The generation runs on the kit's engine thread; callbacks are called there.
     """
     _require_model(kit)
+    if isinstance(prompt_tokens, mx.array):
+        prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
+    args = {k: v for k, v in locals().items() if k not in ("kit", "prompt_tokens")}
+    thread = _worker_of(kit)
+    return worker.WorkerIterator(thread, thread.call(_create_generator, kit, prompt_tokens, **args))
+
+
+def _create_generator(
+    kit: ModelKit,
+    prompt_tokens: list[int],
+    *,
+    max_tokens: int,
+    temp: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    min_tokens_to_keep: int | None,
+    repetition_penalty: float | None,
+    repetition_context_size: int,
+    seed: int | None,
+    stop_strings: list[str] | None,
+    top_logprobs: int | None,
+    prompt_progress_callback: ProgressCallback | None,
+    stats_callback: StatsCallback | None,
+    request_id: str | None,
+    num_draft_tokens: int | None,
+    speculative_decoding_toggle: bool | None,
+    prompt_lookup_num_tokens: int | None,
+    prompt_lookup_min_ngram: int,
+    prompt_lookup_max_ngram: int,
+    prompt_lookup_num_candidates: int,
+    auto_speculative: bool,
+    images_b64: list[str] | None,
+) -> Iterator[GenerationResult]:
+    """create_generator's checks and the generator, on the kit's engine thread."""
     prompt = _validate_prompt(kit, prompt_tokens)
     images = kit.decode_images(prompt, images_b64)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
@@ -420,7 +500,7 @@ def _generate(
         main_todo = prompt[stats.cached_tokens : -1]
         model_work = True
         try:
-            _process_prompt(kit, prompt, main_todo, draft_drafter, progress_cb, lambda: request_id in act.cancelled)
+            _process_prompt(kit, prompt, main_todo, draft_drafter, progress_cb, lambda: _stop_requested(act, request_id))
         except _Cancelled:
             stats.total_time = time.perf_counter() - t_start
             yield _final(GenerationResult("", []), "user_cancelled", stats, stats_cb)
@@ -453,7 +533,7 @@ def _generate(
         for step in steps:
             if t_first is None:
                 t_first = time.perf_counter()
-            if request_id in act.cancelled:
+            if _stop_requested(act, request_id):
                 yield finish(stream.finish().text, [], None, "user_cancelled")
                 return
             n_generated += 1
@@ -495,6 +575,11 @@ def _generate(
             act.active = None
             act.known.discard(request_id)
             act.cancelled.discard(request_id)
+
+
+def _stop_requested(act, request_id: str) -> bool:
+    """Cancelled by stop_generation, or the process is exiting."""
+    return request_id in act.cancelled or worker.shutting_down.is_set()
 
 
 def _reset_caches(kit: ModelKit) -> None:

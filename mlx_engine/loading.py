@@ -108,12 +108,14 @@ def check_architecture(config: dict, path: Path) -> None:
         ) from exc
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The tokenizer, never running code from the folder unless trust_remote_code
+    (passed explicitly, so transformers never asks on stdin)."""
     from mlx_lm.utils import _load_tokenizer, _tokenizer_defaults
 
     try:
         with offline():
-            return _load_tokenizer(path, None, defaults=_tokenizer_defaults(path))
+            return _load_tokenizer(path, {"trust_remote_code": bool(trust_remote_code)}, defaults=_tokenizer_defaults(path))
     except Exception as exc:
         raise ModelLoadError(f"could not load the tokenizer from {str(path)!r}: {exc}") from exc
 

@@ -51,6 +51,8 @@ class _Activity:
 class ModelKit:
     """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
 
+    _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
+
     def __init__(
         self,
         model_path: str | Path,
@@ -71,7 +73,7 @@ class ModelKit:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size or 64
         self.quantized_kv_start = quantized_kv_start or 0
-        self.tokenizer = loading.load_tokenizer(self.model_path)
+        self.tokenizer = loading.load_tokenizer(self.model_path, trust_remote_code)
         self.eos_token_ids = loading.eos_token_ids(self.tokenizer)
         self.vocab_only = vocab_only
         self.model: nn.Module | None = None
@@ -88,6 +90,7 @@ class ModelKit:
         self.compute_dtype = loading.choose_compute_dtype(self.model, compute_dtype)
         if self.compute_dtype is not None:
             self.model.set_dtype(self.compute_dtype)
+        materialize(self.model)
         if kv_bits is not None:
             head_dim = _head_dim(self.config)
             if head_dim is not None and head_dim % self.kv_group_size:
@@ -136,6 +139,18 @@ class ModelKit:
         self.draft = None
         self.cost_model = None
         mx.clear_cache()
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds (parameters, and private arrays such
+    as RoPE frequencies), so nothing computed at load is left lazy: MLX streams
+    are per thread, and a lazy array cannot be evaluated on another thread."""
+    arrays = []
+    for module in model.modules():
+        for value in list(module.values()) + list(vars(module).values()):
+            if isinstance(value, mx.array):
+                arrays.append(value)
+    mx.eval(model.parameters(), arrays)
 
 
 def param_count(model: nn.Module) -> int:

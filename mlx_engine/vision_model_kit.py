@@ -37,7 +37,7 @@ from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
 from .model_checks import check_weights_match_config
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
-from .model_kit import ModelKit, PromptPlan, _Activity, _validate_kv_options, param_count
+from .model_kit import ModelKit, PromptPlan, _Activity, _validate_kv_options, materialize, param_count
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class VisionModelKit(ModelKit):
         self.kv_bits = None
         self.kv_group_size = kv_group_size or 64
         self.quantized_kv_start = quantized_kv_start or 0
-        self.tokenizer = loading.load_tokenizer(self.model_path)
+        self.tokenizer = loading.load_tokenizer(self.model_path, trust_remote_code)
         self.eos_token_ids = loading.eos_token_ids(self.tokenizer) | _config_eos_ids(self.config)
         self.vocab_only = vocab_only
         self.model: VisionLanguageModel | None = None
@@ -155,6 +155,7 @@ class VisionModelKit(ModelKit):
         self.compute_dtype = loading.choose_compute_dtype(self.vlm, compute_dtype)
         if self.compute_dtype is not None:
             self.vlm.set_dtype(self.compute_dtype)
+        materialize(self.vlm)
         self.model = VisionLanguageModel(self.vlm)
         self.num_params = param_count(self.model)
         self.cache = self.new_cache(self.model)
@@ -317,7 +318,9 @@ class VisionModelKit(ModelKit):
             for k, v in out.items()
             if k not in ("input_ids", "attention_mask", "pixel_values", "token_type_ids")
         }
-        return _ImageEntry(expansion, rows, extras, mx.array(out["pixel_values"]))
+        pixel_values = mx.array(out["pixel_values"])
+        mx.eval(pixel_values, extras)  # nothing lazy is kept between requests (MLX streams are per thread)
+        return _ImageEntry(expansion, rows, extras, pixel_values)
 
     def _features(self, entry: _ImageEntry) -> mx.array:
         """The input-embedding rows of an image (vision tower + projector),
