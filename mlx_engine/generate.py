@@ -496,7 +496,9 @@ def _generate(
         cache = kit.cache
         stats.cached_tokens = cache.sync_to(plan.keys[:-1])
         # Build the drafter first: the draft model's prompt is prefilled too.
-        drafter, draft_drafter = _make_drafter(kit, prompt, mode, stats)
+        t_setup = time.perf_counter()
+        drafter, draft_drafter = _make_drafter(kit, prompt, mode, stats)  # may measure costs once per kit
+        stats.setup_time = time.perf_counter() - t_setup
         main_todo = prompt[stats.cached_tokens : -1]
         model_work = True
         try:
@@ -625,7 +627,8 @@ def _finish(result, stop, stats, stats_cb, t_start, t_first, processed_prompt) -
     now = time.perf_counter()
     t_first = t_first or now
     stats.time_to_first_token = t_first - t_start
-    stats.prompt_tps = processed_prompt / stats.time_to_first_token if stats.time_to_first_token > 0 else 0.0
+    prompt_time = stats.time_to_first_token - stats.setup_time
+    stats.prompt_tps = processed_prompt / prompt_time if prompt_time > 0 else 0.0
     if stats.generated_tokens > 1 and now > t_first:
         stats.generation_tps = (stats.generated_tokens - 1) / (now - t_first)
     stats.total_time = now - t_start

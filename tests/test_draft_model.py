@@ -348,3 +348,16 @@ def test_failed_draft_load_keeps_the_previous_draft(llama_path, draft_path, tmp_
     prompt = me.tokenize(kit, "for i in range(10):\n")
     ids, final = generate_ids(kit, prompt, max_tokens=8, num_draft_tokens=2)
     assert final.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(num_draft_tokens=3), dict(prompt_lookup_num_tokens=4, speculative_decoding_toggle=False)])
+def test_seeded_sampling_is_reproducible_with_a_fixed_draft_length(llama_path, draft_path, mode):
+    """docs/decoding.md#exactness: reproducible where the round lengths do not
+    depend on timings (the adaptive length and auto are documented exceptions)."""
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, draft_path)
+    prompt = me.tokenize(kit, "for i in range(10):\n    print(i)\n" * 3)
+    if "num_draft_tokens" not in mode:
+        mode = dict(mode, speculative_decoding_toggle=False)
+    runs = [generate_ids(kit, prompt, max_tokens=24, temp=0.8, seed=3, **mode)[0] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
