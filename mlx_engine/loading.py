@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import ModelLoadError
-from .model_checks import check_config_fields, check_weights_match_config
+from .model_checks import check_config_fields, check_model_files, check_weights_match_config
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ def resolve_model_dir(model_path: str | os.PathLike, what: str = "model_path") -
 
 
 def read_config(path: Path) -> dict:
+    check_model_files(path)
     try:
         with open(path / "config.json", encoding="utf-8") as f:
             config = json.load(f)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -30,6 +31,31 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 
 # Indices of repeated blocks in weight names ("model.layers.3.mlp...", "transformer.h.3...").
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _NOT_TEXT_LAYERS = re.compile(r"vision|visual|audio|image|mm_|multi_modal|projector|mtp", re.IGNORECASE)
+
+
+MAX_JSON_BYTES = 512 * 2**20  # config, tokenizer and processor files larger than this are refused
+
+
+def check_model_files(path: Path) -> None:
+    """Every file the loaders may open must be a regular file (symlinks are
+    followed): a name pointing at a device, FIFO or directory (e.g. a
+    ``tokenizer.json`` linked to /dev/zero) would block or grow memory forever
+    when read. Text files larger than MAX_JSON_BYTES are refused."""
+    for entry in sorted(path.iterdir()):
+        name = entry.name
+        if not (name.endswith((".json", ".safetensors", ".jinja", ".txt", ".model", ".tiktoken")) or name == "merges.txt"):
+            continue
+        try:
+            ok = entry.is_file()  # follows symlinks
+            size = entry.stat().st_size if ok else 0
+        except OSError as exc:  # a symlink loop, permissions
+            raise ModelLoadError(f"{str(entry)!r} cannot be read: {exc}") from exc
+        if not ok and os.path.lexists(entry):
+            if entry.is_dir():
+                continue  # a folder named like a file is never opened as one
+            raise ModelLoadError(f"{str(entry)!r} is not a regular file (a device, FIFO or dangling link?)")
+        if ok and not name.endswith(".safetensors") and size > MAX_JSON_BYTES:
+            raise ModelLoadError(f"{str(entry)!r} is {size} bytes; files of this kind are at most {MAX_JSON_BYTES}")
 
 
 def check_config_fields(config: dict, path: Path) -> None:

@@ -63,3 +63,36 @@ def test_tokenizer_code_needs_trust_remote_code(remote_code_model, tmp_path):
     assert "ModelLoadError" in stdout and "custom code" in stdout
     stdout, ran = load_with_stdin(remote_code_model, True, tmp_path)
     assert ran and "loaded CustomTokenizer" in stdout
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "fifo", "directory", "dangling"])
+def test_model_files_that_are_not_regular_files_are_refused(tmp_path, llama_path, target):
+    """A tokenizer.json linked to /dev/zero or a FIFO would be read forever (memory
+    grows, the load never returns); run in a subprocess so a regression fails on
+    its timeout instead of hanging the suite."""
+    d = shutil.copytree(llama_path, tmp_path / "m")
+    (d / "tokenizer.json").unlink()
+    if target == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+        target = tmp_path / "fifo"
+    elif target == "directory":
+        (d / "tokenizer.json").mkdir()
+    elif target == "dangling":
+        target = tmp_path / "nothing-here"
+    if target != "directory":
+        (d / "tokenizer.json").symlink_to(target)
+    code = "import sys, mlx_engine as me\ntry:\n    me.load_model(sys.argv[1])\nexcept me.ModelLoadError as exc:\n    print('ModelLoadError', exc)"
+    out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("ModelLoadError"), out.stdout
+
+
+def test_symlinked_weights_load(tmp_path, llama_path):
+    """Hugging Face cache folders link every file to a blob: links to regular files load."""
+    import mlx_engine as me
+
+    d = tmp_path / "linked"
+    d.mkdir()
+    for f in llama_path.iterdir():
+        (d / f.name).symlink_to(f)
+    assert me.load_model(d).model is not None
