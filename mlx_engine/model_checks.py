@@ -53,7 +53,7 @@ def check_model_files(path: Path) -> None:
         if not ok and os.path.lexists(entry):
             if entry.is_dir():
                 continue  # a folder named like a file is never opened as one
-            raise ModelLoadError(f"{str(entry)!r} is not a regular file (a device, FIFO or dangling link?)")
+            raise ModelLoadError(f"{str(entry)!r} is not a regular file (a device, FIFO, dangling link or symlink loop?)")
         if ok and not name.endswith(".safetensors") and size > MAX_JSON_BYTES:
             raise ModelLoadError(f"{str(entry)!r} is {size} bytes; files of this kind are at most {MAX_JSON_BYTES}")
 

@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from . import loading
 from .cache import SequenceCache
+from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class ModelKit:
         if self.compute_dtype is not None:
             self.model.set_dtype(self.compute_dtype)
         materialize(self.model)
+        smoke_test(self.model, self.model_path)
         if kv_bits is not None:
             head_dim = _head_dim(self.config)
             if head_dim is not None and head_dim % self.kv_group_size:
@@ -151,6 +153,21 @@ def materialize(model: nn.Module) -> None:
             if isinstance(value, mx.array):
                 arrays.append(value)
     mx.eval(model.parameters(), arrays)
+
+
+def smoke_test(model: nn.Module, path: Path) -> None:
+    """Run one token through the model at load, so a config the architecture code
+    cannot run (e.g. a ``rope_theta`` of the wrong type) or non-finite weights fail
+    here with a ``ModelLoadError``, not in the host's first request."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        logits = model(mx.array([[0]], dtype=mx.uint32), cache=make_prompt_cache(model))
+        finite = bool(mx.all(mx.isfinite(logits)).item())
+    except Exception as exc:
+        raise ModelLoadError(f"the model in {str(path)!r} cannot run with its config.json: {type(exc).__name__}: {exc}") from exc
+    if not finite:
+        raise ModelLoadError(f"the model in {str(path)!r} computes NaN or infinite logits: its weights hold NaN/inf values")
 
 
 def param_count(model: nn.Module) -> int:

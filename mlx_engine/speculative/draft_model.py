@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..model_kit import DraftModel, ModelKit, materialize, param_count
+from ..model_kit import DraftModel, ModelKit, materialize, param_count, smoke_test
 from . import costs
 from .loop import DrafterUnavailable
 
@@ -100,6 +100,7 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
     if dtype is not None:
         model.set_dtype(dtype)
     materialize(model)
+    smoke_test(model, draft_path)
     new = DraftModel(draft_path, model, kit.new_cache(model), param_count(model))
     unload_draft(kit)
     kit.draft = new
