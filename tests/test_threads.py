@@ -169,3 +169,32 @@ def test_process_exit_after_threaded_work_does_not_abort(half_path):
     for _ in range(3):
         out = run_exit_script(half_path, 2)
         assert out.returncode == 0 and "done" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+
+def test_an_interrupted_wait_does_not_lose_the_step():
+    """A KeyboardInterrupt while the host waits for a step (Ctrl-C) leaves the
+    step running; the next next() returns its result, none is lost."""
+    import _thread
+
+    from mlx_engine import worker
+
+    started, release = threading.Event(), threading.Event()
+
+    def steps():
+        started.set()
+        release.wait(60)
+        yield "first"
+        yield "second"
+
+    thread = worker.acquire()
+    try:
+        it = worker.WorkerIterator(thread, steps())
+        interrupter = threading.Thread(target=lambda: (started.wait(60), _thread.interrupt_main()))
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        interrupter.join()
+        release.set()
+        assert list(it) == ["first", "second"]
+    finally:
+        worker.release(thread)
