@@ -143,8 +143,7 @@ def unload(kit: ModelKit) -> None:
     or close it first."""
     if not isinstance(kit, ModelKit):
         raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
-    _require_idle(kit)
-    _worker_of(kit).call(kit.unload)
+    _worker_of(kit).call(_when_idle, kit, kit.unload)
 
 
 def load_draft_model(kit: ModelKit, path: str | Path) -> None:
@@ -152,8 +151,7 @@ def load_draft_model(kit: ModelKit, path: str | Path) -> None:
     ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit.
     All or nothing: when loading fails, the previous draft model stays loaded."""
     _require_model(kit)
-    _require_idle(kit)
-    _worker_of(kit).call(load_draft, kit, path)
+    _worker_of(kit).call(_when_idle, kit, load_draft, kit, path)
 
 
 def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
@@ -163,8 +161,7 @@ def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
 
 def unload_draft_model(kit: ModelKit) -> None:
     """Release the draft model (no-op when none is loaded); the main cache stays."""
-    _require_idle(kit)
-    _worker_of(kit).call(unload_draft, kit)
+    _worker_of(kit).call(_when_idle, kit, unload_draft, kit)
 
 
 def stop_generation(kit: ModelKit, request_id: str) -> bool:
@@ -303,6 +300,13 @@ def _require_model(kit: ModelKit) -> None:
         raise ValueError("this kit was loaded with vocab_only=True and cannot generate; load it without vocab_only")
     if kit.model is None:
         raise ValueError("this kit has been unloaded")
+
+
+def _when_idle(kit: ModelKit, fn: Callable, *args) -> None:
+    """Run ``fn`` (on the kit's thread, after any close queued before it) unless a
+    generation is open."""
+    _require_idle(kit)
+    fn(*args)
 
 
 def _require_idle(kit: ModelKit) -> None:

@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 EXIT_WAIT_SECONDS = 30.0  # how long process exit waits for a busy worker to park
 
-_pool_lock = threading.Lock()
+# Reentrant: a kit collected while the pool is being changed releases its worker
+# from inside the garbage collector, on the same thread.
+_pool_lock = threading.RLock()
 _idle: list["MLXWorker"] = []
 _all: list["MLXWorker"] = []
 shutting_down = threading.Event()  # set at process exit: running generations stop
@@ -150,10 +152,17 @@ class WorkerIterator(Iterator[T]):
         self._worker.call(gen.close)
 
     def __del__(self) -> None:
-        if sys.is_finalizing() or shutting_down.is_set():
+        """Close on the worker without waiting: a finalizer may run on any thread,
+        holding any lock. The worker runs calls in order, so the next call to the
+        kit finds the generation closed."""
+        gen, self._gen = self._gen, None
+        if gen is None or sys.is_finalizing() or shutting_down.is_set():
             return
         try:
-            self.close()
+            if self._worker.is_current:
+                gen.close()
+            else:
+                self._worker.submit(gen.close)
         except Exception:  # pragma: no cover - best effort from a finalizer
             logger.exception("closing an abandoned generation failed")
 

@@ -109,8 +109,14 @@ def test_dropping_an_open_generator_frees_the_kit(llama_path):
     prompt = me.tokenize(kit, "def add(a, b):")
     gen = me.create_generator(kit, prompt, max_tokens=50)
     next(gen)
-    del gen  # closed on the kit's thread when collected
+    del gen  # closed on the kit's thread when collected, without waiting
+    me.unload_draft_model(kit)  # queued behind that close on the kit's thread: not refused
     assert generate_ids(kit, prompt, max_tokens=3)[1].stop_condition.stop_reason == "token_limit"
+    gen = me.create_generator(kit, prompt, max_tokens=50)
+    next(gen)
+    del gen
+    me.unload(kit)
+    assert kit.model is None
 
 
 def test_unload_during_a_generation_is_refused(llama_path):
