@@ -109,6 +109,9 @@ def test_unload_releases_draft_memory(llama_path, models_dir):
     kit = me.load_model(llama_path)
     prompt = me.tokenize(kit, TEXT)
     generate_ids(kit, prompt, max_tokens=4)
+    import gc
+
+    gc.collect()  # active memory is process-wide: free earlier tests' garbage first (unloading collects too)
     mx.clear_cache()
     before = mx.get_active_memory()
     me.load_draft_model(kit, big_draft)

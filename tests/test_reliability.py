@@ -160,15 +160,22 @@ def test_memory_is_flat_over_many_generations_and_draft_cycles(llama_path, draft
             active.setdefault(i % period, []).append(mx.get_active_memory())
             peak.setdefault(i % period, []).append(final.stats.peak_memory)
             tps.append(final.stats.generation_tps)
-    # Each kind of run against its own first occurrence after warm-up.
-    active_drift = max(v[-1] / v[0] - 1 for v in active.values())
-    peak_drift = max(v[-1] / v[0] - 1 for v in peak.values())
+    # Each kind of run: the median of its last third against that of its first
+    # third after warm-up (peaks vary a little with how MLX overlaps evaluation;
+    # a leak moves the median).
+    def drift(series: list[int]) -> float:
+        third = max(1, len(series) // 3)
+        first, last = sorted(series[:third]), sorted(series[-third:])
+        return last[len(last) // 2] / first[len(first) // 2] - 1
+
+    active_drift = max(drift(v) for v in active.values())
+    peak_drift = max(drift(v) for v in peak.values())
     a0, a1 = sum(v[0] for v in active.values()) / period, sum(v[-1] for v in active.values()) / period
     w = len(tps) // 10
     t0, t1 = sorted(tps[:w])[w // 2], sorted(tps[-w:])[w // 2]
     report(f"{n_gen} generations after {warm} warm-up, {(n_gen + warm) // period} draft unload/load cycles: "
-           f"active memory {a0 / 2**20:.3f} -> {a1 / 2**20:.3f} MiB (largest drift of a run kind {active_drift:+.2%}), "
-           f"peak memory largest drift {peak_drift:+.2%}; median tok/s first/last tenth {t0:.0f} / {t1:.0f}")
+           f"active memory {a0 / 2**20:.3f} -> {a1 / 2**20:.3f} MiB (largest median drift of a run kind {active_drift:+.2%}), "
+           f"peak memory largest median drift {peak_drift:+.2%}; median tok/s first/last tenth {t0:.0f} / {t1:.0f}")
     assert active_drift <= 0.02, "active memory grew over the run"
     assert peak_drift <= 0.02, "peak memory grew over the run"
 
