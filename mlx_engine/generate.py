@@ -66,7 +66,7 @@ def load_model(
     float32 on the CPU, where that is several times faster; ``"native"`` keeps
     the stored dtype. A directory whose config.json has ``vision_config`` gives a
     ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images."""
-    path = loading.resolve_model_dir(model_path)
+    path = loading.resolve_model_path(model_path)
     config = loading.read_config(path)
     if max_image_pixels is not None:
         validate_max_image_pixels(max_image_pixels)
@@ -91,12 +91,30 @@ def load_model(
     )
 
 
-def tokenize(kit: ModelKit, prompt: str) -> list[int]:
-    """Token ids for ``prompt`` with the kit's tokenizer (special tokens as the
-    tokenizer adds them, e.g. BOS)."""
+def tokenize(kit: ModelKit, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids for ``prompt`` with the kit's tokenizer. Special tokens written
+    in the text (``<|im_start|>``) always encode whole; ``add_special_tokens``
+    adds the ones the tokenizer puts around a text (BOS): pass False for text
+    already rendered by a chat template, which holds its own BOS."""
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    return list(kit.tokenizer.encode(prompt))
+    if not isinstance(add_special_tokens, bool):
+        raise ValueError(f"add_special_tokens must be True or False, got {add_special_tokens!r}")
+    return list(kit.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+
+def apply_chat_template(kit: ModelKit, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``)
+    rendered with the model's chat template, ready for ``create_generator``."""
+    if not getattr(kit.tokenizer, "chat_template", None):
+        raise ValueError("messages: this model's tokenizer has no chat template; tokenize plain text with tokenize()")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ValueError("messages must be a list of dicts with 'role' and 'content'")
+    try:
+        ids = kit.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as exc:  # jinja errors raised by the template itself
+        raise ValueError(f"messages: the chat template could not render them: {exc}") from exc
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
 def unload(kit: ModelKit) -> None:

@@ -63,7 +63,7 @@ class ModelKit:
         quantized_kv_start: int | None = None,
         compute_dtype: str | None = "auto",
     ):
-        self.model_path = loading.resolve_model_dir(model_path)
+        self.model_path = loading.resolve_model_path(model_path)
         self.config = loading.read_config(self.model_path)
         _validate_kv_options(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
         loading.check_architecture(self.config, self.model_path)
@@ -86,8 +86,7 @@ class ModelKit:
         self.model, self.config = loading.load_weights(self.model_path, trust_remote_code)
         self.num_params = param_count(self.model)
         self.compute_dtype = loading.choose_compute_dtype(self.model, compute_dtype)
-        if self.compute_dtype is not None:
-            self.model.set_dtype(self.compute_dtype)
+        loading.apply_compute_dtype(self.model, self.compute_dtype)
         if kv_bits is not None:
             head_dim = _head_dim(self.config)
             if head_dim is not None and head_dim % self.kv_group_size:
@@ -139,9 +138,8 @@ class ModelKit:
 
 
 def param_count(model: nn.Module) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
+    """Number of parameters, counting quantized weights as the values they hold."""
+    return loading.float_param_count(model)
 
 
 def _head_dim(config: dict) -> int | None:

