@@ -8,6 +8,7 @@
     python demo.py --prompt-lookup-num-tokens 8      # prompt-lookup decoding
     python demo.py --auto-speculative                # let the engine choose
     python demo.py --model models/pystd-target --draft-model models/pystd-draft   # draft-model speculation
+    python demo.py --json-schema person.json --prompt "Describe a person as JSON."
     python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
 """
 
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="prompt-lookup decoding with this many draft tokens")
     p.add_argument("--auto-speculative", action="store_true", help="let the engine pick plain, prompt lookup or draft model per request")
+    p.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the answer to this JSON schema (a .json file)")
+    p.add_argument("--regex", default=None, help="constrain the answer to this regular expression")
+    p.add_argument("--grammar", default=None, metavar="FILE", help="constrain the answer to this Lark grammar file")
     p.add_argument("--images", nargs="+", default=None, metavar="FILE", help="image files for a vision model (sent base64-encoded)")
     p.add_argument("--verbose", action="store_true", help="log engine decisions")
     return p
@@ -77,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-draft-tokens needs --draft-model")
     if args.max_tokens <= 0:
         parser.error("--max-tokens must be positive")
+    if sum(x is not None for x in (args.json_schema, args.regex, args.grammar)) > 1:
+        parser.error("--json-schema, --regex and --grammar are alternatives; pass one")
     if args.chat and (args.images or args.prompt is not None):
         parser.error("--chat reads the messages from the terminal; it takes no --prompt or --images")
     return args
@@ -128,6 +134,19 @@ def read_images(paths: list[str]) -> list[str]:
     return encoded
 
 
+def constraints(args: argparse.Namespace) -> dict:
+    """Structured-output arguments from --json-schema / --regex / --grammar."""
+    out = {"regex": args.regex} if args.regex is not None else {}
+    for flag, key in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        name = getattr(args, flag)
+        if name is not None:
+            path = Path(name).expanduser()
+            if not path.is_file():
+                sys.exit(f"--{flag.replace('_', '-')}: {str(path)!r} is not a file")
+            out[key] = path.read_text(encoding="utf-8")
+    return out
+
+
 def progress_bar():
     from tqdm import tqdm
 
@@ -157,6 +176,8 @@ def print_stats(s: me.GenerationStats, stop: me.GenerationStopCondition) -> None
             f"Acceptance rate: {s.acceptance_rate:.1%}",
             f"Mean accepted per round: {s.mean_accepted_per_round:.2f} over {s.verify_rounds} rounds",
         ]
+    if s.grammar_drafted_tokens:
+        lines.append(f"Grammar-forced tokens drafted/accepted: {s.grammar_drafted_tokens}/{s.grammar_accepted_tokens}")
     lines += [f"Mode switch: {m}" for m in s.mode_switches]
     lines.append(f"Peak memory: {s.peak_memory / 2**20:.1f} MiB")
     print("\n\nGeneration stats:", *(f" - {line}" for line in lines), sep="\n")
@@ -180,6 +201,7 @@ def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], imag
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         auto_speculative=args.auto_speculative,
         images_b64=images_b64,
+        **constraints(args),
     ):
         sys.stdout.write(result.text)
         sys.stdout.flush()

@@ -35,6 +35,7 @@ from .speculative.loop import Drafter, decode
 from .speculative.prompt_lookup import PromptLookupDrafter
 from .speculative.router import AutoRouter
 from .stop_strings import StopStringMatcher, TextStream
+from .structured import GrammarConstraint, check_grammar, compile_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,10 @@ def create_generator(
     prompt_lookup_num_candidates: int = 4,
     auto_speculative: bool = False,
     images_b64: list[str] | None = None,
+    json_schema: dict | str | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    structured_drafting: bool = True,
 ) -> Iterator[GenerationResult]:
     """Stream the continuation of ``prompt_tokens``.
 
@@ -191,6 +196,9 @@ def create_generator(
     ``GenerationInProgressError``. Decoding modes are described in docs/decoding.md.
     ``images_b64`` (vision kits, docs/vision.md): base64 images, one per image
     placeholder token in ``prompt_tokens``, decoded and checked here.
+    ``json_schema`` / ``regex`` / ``grammar`` (Lark) constrain the output
+    (docs/api.md, "Structured output"); ``structured_drafting`` drafts the tokens
+    the grammar forces.
     """
     _require_model(kit)
     prompt = _validate_prompt(kit, prompt_tokens)
@@ -214,6 +222,11 @@ def create_generator(
             raise ValueError(f"{name} must be callable or None")
     if request_id is not None and not isinstance(request_id, str):
         raise ValueError(f"request_id must be a string or None, got {request_id!r}")
+    constraint = compile_constraint(json_schema, regex, grammar)
+    if constraint is not None:
+        check_grammar(kit, *constraint)
+    if not isinstance(structured_drafting, bool):
+        raise ValueError(f"structured_drafting must be True or False, got {structured_drafting!r}")
     mode = _choose_mode(
         kit,
         num_draft_tokens=num_draft_tokens,
@@ -228,8 +241,10 @@ def create_generator(
         if request_id in kit._activity.known:
             raise ValueError(f"request_id {request_id!r} is already in use on this kit")
         kit._activity.known.add(request_id)
+    structured = None if constraint is None else (constraint[1], structured_drafting)
     return _generate(
-        kit, prompt, max_tokens, params, stops, prompt_progress_callback, stats_callback, request_id, mode, images
+        kit, prompt, max_tokens, params, stops, prompt_progress_callback, stats_callback, request_id, mode, images,
+        structured,
     )
 
 
@@ -388,6 +403,7 @@ def _generate(
     request_id: str,
     mode: dict,
     images: list | None = None,
+    structured: tuple[str, bool] | None = None,
 ) -> Iterator[GenerationResult]:
     act = kit._activity
     with act.lock:
@@ -430,8 +446,9 @@ def _generate(
             stats.mode_switches.append(f"{stats.decoding_mode} -> plain: {reason}")
             stats.decoding_mode = "plain"
 
+        constraint = None if structured is None else GrammarConstraint(kit, structured[0], draft_forced=structured[1])
         steps = decode(cache, history, max_tokens, sampler, processors, params.repetition_context_size,
-                       drafter, stats, on_fallback)
+                       drafter, stats, on_fallback, constraint)
 
         stream = TextStream(kit.tokenizer.detokenizer, stop_strings)
         t_first = None
@@ -461,10 +478,13 @@ def _generate(
             token = Token(tok, kit.tokenizer.decode([tok]), step.logprob, step.from_draft)
             tops = [_top_logprobs(kit, step.logprobs, params.top_logprobs)] if params.top_logprobs else None
             last = n_generated >= max_tokens
-            event = stream.push(tok, final=last)
+            event = stream.push(tok, final=last or step.completes_grammar)
             if event.stop_string is not None:
                 stop = GenerationStopCondition("stop_string", event.stop_string, event.stop_tokens)
                 yield finish(event.text, [token], tops, stop)
+                return
+            if step.completes_grammar:
+                yield finish(event.text, [token], tops, "grammar_complete")
                 return
             if last:
                 yield finish(event.text, [token], tops, "token_limit")

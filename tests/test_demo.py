@@ -28,6 +28,7 @@ def test_speculative_flags_parse():
         ["--prompt-lookup-num-tokens", "4", "--draft-model", "d"],
         ["--num-draft-tokens", "3"],
         ["--max-tokens", "0"],
+        ["--regex", "a", "--json-schema", "s.json"],
     ],
 )
 def test_conflicting_flags_are_rejected(argv):
@@ -88,3 +89,12 @@ def test_chat_refuses_prompt():
     with pytest.raises(SystemExit) as err:
         demo.parse_args(["--chat", "--prompt", "hi"])
     assert err.value.code == 2
+
+
+def test_demo_json_schema(tmp_path, llama_path):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
+    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--model", str(llama_path), "--prompt", "hi",
+                          "--json-schema", str(schema), "--max-tokens", "30"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert '{"ok": ' in out.stdout

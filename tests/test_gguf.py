@@ -61,6 +61,15 @@ def test_greedy_generation_matches_hugging_face_layout(gguf_kit, llama_path):
     assert mx.allclose(logits_hf, logits_gguf, atol=1e-4).item()
 
 
+def test_qwen2_gguf_matches_hugging_face_layout(models_dir, qwen_path):
+    """qwen2 files keep the Hugging Face q/k order and carry q/k/v biases."""
+    hf = me.load_model(qwen_path)
+    kit = me.load_model(make_gguf(qwen_path, models_dir / "gguf-qwen2" / "tiny-qwen2.gguf"))
+    prompt = me.tokenize(hf, "class Point:\n")
+    assert me.tokenize(kit, "class Point:\n") == prompt
+    assert generate_ids(kit, prompt, max_tokens=16, temp=0.0)[0] == generate_ids(hf, prompt, max_tokens=16, temp=0.0)[0]
+
+
 def test_prompt_lookup_and_cache_reuse_work_on_gguf(gguf_kit):
     prompt = me.tokenize(gguf_kit, "for i in range(10):\n    print(i, i * i)\n" * 3)
     plain, _ = generate_ids(gguf_kit, prompt, max_tokens=16, temp=0.0)

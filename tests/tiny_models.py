@@ -167,7 +167,9 @@ def gguf_tensors(hf_dir: Path, config: dict) -> dict:
         else:
             _, _, layer, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            if module == "self_attn.q_proj":
+            if config["model_type"] != "llama":
+                pass  # llama.cpp permutes only llama's q/k rows
+            elif module == "self_attn.q_proj":
                 w = _permute_for_gguf(w, config["num_attention_heads"])
             elif module == "self_attn.k_proj":
                 w = _permute_for_gguf(w, config["num_key_value_heads"])
@@ -176,7 +178,7 @@ def gguf_tensors(hf_dir: Path, config: dict) -> dict:
 
 
 def gguf_metadata(hf_dir: Path, config: dict, add_bos: bool = False) -> dict:
-    """GGUF metadata (llama.cpp key names) for the llama fixture in ``hf_dir``."""
+    """GGUF metadata (llama.cpp key names) for the llama or qwen2 fixture in ``hf_dir``."""
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = dict(tok["model"]["vocab"])
@@ -185,17 +187,18 @@ def gguf_metadata(hf_dir: Path, config: dict, add_bos: bool = False) -> dict:
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    arch = config["model_type"]
     return {
-        "general.architecture": "llama",
-        "general.name": "tiny-llama",
-        "llama.block_count": u32(config["num_hidden_layers"]),
-        "llama.embedding_length": u32(config["hidden_size"]),
-        "llama.feed_forward_length": u32(config["intermediate_size"]),
-        "llama.attention.head_count": u32(config["num_attention_heads"]),
-        "llama.attention.head_count_kv": u32(config["num_key_value_heads"]),
-        "llama.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"], dtype=mx.float32),
-        "llama.rope.freq_base": mx.array(config["rope_theta"], dtype=mx.float32),
-        "llama.context_length": u32(config["max_position_embeddings"]),
+        "general.architecture": arch,
+        "general.name": f"tiny-{arch}",
+        f"{arch}.block_count": u32(config["num_hidden_layers"]),
+        f"{arch}.embedding_length": u32(config["hidden_size"]),
+        f"{arch}.feed_forward_length": u32(config["intermediate_size"]),
+        f"{arch}.attention.head_count": u32(config["num_attention_heads"]),
+        f"{arch}.attention.head_count_kv": u32(config["num_key_value_heads"]),
+        f"{arch}.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"], dtype=mx.float32),
+        f"{arch}.rope.freq_base": mx.array(config["rope_theta"], dtype=mx.float32),
+        f"{arch}.context_length": u32(config["max_position_embeddings"]),
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt2",
         "tokenizer.ggml.tokens": tokens,
@@ -210,8 +213,8 @@ def gguf_metadata(hf_dir: Path, config: dict, add_bos: bool = False) -> dict:
 def make_gguf(
     hf_dir: Path, out: Path, *, metadata: dict | None = None, drop: tuple[str, ...] = (), add_bos: bool = False
 ) -> Path:
-    """Write the llama fixture in ``hf_dir`` as a GGUF file (float32 tensors, q/k
-    permuted as llama.cpp does). ``metadata`` replaces keys, ``drop`` removes
+    """Write the llama or qwen2 fixture in ``hf_dir`` as a GGUF file (float32
+    tensors; llama's q/k rows permuted as llama.cpp does). ``metadata`` replaces keys, ``drop`` removes
     them; ``add_bos`` declares a BOS (``<|im_start|>``) added to every text."""
     config = json.loads((hf_dir / "config.json").read_text())
     metadata = {**gguf_metadata(hf_dir, config, add_bos), **(metadata or {})}

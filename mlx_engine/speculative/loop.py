@@ -18,6 +18,7 @@ import mlx.core as mx
 from ..cache import SequenceCache
 from ..results import GenerationStats
 from ..sampling import LogitsProcessor, Sampler
+from ..structured import GrammarConstraint, apply_mask
 from .costs import MAX_DRAFT
 
 
@@ -26,6 +27,7 @@ class Step(NamedTuple):
     logprob: float  # log-probability of ``token`` under the distribution it was sampled from
     logprobs: mx.array  # (vocab,) that distribution, for top-logprobs
     from_draft: bool
+    completes_grammar: bool = False  # the request's grammar allows nothing after this token
 
 
 class DrafterUnavailable(Exception):
@@ -58,9 +60,11 @@ def sample_rows(
     sampler: Sampler,
     processors: list[LogitsProcessor],
     context_window: int,
+    masks: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Sample the target's token at each of the k+1 positions. Logits processors
-    see the exact context of each position (history plus the drafts before it)."""
+    see the exact context of each position (history plus the drafts before it);
+    ``masks`` (k+1, vocab) then removes the tokens a grammar forbids there."""
     if processors:
         rows = []
         for i in range(logits.shape[0]):
@@ -70,6 +74,8 @@ def sample_rows(
                 row = proc(mx.array(ctx), row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
+    if masks is not None:
+        logits = apply_mask(logits, masks)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return sampler(logprobs), logprobs
 
@@ -80,14 +86,15 @@ class _Round(NamedTuple):
     tokens: mx.array  # the target's choice at each position
     chosen: mx.array  # their log-probabilities
     logprobs: mx.array
+    forced: bool = False  # the drafts are tokens the grammar forced, not the drafter's
 
 
-def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array) -> _Round:
+def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array, forced: bool = False) -> _Round:
     """Start evaluating a round; the chosen tokens' log-probabilities are
     computed with them so reading them later never waits on a queued round."""
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     mx.async_eval(tokens, chosen, logprobs)
-    return _Round(drafts, start, tokens, chosen, logprobs)
+    return _Round(drafts, start, tokens, chosen, logprobs, forced)
 
 
 class _AcceptanceTracker:
@@ -112,6 +119,10 @@ class _AcceptanceTracker:
             self.hits[i] += i < accepted
         s.acceptance_by_position = [h / t for h, t in zip(self.hits, self.tries)]
 
+    def record_forced(self, drafted: int, accepted: int) -> None:
+        self.stats.grammar_drafted_tokens += drafted
+        self.stats.grammar_accepted_tokens += accepted
+
 
 def decode(
     cache: SequenceCache,
@@ -123,9 +134,11 @@ def decode(
     drafter: Drafter | None,
     stats: GenerationStats,
     on_fallback: Callable[[str], None] | None = None,
+    constraint: GrammarConstraint | None = None,
 ) -> Iterator[Step]:
     """Yield up to ``max_new`` tokens following ``history`` (whose last token the
-    cache does not hold yet). With ``drafter=None`` this is plain decoding.
+    cache does not hold yet). With ``drafter=None`` this is plain decoding; with a
+    ``constraint`` every position is sampled under the grammar's mask.
 
     Each round is queued on MLX before the previous round's tokens are handed
     out, so the caller's work (detokenizing, stop strings) overlaps the model, as
@@ -137,20 +150,26 @@ def decode(
     produced = 0
     last_read: float | None = None
 
-    def launch() -> _Round:
+    def propose(limit: int) -> Drafts:
         nonlocal drafter
+        if drafter is None or limit <= 0:
+            return []
+        try:
+            # Checked before drafting: a lazily drafted round cannot be undone.
+            if reason := cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
+                raise DrafterUnavailable(reason)
+            return drafter.propose(history, limit)[:limit]
+        except DrafterUnavailable as exc:
+            drafter = None
+            if on_fallback is not None:
+                on_fallback(str(exc))
+            return []
+
+    def launch() -> _Round:
         limit = max_new - produced - 1
-        drafts: Drafts = []
-        if drafter is not None and limit > 0:
-            try:
-                # Checked before drafting: a lazily drafted round cannot be undone.
-                if reason := cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
-                    raise DrafterUnavailable(reason)
-                drafts = drafter.propose(history, limit)[:limit]
-            except DrafterUnavailable as exc:
-                drafter, drafts = None, []
-                if on_fallback is not None:
-                    on_fallback(str(exc))
+        if constraint is not None:
+            return _launch_constrained(cache, history, limit, propose, constraint, sampler, processors, context_window)
+        drafts = propose(limit)
         if isinstance(drafts, mx.array):
             if drafts.size and not processors:
                 logits, start = cache.feed_lazy([history[-1]], drafts)
@@ -169,7 +188,7 @@ def decode(
     pending = launch()
     while True:
         rnd = pending
-        ahead = drafter is None and not processors and produced + 1 < max_new
+        ahead = drafter is None and not processors and constraint is None and produced + 1 < max_new
         if ahead:
             pending = launch_plain_from(rnd.tokens)
         sampled = rnd.tokens.tolist()
@@ -179,26 +198,61 @@ def decode(
         last_read = now
         if ahead:
             cache.resolve(pending.start, sampled[:1])
-        drafts = rnd.drafts
-        if isinstance(drafts, mx.array):
-            drafts = drafts.tolist()  # already evaluated: the verify pass used them
-            cache.resolve(rnd.start, drafts)
-        k = len(drafts)
-        n = 0
-        while n < k and sampled[n] == drafts[n]:
-            n += 1
-        if k:
-            cache.rewind_to(len(cache.tokens) - (k - n))
-            drafter.observe(k, n, seconds)
-            tracker.record(k, n)
-        elif drafter is not None:
-            drafter.observe(0, 0, seconds)
+        n = _accept(cache, rnd, sampled, drafter, tracker, seconds)
         emitted = sampled[: n + 1]
+        complete = False
+        if constraint is not None:
+            # Nothing follows a complete grammar (not even an end token drafted
+            # or sampled after it), so every mode ends on the same token.
+            emitted = emitted[: constraint.advance(emitted)]
+            complete = constraint.complete
+            if len(emitted) < n + 1:
+                cache.rewind_to(len(cache.tokens) - (n + 1 - len(emitted)))
         history.extend(emitted)
         produced += len(emitted)
-        if produced < max_new and not ahead:
+        if produced < max_new and not ahead and not complete:
             pending = launch()
         for i, tok in enumerate(emitted):
-            yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n)
-        if produced >= max_new:
+            yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n, complete and i == len(emitted) - 1)
+        if produced >= max_new or complete:
             return
+
+
+def _accept(cache: SequenceCache, rnd: _Round, sampled: list[int], drafter, tracker, seconds) -> int:
+    """Accept the drafts that match the target's choices, rewind the cache past
+    the rest, and report the round; returns the number accepted."""
+    drafts = rnd.drafts
+    if isinstance(drafts, mx.array):
+        drafts = drafts.tolist()  # already evaluated: the verify pass used them
+        cache.resolve(rnd.start, drafts)
+    k = len(drafts)
+    n = 0
+    while n < k and sampled[n] == drafts[n]:
+        n += 1
+    if k:
+        cache.rewind_to(len(cache.tokens) - (k - n))
+    if rnd.forced:
+        tracker.record_forced(k, n)  # the grammar's drafts, not the drafter's: no feedback to it
+    elif k:
+        drafter.observe(k, n, seconds)
+        tracker.record(k, n)
+    elif drafter is not None:
+        drafter.observe(0, 0, seconds)
+    return n
+
+
+def _launch_constrained(cache, history, limit, propose, constraint, sampler, processors, context_window) -> _Round:
+    """A verify round under a grammar: the tokens it forces are drafted for free
+    (when the cache can rewind them), otherwise the drafter's drafts are cut at
+    the first token the grammar forbids; every position gets its grammar mask."""
+    forced: list[int] = []
+    if limit > 0 and not cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
+        forced = constraint.forced(min(limit, MAX_DRAFT))
+    drafts = forced or propose(limit)
+    if isinstance(drafts, mx.array):
+        drafts = drafts.tolist()
+    drafts = constraint.allowed_prefix(list(drafts))
+    masks = constraint.masks(drafts)
+    logits = cache.feed([history[-1]] + drafts)
+    rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks)
+    return _queue(drafts, len(cache), *rows, forced=bool(forced))
