@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 
-import argparse  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import shlex  # noqa: E402
 import textwrap  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from . import systems as S  # noqa: E402
 from .run import Plan, _median, geomean, logit_gap, machine_info, measure  # noqa: E402
-from .stats import paired_ratio  # noqa: E402
+from .stats import bench_args, format_paired, paired_ratio  # noqa: E402
 from .workloads import Workload  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -115,8 +113,7 @@ def analyse(kit, systems, workloads, runs) -> tuple[list[dict], dict]:
 
 def render(rows: list[dict], summary: dict, reps: int, max_tokens: int) -> str:
     def ratio(d):
-        iv = f" ({d['low']:.2f}-{d['high']:.2f})" if d["low"] is not None else ""
-        return f"{d['ratio']:.2f}{iv}"
+        return format_paired(d["ratio"], d["low"], d["high"])
 
     lines = [f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured rounds; "
              "ratios are paired per round (95% bootstrap interval).", "",
@@ -132,11 +129,7 @@ def render(rows: list[dict], summary: dict, reps: int, max_tokens: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.chat", description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
-    args = p.parse_args(argv)
+    args = bench_args("python -m bench.chat", __doc__.split("\n\n")[0], 5, 200, argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kit = me.load_model(me.DEFAULT_MODEL)
     systems = [s for s in S.SYSTEMS if s.name in SYSTEM_NAMES] + [AUTO_NO_DRAFT]

