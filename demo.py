@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--json-schema, --regex and --grammar are alternatives; pass one")
     if args.chat and (args.images or args.prompt is not None):
         parser.error("--chat reads the messages from the terminal; it takes no --prompt or --images")
+    for name in args.images or []:  # before any model loads
+        if not Path(name).expanduser().is_file():
+            parser.error(f"--images: {name!r} is not a file")
     return args
 
 
@@ -94,7 +97,10 @@ def uses_chat(kit: me.ModelKit, args: argparse.Namespace) -> bool:
 
 def read_prompt(kit: me.ModelKit, args: argparse.Namespace) -> str:
     if args.prompt == "-":
-        return sys.stdin.read()
+        text = sys.stdin.read()
+        if not text.strip():
+            raise ValueError("--prompt -: standard input was empty")
+        return text
     if args.prompt is not None:
         return args.prompt
     return DEFAULT_QUESTION if uses_chat(kit, args) else DEFAULT_BASE_PROMPT
@@ -128,8 +134,6 @@ def read_images(paths: list[str]) -> list[str]:
     encoded = []
     for name in paths:
         path = Path(name).expanduser()
-        if not path.is_file():
-            sys.exit(f"--images: {str(path)!r} is not a file")
         encoded.append(base64.b64encode(path.read_bytes()).decode("ascii"))
     return encoded
 
@@ -168,8 +172,10 @@ def print_stats(s: me.GenerationStats, stop: me.GenerationStopCondition) -> None
         f"Generated: {s.generated_tokens} tokens, {s.generation_tps:.1f} tok/s",
         f"Total time: {s.total_time:.2f}s",
         f"Stop reason: {stop.stop_reason}" + (f" ({stop.stop_string!r})" if stop.stop_string else ""),
-        f"Decoding: {s.decoding_mode}" + (f" - {s.mode_reason}" if s.mode_reason else ""),
+        decoding_line(s),
     ]
+    if s.setup_time >= 0.005:
+        lines.insert(2, f"One-off cost measurement: {s.setup_time:.2f}s (in the time to first token, not the prompt rate)")
     if s.drafted_tokens:
         lines += [
             f"Drafted/accepted tokens: {s.drafted_tokens}/{s.accepted_tokens}",
@@ -181,6 +187,39 @@ def print_stats(s: me.GenerationStats, stop: me.GenerationStopCondition) -> None
     lines += [f"Mode switch: {m}" for m in s.mode_switches]
     lines.append(f"Peak memory: {s.peak_memory / 2**20:.1f} MiB")
     print("\n\nGeneration stats:", *(f" - {line}" for line in lines), sep="\n")
+
+
+def decoding_line(s: me.GenerationStats) -> str:
+    """The final mode; the reason given is for the first decision, so name it as such
+    when the mode changed since (the switches follow)."""
+    if not s.mode_reason:
+        return f"Decoding: {s.decoding_mode}"
+    if s.mode_switches:
+        first = s.mode_switches[0].split(" -> ")[0]
+        return f"Decoding: {s.decoding_mode}; started as {first} - {s.mode_reason}"
+    return f"Decoding: {s.decoding_mode} - {s.mode_reason}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="[%(name)s] %(message)s")
+    try:
+        return run(args)
+    except ValueError as exc:  # bad arguments and model folders (ModelLoadError): one line, like argparse
+        if args.verbose:
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: {error_line(exc, args)}", file=sys.stderr)
+        return 2
+
+
+def error_line(exc: ValueError, args: argparse.Namespace) -> str:
+    """The error, naming the folders searched when a model name was not found."""
+    message = " ".join(str(exc).split())
+    if isinstance(exc, me.ModelLoadError) and "does not exist" in message:
+        names = [n for n in (args.model, args.draft_model) if n and not Path(n).expanduser().exists()]
+        if names:
+            message += f" (also looked for {names[0]!r} under {', '.join(str(d) for d in LMSTUDIO_DIRS)})"
+    return message
 
 
 def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], images_b64) -> tuple[me.GenerationResult, str]:
@@ -234,9 +273,7 @@ def chat(kit: me.ModelKit, args: argparse.Namespace) -> int:
         print_stats(final.stats, final.stop_condition)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="[%(name)s] %(message)s")
+def run(args: argparse.Namespace) -> int:
     kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
     if args.draft_model:
         me.load_draft_model(kit, resolve_model(args.draft_model))

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 import uuid
+import weakref
+from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from . import loading
+from . import loading, worker
 from .errors import CallbackError, GenerationInProgressError
 from .images import validate_max_image_pixels
 from .model_kit import ModelKit
@@ -23,7 +26,7 @@ from .results import (
     Token,
     TopLogprob,
 )
-from .sampling import SamplingParams, build_logits_processors, build_sampler, validate_sampling
+from .sampling import SamplingParams, build_logits_processors, build_sampler, validate_sampling, validate_seed
 from .speculative import costs
 from .speculative.draft_model import (
     DraftModelDrafter,
@@ -66,14 +69,49 @@ def load_model(
     ``compute_dtype="auto"`` computes unquantized half-precision weights in
     float32 on the CPU, where that is several times faster; ``"native"`` keeps
     the stored dtype. A directory whose config.json has ``vision_config`` gives a
-    ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images."""
+    ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images.
+    The kit's MLX work runs on its own engine thread (docs/reliability.md)."""
+    options = dict(max_kv_size=max_kv_size, vocab_only=vocab_only, trust_remote_code=trust_remote_code,
+                   kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+                   seed=seed, compute_dtype=compute_dtype, max_image_pixels=max_image_pixels)
+    thread = worker.acquire()
+    try:
+        kit = thread.call(_load_model, model_path, **options)
+    except BaseException:
+        worker.release(thread)
+        raise
+    _attach_worker(kit, thread)
+    return kit
+
+
+def _attach_worker(kit: ModelKit, thread: worker.MLXWorker) -> worker.MLXWorker:
+    kit._worker = thread
+    weakref.finalize(kit, worker.release, thread)  # the thread serves another kit once this one is gone
+    return thread
+
+
+def _worker_of(kit: ModelKit) -> worker.MLXWorker:
+    return kit._worker or _attach_worker(kit, worker.acquire())
+
+
+def _load_model(
+    model_path: str | Path,
+    *,
+    max_kv_size: int | None,
+    vocab_only: bool,
+    trust_remote_code: bool,
+    kv_bits: int | None,
+    kv_group_size: int | None,
+    quantized_kv_start: int | None,
+    seed: int | None,
+    compute_dtype: str | None,
+    max_image_pixels: int | None,
+) -> ModelKit:
     path = loading.resolve_model_path(model_path)
     config = loading.read_config(path)
     if max_image_pixels is not None:
         validate_max_image_pixels(max_image_pixels)
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if (seed := validate_seed(seed)) is not None:
         mx.random.seed(seed)
     if loading.is_vision_config(config):
         kit_class, extra = VisionModelKit, {"max_image_pixels": max_image_pixels}
@@ -119,16 +157,22 @@ def apply_chat_template(kit: ModelKit, messages: list[dict], *, add_generation_p
 
 
 def unload(kit: ModelKit) -> None:
-    """Free the model, draft model and caches. The kit cannot generate afterwards."""
-    kit.unload()
+    """Free the model, draft model and caches. The kit cannot generate afterwards.
+    Refused with ``GenerationInProgressError`` while a generation is open: stop
+    or close it first."""
+    if not isinstance(kit, ModelKit):
+        raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
+    _require_idle(kit)
+    _worker_of(kit).call(kit.unload)
 
 
 def load_draft_model(kit: ModelKit, path: str | Path) -> None:
     """Load a draft model for speculative decoding; raises
-    ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit."""
+    ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit.
+    All or nothing: when loading fails, the previous draft model stays loaded."""
     _require_model(kit)
     _require_idle(kit)
-    load_draft(kit, path)
+    _worker_of(kit).call(load_draft, kit, path)
 
 
 def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
@@ -139,7 +183,7 @@ def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
 def unload_draft_model(kit: ModelKit) -> None:
     """Release the draft model (no-op when none is loaded); the main cache stays."""
     _require_idle(kit)
-    unload_draft(kit)
+    _worker_of(kit).call(unload_draft, kit)
 
 
 def stop_generation(kit: ModelKit, request_id: str) -> bool:
@@ -199,8 +243,48 @@ def create_generator(
     ``json_schema`` / ``regex`` / ``grammar`` (Lark) constrain the output
     (docs/api.md, "Structured output"); ``structured_drafting`` drafts the tokens
     the grammar forces.
+    The generation runs on the kit's engine thread; callbacks are called there.
     """
     _require_model(kit)
+    if isinstance(prompt_tokens, mx.array):
+        prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
+    args = {k: v for k, v in locals().items() if k not in ("kit", "prompt_tokens")}
+    thread = _worker_of(kit)
+    return worker.WorkerIterator(thread, thread.call(_create_generator, kit, prompt_tokens, **args))
+
+
+def _create_generator(
+    kit: ModelKit,
+    prompt_tokens: list[int],
+    *,
+    max_tokens: int,
+    temp: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    min_p: float | None,
+    min_tokens_to_keep: int | None,
+    repetition_penalty: float | None,
+    repetition_context_size: int,
+    seed: int | None,
+    stop_strings: list[str] | None,
+    top_logprobs: int | None,
+    prompt_progress_callback: ProgressCallback | None,
+    stats_callback: StatsCallback | None,
+    request_id: str | None,
+    num_draft_tokens: int | None,
+    speculative_decoding_toggle: bool | None,
+    prompt_lookup_num_tokens: int | None,
+    prompt_lookup_min_ngram: int,
+    prompt_lookup_max_ngram: int,
+    prompt_lookup_num_candidates: int,
+    auto_speculative: bool,
+    images_b64: list[str] | None,
+    json_schema: dict | str | None,
+    regex: str | None,
+    grammar: str | None,
+    structured_drafting: bool,
+) -> Iterator[GenerationResult]:
+    """create_generator's checks and the generator, on the kit's engine thread."""
     prompt = _validate_prompt(kit, prompt_tokens)
     images = kit.decode_images(prompt, images_b64)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
@@ -215,6 +299,7 @@ def create_generator(
         repetition_context_size=repetition_context_size,
         seed=seed,
         top_logprobs=top_logprobs,
+        vocab_size=kit.vocab_size,
     )
     stops = StopStringMatcher.validate(stop_strings)
     for name, cb in (("prompt_progress_callback", prompt_progress_callback), ("stats_callback", stats_callback)):
@@ -266,8 +351,17 @@ def _require_idle(kit: ModelKit) -> None:
 
 
 def _validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
+    """The prompt as a list of Python ints. Any sequence of integers is accepted
+    (ints, numpy or MLX integer scalars, a 1-D integer array); text, mappings and
+    sets are refused."""
     if isinstance(prompt_tokens, (str, bytes)):
         raise ValueError("prompt_tokens must be a list of token ids; use tokenize(kit, text) for text")
+    if isinstance(prompt_tokens, (Mapping, Set)):
+        raise ValueError(f"prompt_tokens must be a sequence of token ids, got a {type(prompt_tokens).__name__}")
+    if getattr(prompt_tokens, "ndim", 1) != 1:
+        raise ValueError(f"prompt_tokens must be one-dimensional, got shape {tuple(prompt_tokens.shape)}")
+    if isinstance(prompt_tokens, mx.array):
+        prompt_tokens = prompt_tokens.tolist()
     try:
         prompt = list(prompt_tokens)
     except TypeError:
@@ -275,12 +369,27 @@ def _validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
     if not prompt:
         raise ValueError("prompt_tokens must not be empty")
     vocab = kit.vocab_size
+    ids = []
     for i, t in enumerate(prompt):
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise ValueError(f"prompt_tokens must be integers; item {i} is {t!r}")
+        t = _token_id(t)
+        if t is None:
+            raise ValueError(f"prompt_tokens must be integers; item {i} is {prompt[i]!r}")
         if not 0 <= t < vocab:
             raise ValueError(f"prompt_tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
-    return [int(t) for t in prompt]
+        ids.append(t)
+    return ids
+
+
+def _token_id(t) -> int | None:
+    """``t`` as an int if it is an integer (Python, numpy or a 0-d integer array)."""
+    if isinstance(t, bool):
+        return None
+    if isinstance(t, numbers.Integral):
+        return int(t)
+    dtype = getattr(t, "dtype", None)
+    if getattr(t, "ndim", None) == 0 and dtype is not None and "int" in str(dtype) and "bool" not in str(dtype):
+        return int(t.item())
+    return None
 
 
 def _choose_mode(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, lookup_ngrams, auto) -> dict:
@@ -412,6 +521,7 @@ def _generate(
             raise GenerationInProgressError(f"generation {act.active!r} is still running on this kit")
         act.active = request_id
     steps = None
+    model_work = False  # whether the caches may hold a half-recorded forward pass
     try:
         stats = GenerationStats(prompt_tokens=len(prompt))
         t_start = time.perf_counter()
@@ -424,10 +534,13 @@ def _generate(
         cache = kit.cache
         stats.cached_tokens = cache.sync_to(plan.keys[:-1])
         # Build the drafter first: the draft model's prompt is prefilled too.
-        drafter, draft_drafter = _make_drafter(kit, prompt, mode, stats)
+        t_setup = time.perf_counter()
+        drafter, draft_drafter = _make_drafter(kit, prompt, mode, stats)  # may measure costs once per kit
+        stats.setup_time = time.perf_counter() - t_setup
         main_todo = prompt[stats.cached_tokens : -1]
+        model_work = True
         try:
-            _process_prompt(kit, prompt, main_todo, draft_drafter, progress_cb, lambda: request_id in act.cancelled)
+            _process_prompt(kit, prompt, main_todo, draft_drafter, progress_cb, lambda: _stop_requested(act, request_id))
         except _Cancelled:
             stats.total_time = time.perf_counter() - t_start
             yield _final(GenerationResult("", []), "user_cancelled", stats, stats_cb)
@@ -461,7 +574,7 @@ def _generate(
         for step in steps:
             if t_first is None:
                 t_first = time.perf_counter()
-            if request_id in act.cancelled:
+            if _stop_requested(act, request_id):
                 yield finish(stream.finish().text, [], None, "user_cancelled")
                 return
             n_generated += 1
@@ -493,9 +606,11 @@ def _generate(
     except CallbackError:
         raise  # raised between prompt chunks or at the end: caches are consistent
     except Exception:
-        # An unexpected failure may have left a forward pass half-recorded; start
-        # the next request from clean caches rather than risk reusing a bad one.
-        _reset_caches(kit)
+        # An unexpected failure during model work may have left a forward pass
+        # half-recorded; start the next request from clean caches rather than
+        # risk reusing a bad one. A failure before it leaves the caches as they were.
+        if model_work:
+            _reset_caches(kit)
         raise
     finally:
         if steps is not None:
@@ -504,6 +619,11 @@ def _generate(
             act.active = None
             act.known.discard(request_id)
             act.cancelled.discard(request_id)
+
+
+def _stop_requested(act, request_id: str) -> bool:
+    """Cancelled by stop_generation, or the process is exiting."""
+    return request_id in act.cancelled or worker.shutting_down.is_set()
 
 
 def _reset_caches(kit: ModelKit) -> None:
@@ -549,7 +669,8 @@ def _finish(result, stop, stats, stats_cb, t_start, t_first, processed_prompt) -
     now = time.perf_counter()
     t_first = t_first or now
     stats.time_to_first_token = t_first - t_start
-    stats.prompt_tps = processed_prompt / stats.time_to_first_token if stats.time_to_first_token > 0 else 0.0
+    prompt_time = stats.time_to_first_token - stats.setup_time
+    stats.prompt_tps = processed_prompt / prompt_time if prompt_time > 0 else 0.0
     if stats.generated_tokens > 1 and now > t_first:
         stats.generation_tps = (stats.generated_tokens - 1) / (now - t_first)
     stats.total_time = now - t_start

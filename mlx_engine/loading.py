@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 
 from . import catalog, gguf
 from .errors import ModelLoadError
+from .model_checks import check_config_fields, check_model_files, check_weights_match_config
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +100,11 @@ def resolve_model_path(model_path: str | os.PathLike, what: str = "model_path") 
 
 
 def _existing_path(model_path, what: str) -> Path:
-    if not isinstance(model_path, (str, os.PathLike)) or str(model_path).strip() == "":
+    if not isinstance(model_path, (str, os.PathLike)):
         names = ", ".join(sorted(catalog.CATALOG))
         raise ValueError(f"{what} must be a local model directory, a .gguf file or a catalog name ({names}), got {model_path!r}")
+    if not str(model_path).strip():
+        raise ValueError(f"{what} must not be empty (an empty path would mean the current directory)")
     path = Path(model_path).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -115,6 +118,7 @@ def read_config(path: Path) -> dict:
     """The model's config.json, or for a GGUF file the equivalent built from its metadata."""
     if gguf.is_gguf(path):
         return gguf.config_from_header(gguf.read_header(path))
+    check_model_files(path)
     try:
         with open(path / "config.json", encoding="utf-8") as f:
             config = json.load(f)
@@ -124,6 +128,7 @@ def read_config(path: Path) -> dict:
         raise ModelLoadError(f"config.json in {str(path)!r} must hold a JSON object")
     if "model_type" not in config:
         raise ModelLoadError(f"config.json in {str(path)!r} has no 'model_type'")
+    check_config_fields(config, path)
     return config
 
 
@@ -136,20 +141,23 @@ def check_architecture(config: dict, path: Path) -> None:
 
     try:
         _get_classes(config)
-    except ValueError as exc:
+    except (ValueError, AttributeError, ImportError, TypeError) as exc:
         raise ModelLoadError(
             f"unsupported model type {config.get('model_type')!r} in {str(path)!r}: mlx-lm has no implementation for it"
         ) from exc
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The tokenizer, never running code from the folder unless trust_remote_code
+    (passed explicitly, so transformers never asks on stdin). A GGUF file's is
+    rebuilt from its metadata (gguf.py)."""
     if gguf.is_gguf(path):
         return gguf.load_tokenizer(gguf.read_header(path))
     from mlx_lm.utils import _load_tokenizer, _tokenizer_defaults
 
     try:
         with offline():
-            return _load_tokenizer(path, None, defaults=_tokenizer_defaults(path))
+            return _load_tokenizer(path, {"trust_remote_code": bool(trust_remote_code)}, defaults=_tokenizer_defaults(path))
     except Exception as exc:
         raise ModelLoadError(f"could not load the tokenizer from {str(path)!r}: {exc}") from exc
 
@@ -162,8 +170,10 @@ def load_weights(path: Path, trust_remote_code: bool) -> tuple[nn.Module, dict]:
         config = gguf.config_from_header(header)
         return gguf.load_model(header, config), config
 
-    if not glob.glob(str(path / "model*.safetensors")):
+    files = sorted(glob.glob(str(path / "model*.safetensors")))
+    if not files:
         raise ModelLoadError(f"no model*.safetensors weights in {str(path)!r}")
+    check_weights_match_config(read_config(path), path, [Path(f) for f in files])
     try:
         with offline():
             model, config = mlx_lm_load_model(path, lazy=False, trust_remote_code=trust_remote_code)

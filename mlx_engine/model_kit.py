@@ -13,6 +13,7 @@ import mlx.nn as nn
 
 from . import loading
 from .cache import SequenceCache
+from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class _Activity:
 class ModelKit:
     """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
 
+    _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
+
     def __init__(
         self,
         model_path: str | Path,
@@ -71,7 +74,7 @@ class ModelKit:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size or 64
         self.quantized_kv_start = quantized_kv_start or 0
-        self.tokenizer = loading.load_tokenizer(self.model_path)
+        self.tokenizer = loading.load_tokenizer(self.model_path, trust_remote_code)
         self.eos_token_ids = loading.eos_token_ids(self.tokenizer)
         self.vocab_only = vocab_only
         self.model: nn.Module | None = None
@@ -87,6 +90,8 @@ class ModelKit:
         self.num_params = param_count(self.model)
         self.compute_dtype = loading.choose_compute_dtype(self.model, compute_dtype)
         loading.apply_compute_dtype(self.model, self.compute_dtype)
+        materialize(self.model)
+        smoke_test(self.model, self.model_path)
         if kv_bits is not None:
             head_dim = _head_dim(self.config)
             if head_dim is not None and head_dim % self.kv_group_size:
@@ -135,6 +140,33 @@ class ModelKit:
         self.draft = None
         self.cost_model = None
         mx.clear_cache()
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds (parameters, and private arrays such
+    as RoPE frequencies), so nothing computed at load is left lazy: MLX streams
+    are per thread, and a lazy array cannot be evaluated on another thread."""
+    arrays = []
+    for module in model.modules():
+        for value in list(module.values()) + list(vars(module).values()):
+            if isinstance(value, mx.array):
+                arrays.append(value)
+    mx.eval(model.parameters(), arrays)
+
+
+def smoke_test(model: nn.Module, path: Path) -> None:
+    """Run one token through the model at load, so a config the architecture code
+    cannot run (e.g. a ``rope_theta`` of the wrong type) or non-finite weights fail
+    here with a ``ModelLoadError``, not in the host's first request."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        logits = model(mx.array([[0]], dtype=mx.uint32), cache=make_prompt_cache(model))
+        finite = bool(mx.all(mx.isfinite(logits)).item())
+    except Exception as exc:
+        raise ModelLoadError(f"the model in {str(path)!r} cannot run with its config.json: {type(exc).__name__}: {exc}") from exc
+    if not finite:
+        raise ModelLoadError(f"the model in {str(path)!r} computes NaN or infinite logits: its weights hold NaN/inf values")
 
 
 def param_count(model: nn.Module) -> int:

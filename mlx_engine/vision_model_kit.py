@@ -35,8 +35,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from . import loading
 from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
+from .model_checks import check_weights_match_config
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
-from .model_kit import ModelKit, PromptPlan, _Activity, _validate_kv_options, param_count
+from .model_kit import ModelKit, PromptPlan, _Activity, _validate_kv_options, materialize, param_count
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class VisionModelKit(ModelKit):
         self.kv_bits = None
         self.kv_group_size = kv_group_size or 64
         self.quantized_kv_start = quantized_kv_start or 0
-        self.tokenizer = loading.load_tokenizer(self.model_path)
+        self.tokenizer = loading.load_tokenizer(self.model_path, trust_remote_code)
         self.eos_token_ids = loading.eos_token_ids(self.tokenizer) | _config_eos_ids(self.config)
         self.vocab_only = vocab_only
         self.model: VisionLanguageModel | None = None
@@ -153,6 +154,7 @@ class VisionModelKit(ModelKit):
         self.vlm, self.processor = load_vlm(self.model_path, trust_remote_code)
         self.compute_dtype = loading.choose_compute_dtype(self.vlm, compute_dtype)
         loading.apply_compute_dtype(self.vlm, self.compute_dtype)
+        materialize(self.vlm)
         self.model = VisionLanguageModel(self.vlm)
         self.num_params = param_count(self.model)
         self.cache = self.new_cache(self.model)
@@ -189,6 +191,13 @@ class VisionModelKit(ModelKit):
             )
         if images and prompt[-1] == self.placeholder_id:
             raise ValueError("prompt_tokens must not end with an image placeholder; put text after the image (chat templates do)")
+        for i, img in enumerate(images):
+            # Run the model's image processor now, so an image it refuses (e.g. an
+            # extreme aspect ratio) fails here, naming the item, not mid-request.
+            try:
+                self._image_entry(img)
+            except Exception as exc:
+                raise ValueError(f"images_b64[{i}] was refused by the model's image processor: {exc}") from exc
         return images
 
     def plan_prompt(self, prompt: list[int], images: list[DecodedImage] | None) -> VisionPromptPlan:
@@ -308,7 +317,9 @@ class VisionModelKit(ModelKit):
             for k, v in out.items()
             if k not in ("input_ids", "attention_mask", "pixel_values", "token_type_ids")
         }
-        return _ImageEntry(expansion, rows, extras, mx.array(out["pixel_values"]))
+        pixel_values = mx.array(out["pixel_values"])
+        mx.eval(pixel_values, extras)  # nothing lazy is kept between requests (MLX streams are per thread)
+        return _ImageEntry(expansion, rows, extras, pixel_values)
 
     def _features(self, entry: _ImageEntry) -> mx.array:
         """The input-embedding rows of an image (vision tower + projector),
@@ -342,8 +353,10 @@ def load_vlm(path: Path, trust_remote_code: bool):
     from mlx_vlm.utils import load_model as vlm_load_model
     from mlx_vlm.utils import load_processor
 
-    if not glob.glob(str(path / "*.safetensors")):
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
         raise ModelLoadError(f"no *.safetensors weights in {str(path)!r}")
+    check_weights_match_config(loading.read_config(path), path, [Path(f) for f in files])
     try:
         with loading.offline():
             model = vlm_load_model(path, lazy=False, trust_remote_code=trust_remote_code)

@@ -87,8 +87,13 @@ def assert_same_or_near_tie(kit, prompt, plain_ids, other_ids):
 def markov_kit(llama_path, table=None):
     """A kit whose model is a MarkovLM over the llama fixture's vocabulary (by
     default: greedy continuation of token t is t+1)."""
+    import mlx.core as mx
+
     kit = mlx_engine.load_model(llama_path)
     kit.model = MarkovLM(successor_table(kit.vocab_size, sharpness=12.0) if table is None else table)
+    # MLX streams are per thread and the kit generates on its own thread: hand it
+    # evaluated arrays only (docs/reliability.md, threading contract).
+    mx.eval(kit.model.parameters())
     kit.cache = kit.new_cache(kit.model)
     kit.eos_token_ids = set()
     return kit

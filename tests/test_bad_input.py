@@ -49,7 +49,7 @@ def test_missing_and_truncated_weights(tmp_path, llama_path):
     with pytest.raises(ModelLoadError, match="no model.*safetensors"):
         me.load_model(d)
     weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ModelLoadError, match="could not load weights"):
+    with pytest.raises(ModelLoadError, match="model.safetensors'.*truncated"):
         me.load_model(d)
 
 
@@ -98,7 +98,12 @@ def test_bad_load_options(llama_path):
         (dict(speculative_decoding_toggle=True), "speculative_decoding_toggle"),
         (dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens"),
         (dict(prompt_lookup_min_ngram=4, prompt_lookup_max_ngram=2), "prompt_lookup_min_ngram"),
-    ],
+        (dict(seed=2**64), "seed"),
+        (dict(top_k=10**6), "top_k"),
+        (dict(repetition_context_size=2.0), "repetition_context_size"),
+    ]
+    + [(dict([(name, value)]), name) for name in ("temp", "top_p", "min_p", "repetition_penalty")
+       for value in (float("nan"), float("inf"), float("-inf"))],
 )
 def test_bad_generation_arguments(kit, kwargs, match):
     prompt = me.tokenize(kit, "hello")
@@ -147,3 +152,134 @@ def test_unloaded_kit_refuses(llama_path):
     me.unload(kit)
     with pytest.raises(ValueError, match="unloaded"):
         me.create_generator(kit, [1, 2])
+
+
+def test_top_k_must_be_below_the_vocabulary(kit):
+    prompt = me.tokenize(kit, "hello")
+    with pytest.raises(ValueError, match=f"top_k must be from 0 .* to {kit.vocab_size - 1}"):
+        me.create_generator(kit, prompt, top_k=kit.vocab_size)
+    ids, final = generate_ids(kit, prompt, max_tokens=3, top_k=kit.vocab_size - 1, temp=0.5, seed=1)
+    assert final.stop_condition.stop_reason == "token_limit"
+
+
+def test_seed_beyond_64_bits_is_a_value_error(llama_path):
+    with pytest.raises(ValueError, match="seed must be an integer from 0 to 2\\*\\*64 - 1"):
+        me.load_model(llama_path, seed=2**64)
+    me.load_model(llama_path, seed=2**64 - 1, vocab_only=True)
+
+
+def test_numpy_and_mlx_integer_ids_are_accepted(kit):
+    import mlx.core as mx
+    import numpy as np
+
+    prompt = me.tokenize(kit, "def add(a, b):")
+    want = generate_ids(kit, prompt, max_tokens=4)[0]
+    for variant in (np.array(prompt), [np.int32(t) for t in prompt], mx.array(prompt), [mx.array(t) for t in prompt], tuple(prompt)):
+        assert generate_ids(kit, variant, max_tokens=4)[0] == want
+    with pytest.raises(ValueError, match="integers"):
+        me.create_generator(kit, np.array(prompt, dtype=np.float32))
+    with pytest.raises(ValueError, match="one-dimensional"):
+        me.create_generator(kit, np.array([prompt]))
+
+
+@pytest.mark.parametrize("prompt", [{1: 2, 3: 4}, {1, 2, 3}, [True, False]])
+def test_mappings_sets_and_bools_are_not_prompts(kit, prompt):
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        me.create_generator(kit, prompt)
+
+
+@pytest.mark.parametrize("path", ["", "   "])
+def test_empty_model_path_is_refused(path):
+    with pytest.raises(ValueError, match="model_path must not be empty"):
+        me.load_model(path)
+
+
+def write_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(model_type="cache"), "unsupported model type 'cache'"),
+        (dict(model_type=["llama"]), "'model_type' must be an architecture name"),
+        (dict(model_type=None), "'model_type' must be an architecture name"),
+        (dict(model_type="../../etc"), "'model_type' must be an architecture name"),
+        (dict(hidden_size="64"), "'hidden_size' must be a positive integer, got '64'"),
+        (dict(hidden_size=64.0), "'hidden_size' must be a positive integer"),
+        (dict(num_hidden_layers=True), "'num_hidden_layers' must be a positive integer"),
+        (dict(vocab_size=-1), "'vocab_size' must be a positive integer"),
+        (dict(text_config=[1]), "'text_config' must be a JSON object"),
+        (dict(rope_theta="fast"), "cannot run with its config.json: TypeError"),
+        (dict(rope_theta=None), "cannot run with its config.json"),
+    ],
+)
+def test_config_fields_of_the_wrong_type_name_the_field(tmp_path, llama_path, changes, match):
+    d = copy_model(llama_path, tmp_path / "m")
+    write_config(d, **changes)
+    with pytest.raises(ModelLoadError, match=match):
+        me.load_model(d)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(num_hidden_layers=1_000_000), "declares num_hidden_layers=1000000 but the weight files hold 2 layers"),
+        (dict(hidden_size=128), "declares hidden_size=128 but 'model.embed_tokens.weight'"),
+        (dict(vocab_size=10**7), "declares vocab_size=10000000"),
+    ],
+)
+def test_config_is_checked_against_the_weights_before_building(tmp_path, llama_path, changes, match):
+    """A config far bigger than its weights fails from the safetensors headers,
+    before mlx-lm builds the model (a million layers would take gigabytes)."""
+    d = copy_model(llama_path, tmp_path / "m")
+    write_config(d, **changes)
+    with pytest.raises(ModelLoadError, match=match):
+        me.load_model(d)
+
+
+def test_safetensors_header_lies_are_caught(tmp_path, llama_path):
+    import struct
+
+    d = copy_model(llama_path, tmp_path / "m")
+    weights = d / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(struct.pack("<Q", 2**60) + data[8:])
+    with pytest.raises(ModelLoadError, match="header"):
+        me.load_model(d)
+    weights.write_bytes(data[:4])
+    with pytest.raises(ModelLoadError, match="too short"):
+        me.load_model(d)
+    weights.unlink()
+    weights.symlink_to(weights)  # a symlink loop
+    with pytest.raises(ModelLoadError, match="symlink loop"):
+        me.load_model(d)
+
+
+def test_a_failure_before_model_work_keeps_the_cache(kit, monkeypatch):
+    prompt = me.tokenize(kit, "class Point:\n    def __init__(self, x, y):")
+    generate_ids(kit, prompt, max_tokens=4)
+    cached = list(kit.cache.tokens)
+    assert cached
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planning failed")
+
+    monkeypatch.setattr(kit, "plan_prompt", broken)
+    with pytest.raises(RuntimeError, match="planning failed"):
+        list(me.create_generator(kit, prompt, max_tokens=4))
+    assert kit.cache.tokens == cached
+
+
+def test_nan_weights_are_refused_at_load(tmp_path, llama_path, draft_path):
+    import mlx.core as mx
+
+    d = copy_model(llama_path, tmp_path / "m")
+    weights = dict(mx.load(str(d / "model.safetensors")))
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights[name] = mx.full(weights[name].shape, float("nan"))
+    mx.save_safetensors(str(d / "model.safetensors"), weights)
+    with pytest.raises(ModelLoadError, match="NaN or infinite logits"):
+        me.load_model(d)

@@ -55,6 +55,48 @@ def test_demo_explains_missing_model(tmp_path):
     assert "does not exist" in out.stderr
 
 
+def run_demo(args, stdin=None):
+    return subprocess.run([sys.executable, str(ROOT / "demo.py"), *args], input=stdin, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize(
+    "args, stdin, match",
+    [
+        (["--stop-strings", ""], None, "stop_strings"),
+        (["--temp", "-1"], None, "temp must be >= 0"),
+        (["--temp", "nan"], None, "temp must be a finite number"),
+        (["--prompt", "-"], "", "standard input was empty"),
+        (["--images", "no-such.png"], None, "--images: 'no-such.png' is not a file"),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_2(llama_path, args, stdin, match):
+    out = run_demo(["--model", str(llama_path), "--max-tokens", "2", *args], stdin)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]  # argparse's own errors come after a usage block
+    assert last.startswith("demo.py: error: ") and match in last and "Traceback" not in out.stderr
+
+
+def test_missing_model_names_the_folders_searched():
+    out = run_demo(["--model", "no-such-model-name", "--max-tokens", "2"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "does not exist" in out.stderr and str(demo.LMSTUDIO_DIRS[0]) in out.stderr
+
+
+def test_stats_separate_the_one_off_cost_measurement(llama_path, draft_path):
+    out = run_demo(["--model", str(llama_path), "--draft-model", str(draft_path), "--max-tokens", "4", "--prompt", "hi"])
+    assert out.returncode == 0, out.stderr
+    assert "One-off cost measurement:" in out.stdout
+
+
+def test_decoding_line_names_the_first_decision_after_a_switch():
+    import mlx_engine as me
+
+    s = me.GenerationStats(decoding_mode="auto:prompt_lookup", mode_reason="prompt 40 tokens: prompt too short or sparse for lookup",
+                           mode_switches=["plain -> prompt_lookup: lookup would have had 90% accepted"])
+    assert demo.decoding_line(s) == (
+        "Decoding: auto:prompt_lookup; started as plain - prompt 40 tokens: prompt too short or sparse for lookup")
+    assert demo.decoding_line(me.GenerationStats(decoding_mode="plain")) == "Decoding: plain"
 
 
 @requires_default_model

@@ -329,3 +329,35 @@ def test_after_a_rejection_the_next_draft_is_at_most_twice_as_far_plus_two():
     assert drafter.num_tokens(16) == 2 * (1 + 1) + 2
     drafter.observe(6, 6)  # a fully accepted round lifts the bound
     assert drafter.num_tokens(16) == 16
+
+
+def test_failed_draft_load_keeps_the_previous_draft(llama_path, draft_path, tmp_path):
+    """load_draft_model is all or nothing: truncated weights raise ModelLoadError
+    and the draft that was loaded keeps serving."""
+    import shutil
+
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, draft_path)
+    before = kit.draft
+    broken = shutil.copytree(draft_path, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(me.ModelLoadError, match="truncated"):
+        me.load_draft_model(kit, broken)
+    assert kit.draft is before
+    prompt = me.tokenize(kit, "for i in range(10):\n")
+    ids, final = generate_ids(kit, prompt, max_tokens=8, num_draft_tokens=2)
+    assert final.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(num_draft_tokens=3), dict(prompt_lookup_num_tokens=4, speculative_decoding_toggle=False)])
+def test_seeded_sampling_is_reproducible_with_a_fixed_draft_length(llama_path, draft_path, mode):
+    """docs/decoding.md#exactness: reproducible where the round lengths do not
+    depend on timings (the adaptive length and auto are documented exceptions)."""
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, draft_path)
+    prompt = me.tokenize(kit, "for i in range(10):\n    print(i)\n" * 3)
+    if "num_draft_tokens" not in mode:
+        mode = dict(mode, speculative_decoding_toggle=False)
+    runs = [generate_ids(kit, prompt, max_tokens=24, temp=0.8, seed=3, **mode)[0] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]

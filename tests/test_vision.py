@@ -456,3 +456,17 @@ def test_demo_with_images(qwen_vl_path, tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
     assert "Generation stats:" in out.stdout and "Stop reason:" in out.stdout
+
+
+@pytest.mark.parametrize("size", [(3000, 1), (1, 3000)])
+def test_image_the_processor_refuses_fails_early_and_keeps_the_cache(qwen_kit, size):
+    """An extreme aspect ratio is refused by the model's image processor: in
+    create_generator, naming the item, and the prompt cache survives."""
+    prompt = user(qwen_kit, "describe")
+    generate_ids(qwen_kit, prompt, max_tokens=2, images_b64=[RED])
+    cached = list(qwen_kit.cache.tokens)
+    with pytest.raises(ValueError, match=r"images_b64\[1\] was refused by the model's image processor"):
+        me.create_generator(qwen_kit, chat(qwen_kit, ("user", "two", 2)), images_b64=[RED, image_b64(size=size)])
+    assert qwen_kit.cache.tokens == cached
+    stats = generate_ids(qwen_kit, prompt, max_tokens=2, images_b64=[RED])[1].stats
+    assert stats.cached_tokens == stats.prompt_tokens - 1  # all but the last prompt token reused

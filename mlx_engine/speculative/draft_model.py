@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..model_kit import DraftModel, ModelKit, param_count
+from ..model_kit import DraftModel, ModelKit, materialize, param_count, smoke_test
 from . import costs
 from .loop import DrafterUnavailable
 
@@ -87,18 +87,21 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
 
 
 def load_draft(kit: ModelKit, path: str | Path) -> None:
-    """Load a draft model into the kit, replacing any loaded one."""
+    """Load a draft model into the kit, replacing any loaded one only once the
+    new one has loaded: a failure leaves the previous draft in place."""
     report = check_draft_model(kit, path)
     if not report:
         raise IncompatibleDraftModelError(
             f"draft model {str(path)!r} is not compatible: " + "; ".join(report.reasons), report.reasons
         )
     draft_path = loading.resolve_model_path(path, "draft model path")
-    unload_draft(kit)
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
-    dtype = loading.choose_compute_dtype(model, "auto")
-    loading.apply_compute_dtype(model, dtype)
-    kit.draft = DraftModel(draft_path, model, kit.new_cache(model), param_count(model))
+    loading.apply_compute_dtype(model, loading.choose_compute_dtype(model, "auto"))
+    materialize(model)
+    smoke_test(model, draft_path)
+    new = DraftModel(draft_path, model, kit.new_cache(model), param_count(model))
+    unload_draft(kit)
+    kit.draft = new
     logger.info("loaded draft model %s (%.1fM parameters)", draft_path, kit.draft.num_params / 1e6)
 
 

@@ -1,0 +1,172 @@
+"""The threads that run the engine's MLX work.
+
+Every MLX operation of a kit (loading, generating, draft loading, unloading) runs
+on one engine-owned worker thread; the host calls in from any thread and waits.
+Two MLX properties make this necessary (docs/reliability.md):
+
+- MLX streams are per thread: an array left unevaluated on one thread cannot be
+  evaluated on another ("There is no Stream(cpu, 0) in current thread").
+- MLX keeps a per-thread compile cache whose destructor, run when the thread
+  exits, takes the GIL. If a host thread that ran MLX work exits while the
+  interpreter is finalizing, that destructor aborts the process ("terminate
+  called without an active exception", exit 134).
+
+Workers therefore never exit: a worker whose kit is gone returns to an idle pool
+and is reused by the next kit. Idle workers are daemon threads parked on a queue,
+so process exit never runs their thread-exit destructors. At exit, running
+generations are asked to stop and the engine waits (boundedly) for its workers to
+park before the interpreter finalizes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import sys
+import threading
+from typing import Any, Callable, Iterator, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+EXIT_WAIT_SECONDS = 30.0  # how long process exit waits for a busy worker to park
+
+_pool_lock = threading.Lock()
+_idle: list["MLXWorker"] = []
+_all: list["MLXWorker"] = []
+shutting_down = threading.Event()  # set at process exit: running generations stop
+
+
+class _Task:
+    """One call handed to a worker, and its outcome."""
+
+    __slots__ = ("fn", "args", "kwargs", "done", "result", "error")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args, **self.kwargs)
+        except BaseException as exc:  # handed to the caller, StopIteration included
+            self.error = exc
+        finally:
+            self.fn = self.args = self.kwargs = None
+            self.done.set()
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return self.result
+
+
+class MLXWorker:
+    """A daemon thread that runs the calls handed to it, one at a time."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[_Task] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="mlx-engine-worker", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._tasks.get().run()
+
+    @property
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, fn: Callable[..., T], *args, **kwargs) -> _Task:
+        if shutting_down.is_set():
+            raise RuntimeError("the process is exiting; mlx-engine accepts no more work")
+        task = _Task(fn, args, kwargs)
+        self._tasks.put(task)
+        return task
+
+    def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """Run ``fn`` on this worker and return its result (or raise its
+        exception) in the calling thread; inline when called from the worker."""
+        if self.is_current:
+            return fn(*args, **kwargs)
+        task = self.submit(fn, *args, **kwargs)
+        task.done.wait()
+        return task.outcome()
+
+
+def acquire() -> MLXWorker:
+    """An idle worker from the pool, or a new one."""
+    with _pool_lock:
+        if _idle:
+            return _idle.pop()
+        worker = MLXWorker()
+        _all.append(worker)
+        return worker
+
+
+def release(worker: MLXWorker) -> None:
+    """Return a worker whose kit is gone to the pool (never ends its thread)."""
+    with _pool_lock:
+        if worker not in _idle:
+            _idle.append(worker)
+
+
+class WorkerIterator(Iterator[T]):
+    """An iterator whose steps run on a worker. ``close()`` (also on garbage
+    collection) closes the underlying generator on the worker. A step
+    interrupted in the caller (e.g. KeyboardInterrupt while waiting) is not
+    lost: the next ``next()`` returns its result."""
+
+    def __init__(self, worker: MLXWorker, gen: Iterator[T]):
+        self._worker = worker
+        self._gen: Iterator[T] | None = gen
+        self._pending: _Task | None = None
+
+    def __iter__(self) -> "WorkerIterator[T]":
+        return self
+
+    def __next__(self) -> T:
+        if self._gen is None:
+            raise StopIteration
+        if self._worker.is_current:
+            return next(self._gen)
+        if self._pending is None:
+            self._pending = self._worker.submit(next, self._gen)
+        self._pending.done.wait()
+        task, self._pending = self._pending, None
+        return task.outcome()
+
+    def close(self) -> None:
+        gen, self._gen = self._gen, None
+        if gen is None:
+            return
+        if self._pending is not None:
+            self._pending.done.wait()
+            self._pending = None
+        self._worker.call(gen.close)
+
+    def __del__(self) -> None:
+        if sys.is_finalizing() or shutting_down.is_set():
+            return
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - best effort from a finalizer
+            logger.exception("closing an abandoned generation failed")
+
+
+def _park_workers_at_exit() -> None:
+    """Stop running generations and wait for every worker to park, so that no
+    worker touches the interpreter while it finalizes."""
+    shutting_down.set()
+    for worker in list(_all):
+        done = threading.Event()
+        worker._tasks.put(_Task(done.set, (), {}))  # queued behind any running work
+        if not done.wait(EXIT_WAIT_SECONDS):
+            logger.warning("an mlx-engine worker was still busy at exit")
+
+
+atexit.register(_park_workers_at_exit)

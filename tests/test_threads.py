@@ -1,0 +1,171 @@
+"""The threading contract (docs/reliability.md): a host may load on one thread and
+generate on others; the kit's MLX work runs on its own engine thread, so host
+threads that exit, and process exit, never crash."""
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from conftest import generate_ids
+from tiny_models import make_model
+
+import mlx_engine as me
+from mlx_engine import GenerationInProgressError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def half_path(models_dir, llama_path):
+    """A float16 model: compute_dtype='auto' upcasts it at load (set_dtype)."""
+    return make_model(models_dir / "half", "llama", hidden=64, layers=2, scale=3.0, seed=1,
+                      tokenizer_from=llama_path, dtype=mx.float16)
+
+
+def on_thread(fn, *args, **kwargs):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # reported to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    assert not t.is_alive()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.mark.parametrize("compute_dtype", ["auto", "native", "float32"])
+def test_load_on_one_thread_generate_on_another(half_path, compute_dtype):
+    kit = me.load_model(half_path, compute_dtype=compute_dtype)
+    prompt = me.tokenize(kit, "def add(a, b):")
+    ids = on_thread(lambda: generate_ids(kit, prompt, max_tokens=6)[0])
+    assert ids == generate_ids(me.load_model(half_path, compute_dtype=compute_dtype), prompt, max_tokens=6)[0]
+
+
+def test_model_loaded_on_a_thread_that_exits(half_path):
+    kit = on_thread(me.load_model, half_path)
+    prompt = me.tokenize(kit, "class Point:")
+    assert len(generate_ids(kit, prompt, max_tokens=5)[0]) == 5
+
+
+def test_draft_loaded_on_a_ui_thread_generates_on_a_worker(llama_path, draft_path):
+    kit = me.load_model(llama_path)
+    on_thread(me.load_draft_model, kit, draft_path)
+    prompt = me.tokenize(kit, "for i in range(10):\n")
+    ids, final = on_thread(generate_ids, kit, prompt, max_tokens=8, num_draft_tokens=2)
+    assert final.stats.decoding_mode == "draft_model" and final.stats.drafted_tokens > 0
+    assert ids == generate_ids(me.load_model(llama_path), prompt, max_tokens=8)[0]
+
+
+def test_four_host_threads_share_one_kit(llama_path):
+    kit = me.load_model(llama_path)
+    prompt = me.tokenize(kit, "Hello world!")
+    want = generate_ids(kit, prompt, max_tokens=4)[0]
+    lock = threading.Lock()
+    got = []
+
+    def host(n):
+        for _ in range(n):
+            with lock:  # a kit runs one generation at a time; the host serialises
+                got.append(generate_ids(kit, prompt, max_tokens=4)[0])
+
+    threads = [threading.Thread(target=host, args=(5,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == [want] * 20
+
+
+def test_generation_abandoned_on_a_thread_that_exits(llama_path):
+    kit = me.load_model(llama_path)
+    prompt = me.tokenize(kit, "def add(a, b):")
+    holder = []
+
+    def start():
+        gen = me.create_generator(kit, prompt, max_tokens=50)
+        next(gen)
+        holder.append(gen)  # left open; the thread ends
+
+    on_thread(start)
+    with pytest.raises(GenerationInProgressError):
+        me.create_generator(kit, prompt)
+    holder.pop().close()
+    assert generate_ids(kit, prompt, max_tokens=4)[0] == generate_ids(me.load_model(llama_path), prompt, max_tokens=4)[0]
+
+
+def test_dropping_an_open_generator_frees_the_kit(llama_path):
+    kit = me.load_model(llama_path)
+    prompt = me.tokenize(kit, "def add(a, b):")
+    gen = me.create_generator(kit, prompt, max_tokens=50)
+    next(gen)
+    del gen  # closed on the kit's thread when collected
+    assert generate_ids(kit, prompt, max_tokens=3)[1].stop_condition.stop_reason == "token_limit"
+
+
+def test_unload_during_a_generation_is_refused(llama_path):
+    kit = me.load_model(llama_path)
+    gen = me.create_generator(kit, me.tokenize(kit, "hello"), max_tokens=20)
+    next(gen)
+    with pytest.raises(GenerationInProgressError, match="finish or close it first"):
+        me.unload(kit)
+    assert kit.model is not None
+    rest = list(gen)
+    assert rest[-1].stop_condition.stop_reason == "token_limit"
+    me.unload(kit)
+    assert kit.model is None
+
+
+EXIT_SCRIPT = r"""
+import sys, threading
+import mlx_engine as me
+
+kit = me.load_model(sys.argv[1])                # loaded on the main thread
+prompt = me.tokenize(kit, "def add(a, b):\n")
+lock = threading.Lock()
+
+def host():
+    for _ in range(int(sys.argv[2])):
+        with lock:
+            list(me.create_generator(kit, prompt, max_tokens=8))
+
+threads = [threading.Thread(target=host) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+
+def abandon():                                    # a generation left open on a thread that exits
+    gen = me.create_generator(kit, prompt, max_tokens=10_000)
+    next(gen)
+    abandoned.append(gen)
+
+abandoned = []
+t = threading.Thread(target=abandon); t.start(); t.join()
+draft = me.load_model(sys.argv[1])                # a second kit, generated on a daemon thread at exit
+threading.Thread(target=lambda: list(me.create_generator(draft, prompt, max_tokens=10_000)), daemon=True).start()
+print("done", flush=True)
+"""
+
+
+def run_exit_script(model: Path, requests: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(model), str(requests)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+
+
+def test_process_exit_after_threaded_work_does_not_abort(half_path):
+    """MLX's per-thread compile cache is torn down at thread exit and takes the GIL;
+    on a host thread racing interpreter exit that aborted the process (exit 134).
+    The engine runs MLX work on threads that never exit before the process does."""
+    for _ in range(3):
+        out = run_exit_script(half_path, 2)
+        assert out.returncode == 0 and "done" in out.stdout, (out.returncode, out.stderr[-2000:])
