@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..model_kit import DraftModel, ModelKit, materialize, param_count, smoke_test
+from ..model_kit import DraftModel, ModelKit, param_count, prepare_weights, smoke_test
 from . import costs
 from .loop import DrafterUnavailable
 
@@ -96,8 +96,7 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
         )
     draft_path = loading.resolve_model_path(path, "draft model path")
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
-    loading.apply_compute_dtype(model, loading.choose_compute_dtype(model, "auto"))
-    materialize(model)
+    prepare_weights(model, "auto")
     smoke_test(model, draft_path)
     new = DraftModel(draft_path, model, kit.new_cache(model), param_count(model))
     unload_draft(kit)
