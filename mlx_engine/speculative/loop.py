@@ -146,76 +146,96 @@ def decode(
     position: the id, or UNKNOWN for an id of a queued round that is not read yet.
     The caller may therefore stop at any point: the next request's prefix match
     stops at the first UNKNOWN and recomputes from there."""
-    tracker = _AcceptanceTracker(stats)
-    produced = 0
-    last_read: float | None = None
+    loop = _Loop(cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback, constraint)
+    return loop.run()
 
-    def propose(limit: int) -> Drafts:
-        nonlocal drafter
-        if drafter is None or limit <= 0:
+
+class _Loop:
+    """One decode's state: the history, the drafter (dropped for good when it
+    becomes unavailable), the tokens produced and the last round's read time."""
+
+    def __init__(self, cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback,
+                 constraint):
+        self.cache, self.history, self.max_new = cache, history, max_new
+        self.sampler, self.processors, self.context_window = sampler, processors, context_window
+        self.drafter, self.on_fallback, self.constraint = drafter, on_fallback, constraint
+        self.tracker = _AcceptanceTracker(stats)
+        self.produced = 0
+        self.last_read: float | None = None
+
+    def run(self) -> Iterator[Step]:
+        cache = self.cache
+        pending = self.launch()
+        while True:
+            rnd = pending
+            ahead = self.drafter is None and not self.processors and self.constraint is None
+            ahead = ahead and self.produced + 1 < self.max_new
+            if ahead:
+                pending = self.launch_plain_from(rnd.tokens)
+            sampled = rnd.tokens.tolist()
+            sampled_lp = rnd.chosen.tolist()
+            now = time.perf_counter()
+            seconds = None if self.last_read is None else now - self.last_read
+            self.last_read = now
+            if ahead:
+                cache.resolve(pending.start, sampled[:1])
+            n = _accept(cache, rnd, sampled, self.drafter, self.tracker, seconds)
+            emitted, complete = self.grammar_cut(sampled[: n + 1], n)
+            self.history.extend(emitted)
+            self.produced += len(emitted)
+            if self.produced < self.max_new and not ahead and not complete:
+                pending = self.launch()
+            for i, tok in enumerate(emitted):
+                yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n, complete and i == len(emitted) - 1)
+            if self.produced >= self.max_new or complete:
+                return
+
+    def grammar_cut(self, emitted: list[int], accepted: int) -> tuple[list[int], bool]:
+        """Advance the grammar; nothing follows a complete grammar (not even an
+        end token drafted or sampled after it), so every mode ends on the same
+        token. Returns the tokens to emit and whether the grammar is complete."""
+        if self.constraint is None:
+            return emitted, False
+        kept = emitted[: self.constraint.advance(emitted)]
+        if len(kept) < accepted + 1:
+            self.cache.rewind_to(len(self.cache.tokens) - (accepted + 1 - len(kept)))
+        return kept, self.constraint.complete
+
+    def propose(self, limit: int) -> Drafts:
+        if self.drafter is None or limit <= 0:
             return []
         try:
             # Checked before drafting: a lazily drafted round cannot be undone.
-            if reason := cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
+            if reason := self.cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
                 raise DrafterUnavailable(reason)
-            return drafter.propose(history, limit)[:limit]
+            return self.drafter.propose(self.history, limit)[:limit]
         except DrafterUnavailable as exc:
-            drafter = None
-            if on_fallback is not None:
-                on_fallback(str(exc))
+            self.drafter = None
+            if self.on_fallback is not None:
+                self.on_fallback(str(exc))
             return []
 
-    def launch() -> _Round:
-        limit = max_new - produced - 1
-        if constraint is not None:
-            return _launch_constrained(cache, history, limit, propose, constraint, sampler, processors, context_window)
-        drafts = propose(limit)
+    def launch(self) -> _Round:
+        cache, history, limit = self.cache, self.history, self.max_new - self.produced - 1
+        if self.constraint is not None:
+            return _launch_constrained(cache, history, limit, self.propose, self.constraint, self.sampler,
+                                       self.processors, self.context_window)
+        drafts = self.propose(limit)
         if isinstance(drafts, mx.array):
-            if drafts.size and not processors:
+            if drafts.size and not self.processors:
                 logits, start = cache.feed_lazy([history[-1]], drafts)
-                return _queue(drafts, start, *sample_rows(logits, [], [], sampler, [], context_window))
+                return _queue(drafts, start, *sample_rows(logits, [], [], self.sampler, [], self.context_window))
             drafts = drafts.tolist()  # processors need each position's exact context
         logits = cache.feed([history[-1]] + drafts)
-        return _queue(drafts, len(cache), *sample_rows(logits, history, drafts, sampler, processors, context_window))
+        rows = sample_rows(logits, history, drafts, self.sampler, self.processors, self.context_window)
+        return _queue(drafts, len(cache), *rows)
 
-    def launch_plain_from(token: mx.array) -> _Round:
+    def launch_plain_from(self, token: mx.array) -> _Round:
         # Plain decoding without logits processors: build the next step from the
         # token before it is known (as mlx-lm's generate_step does), so graph
         # construction overlaps the running step.
-        logits, start = cache.feed_lazy([], token)
-        return _queue([], start, *sample_rows(logits, [], [], sampler, [], context_window))
-
-    pending = launch()
-    while True:
-        rnd = pending
-        ahead = drafter is None and not processors and constraint is None and produced + 1 < max_new
-        if ahead:
-            pending = launch_plain_from(rnd.tokens)
-        sampled = rnd.tokens.tolist()
-        sampled_lp = rnd.chosen.tolist()
-        now = time.perf_counter()
-        seconds = None if last_read is None else now - last_read
-        last_read = now
-        if ahead:
-            cache.resolve(pending.start, sampled[:1])
-        n = _accept(cache, rnd, sampled, drafter, tracker, seconds)
-        emitted = sampled[: n + 1]
-        complete = False
-        if constraint is not None:
-            # Nothing follows a complete grammar (not even an end token drafted
-            # or sampled after it), so every mode ends on the same token.
-            emitted = emitted[: constraint.advance(emitted)]
-            complete = constraint.complete
-            if len(emitted) < n + 1:
-                cache.rewind_to(len(cache.tokens) - (n + 1 - len(emitted)))
-        history.extend(emitted)
-        produced += len(emitted)
-        if produced < max_new and not ahead and not complete:
-            pending = launch()
-        for i, tok in enumerate(emitted):
-            yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n, complete and i == len(emitted) - 1)
-        if produced >= max_new or complete:
-            return
+        logits, start = self.cache.feed_lazy([], token)
+        return _queue([], start, *sample_rows(logits, [], [], self.sampler, [], self.context_window))
 
 
 def _accept(cache: SequenceCache, rnd: _Round, sampled: list[int], drafter, tracker, seconds) -> int:
