@@ -6,6 +6,7 @@ import logging
 import uuid
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import mlx.core as mx
@@ -13,11 +14,10 @@ import mlx.core as mx
 from . import loading, worker
 from .cache import CacheOptions
 from .images import validate_max_image_pixels
-from .model_kit import ModelKit
+from .model_kit import KitOptions, ModelKit
 from .pipeline import Generation
 from .request import (
     DEFAULT_MAX_TOKENS,
-    GenerateOptions,
     ProgressCallback,
     StatsCallback,
     require_idle,
@@ -55,8 +55,7 @@ def load_model(
     ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images.
     The kit's MLX work runs on its own engine thread (docs/reliability.md)."""
     cache_options = CacheOptions.validate(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
-    kit_options = dict(cache_options=cache_options, vocab_only=vocab_only, trust_remote_code=trust_remote_code,
-                       compute_dtype=compute_dtype)
+    kit_options = KitOptions(cache_options, vocab_only, trust_remote_code, compute_dtype)
     thread = worker.acquire()
     try:
         kit = thread.call(_load_model, model_path, kit_options, seed, max_image_pixels)
@@ -77,7 +76,7 @@ def _worker_of(kit: ModelKit) -> worker.MLXWorker:
     return kit._worker or _attach_worker(kit, worker.acquire())
 
 
-def _load_model(model_path, kit_options: dict, seed, max_image_pixels) -> ModelKit:
+def _load_model(model_path, kit_options: KitOptions, seed, max_image_pixels) -> ModelKit:
     """The kit for ``model_path``, built on its engine thread."""
     path = loading.resolve_model_path(model_path)
     config = loading.read_config(path)
@@ -86,8 +85,8 @@ def _load_model(model_path, kit_options: dict, seed, max_image_pixels) -> ModelK
     if (seed := validate_seed(seed)) is not None:
         mx.random.seed(seed)
     if loading.is_vision_config(config):
-        return VisionModelKit(path, **kit_options, max_image_pixels=max_image_pixels)
-    return ModelKit(path, **kit_options)
+        return VisionModelKit(path, kit_options, max_image_pixels)
+    return ModelKit(path, kit_options)
 
 
 def tokenize(kit: ModelKit, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -203,13 +202,13 @@ def create_generator(
     require_model(kit)
     if isinstance(prompt_tokens, mx.array):
         prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
-    options = GenerateOptions.from_arguments(locals())
+    options = SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("kit", "prompt_tokens")})
     validate_request_id(request_id)
     thread = _worker_of(kit)
     return worker.WorkerIterator(thread, thread.call(_start, kit, prompt_tokens, options))
 
 
-def _start(kit: ModelKit, prompt_tokens, options: GenerateOptions) -> Generation:
+def _start(kit: ModelKit, prompt_tokens, options: SimpleNamespace) -> Generation:
     """Validate (on the kit's engine thread) and create the generation."""
     request = validate_request(kit, prompt_tokens, options, options.request_id or uuid.uuid4().hex)
     require_idle(kit)

@@ -83,46 +83,47 @@ class Activity:
         return request_id in self.cancelled
 
 
+@dataclass(frozen=True)
+class KitOptions:
+    """A kit's load options, as ``load_model`` checked them."""
+
+    cache: CacheOptions = CacheOptions()
+    vocab_only: bool = False
+    trust_remote_code: bool = False
+    compute_dtype: str | None = "auto"
+
+
 class ModelKit:
     """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
 
     _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        cache_options: CacheOptions = CacheOptions(),
-        vocab_only: bool = False,
-        trust_remote_code: bool = False,
-        compute_dtype: str | None = "auto",
-    ):
-        self._init_files(loading.resolve_model_path(model_path), cache_options, vocab_only, trust_remote_code)
-        if vocab_only:
+    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions()):
+        self._init_files(loading.resolve_model_path(model_path), options)
+        if options.vocab_only:
             return
-        self.model, self.config = loading.load_weights(self.model_path, trust_remote_code)
-        self.compute_dtype = prepare_weights(self.model, compute_dtype)
+        self.model, self.config = loading.load_weights(self.model_path, options.trust_remote_code)
+        self.compute_dtype = prepare_weights(self.model, options.compute_dtype)
         self.num_params = param_count(self.model)
         smoke_test(self.model, self.model_path)
-        if cache_options.kv_bits is not None:
+        kv = options.cache
+        if kv.kv_bits is not None:
             head_dim = _head_dim(self.config)
-            if head_dim is not None and head_dim % cache_options.kv_group_size:
-                raise ValueError(
-                    f"kv_group_size must divide the model's attention head size ({head_dim}); got {cache_options.kv_group_size}"
-                )
+            if head_dim is not None and head_dim % kv.kv_group_size:
+                raise ValueError(f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}")
         self.cache = self.new_cache(self.model)
         logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
 
-    def _init_files(self, path: Path, cache_options: CacheOptions, vocab_only: bool, trust_remote_code: bool) -> None:
+    def _init_files(self, path: Path, options: KitOptions) -> None:
         """What every kit starts from: config, tokenizer and empty slots (one
         initializer for text and vision kits)."""
         self.model_path = path
         self.config = loading.read_config(path)
         self.check_architecture()
-        self.cache_options = cache_options
-        self.tokenizer = loading.load_tokenizer(path, trust_remote_code)
+        self.cache_options = options.cache
+        self.tokenizer = loading.load_tokenizer(path, options.trust_remote_code)
         self.eos_token_ids = loading.eos_token_ids(self.tokenizer)
-        self.vocab_only = vocab_only
+        self.vocab_only = options.vocab_only
         self.model: nn.Module | None = None
         self.cache: SequenceCache | None = None
         self.draft: DraftModel | None = None

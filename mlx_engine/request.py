@@ -1,10 +1,9 @@
 """Validating a request: every ``create_generator`` argument is checked here,
 before the generator is returned, and becomes one frozen ``Request``.
 
-``GenerateOptions`` holds the keyword arguments exactly as ``create_generator``
-received them (its one list of names and defaults besides the public
-signature); ``validate_request`` checks them against the kit and plans the
-decoding. A bad argument raises ``ValueError`` naming it; nothing here touches
+``validate_request`` takes ``create_generator``'s keyword arguments exactly as
+received (a namespace built from its signature, the one list of their names and
+defaults), checks them against the kit and plans the decoding. A bad argument raises ``ValueError`` naming it; nothing here touches
 the model or its caches.
 """
 
@@ -12,8 +11,9 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Set
-from dataclasses import dataclass, fields
-from typing import Any, Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
 
 import mlx.core as mx
 
@@ -29,43 +29,6 @@ DEFAULT_MAX_TOKENS = 256
 
 ProgressCallback = Callable[[float], "bool | None"]
 StatsCallback = Callable[[GenerationStats], None]
-
-
-@dataclass(frozen=True)
-class GenerateOptions:
-    """``create_generator``'s keyword arguments, unchecked."""
-
-    max_tokens: Any = DEFAULT_MAX_TOKENS
-    temp: Any = None
-    top_p: Any = None
-    top_k: Any = None
-    min_p: Any = None
-    min_tokens_to_keep: Any = None
-    repetition_penalty: Any = None
-    repetition_context_size: Any = 20
-    seed: Any = None
-    stop_strings: Any = None
-    top_logprobs: Any = None
-    prompt_progress_callback: Any = None
-    stats_callback: Any = None
-    request_id: Any = None
-    num_draft_tokens: Any = None
-    speculative_decoding_toggle: Any = None
-    prompt_lookup_num_tokens: Any = None
-    prompt_lookup_min_ngram: Any = 1
-    prompt_lookup_max_ngram: Any = 3
-    prompt_lookup_num_candidates: Any = 4
-    auto_speculative: Any = False
-    images_b64: Any = None
-    json_schema: Any = None
-    regex: Any = None
-    grammar: Any = None
-    structured_drafting: Any = True
-
-    @classmethod
-    def from_arguments(cls, arguments: dict) -> GenerateOptions:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in arguments.items() if k in names})
 
 
 @dataclass(frozen=True)
@@ -85,8 +48,9 @@ class Request:
     structured_drafting: bool
 
 
-def validate_request(kit: ModelKit, prompt_tokens, o: GenerateOptions, request_id: str) -> Request:
-    """Check every argument against the kit; ``ValueError`` naming the first bad one."""
+def validate_request(kit: ModelKit, prompt_tokens, o: SimpleNamespace, request_id: str) -> Request:
+    """Check every argument (``o``: create_generator's keyword arguments) against
+    the kit; ``ValueError`` naming the first bad one."""
     prompt = validate_prompt(kit, prompt_tokens)
     images = kit.decode_images(prompt, o.images_b64)
     if isinstance(o.max_tokens, bool) or not isinstance(o.max_tokens, int) or o.max_tokens <= 0:

@@ -33,11 +33,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from . import loading
-from .cache import PREFILL_CHUNK, CacheOptions
+from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
 from .model_checks import check_weights_match_config
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
-from .model_kit import ModelKit, PromptPlan, param_count, prepare_weights
+from .model_kit import KitOptions, ModelKit, PromptPlan, param_count, prepare_weights
 
 logger = logging.getLogger(__name__)
 
@@ -107,20 +107,11 @@ class VisionModelKit(ModelKit):
     ``ModelKit``; ``create_generator(..., images_b64=[...])`` adds images.
     Create it with ``mlx_engine.load_model``."""
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        cache_options: CacheOptions = CacheOptions(),
-        vocab_only: bool = False,
-        trust_remote_code: bool = False,
-        compute_dtype: str | None = "auto",
-        max_image_pixels: int | None = None,
-    ):
-        if cache_options.kv_bits is not None:
+    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions(), max_image_pixels: int | None = None):
+        if options.cache.kv_bits is not None:
             raise ValueError("kv_bits: a quantized KV cache is not supported for vision models yet")
         self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
-        self._init_files(loading.resolve_model_dir(model_path), cache_options, vocab_only, trust_remote_code)
+        self._init_files(loading.resolve_model_dir(model_path), options)
         self.eos_token_ids |= _config_eos_ids(self.config)
         self.vlm: nn.Module | None = None
         self.processor = None
@@ -130,10 +121,10 @@ class VisionModelKit(ModelKit):
         self.placeholder_token, self.image_token = _image_tokens(self.model_type, self.config, vocab)
         self.placeholder_id = vocab.get(self.placeholder_token)
         self.image_token_id = vocab.get(self.image_token)
-        if vocab_only:
+        if options.vocab_only:
             return
-        self.vlm, self.processor = load_vlm(self.model_path, trust_remote_code)
-        self.compute_dtype = prepare_weights(self.vlm, compute_dtype)
+        self.vlm, self.processor = load_vlm(self.model_path, options.trust_remote_code)
+        self.compute_dtype = prepare_weights(self.vlm, options.compute_dtype)
         self.model = VisionLanguageModel(self.vlm)
         self.num_params = param_count(self.model)
         self.cache = self.new_cache(self.model)
