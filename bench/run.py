@@ -132,9 +132,8 @@ def model_info(path: Path, model) -> dict[str, Any]:
 
 
 def make_tiny_models(where: Path) -> tuple[Path, Path]:
-    """Random-weight stand-ins (tests/tiny_models.py) for trying the harness."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import make_model  # type: ignore[import-not-found]
+    """Random-weight stand-ins (fixtures/tiny_models.py) for trying the harness."""
+    from fixtures.tiny_models import make_model
 
     target, draft = where / "target", where / "draft"
     if not (target / "model.safetensors").exists():
@@ -507,7 +506,7 @@ def render_docs(report: dict, results_md: str, out_dir: Path, docs_path: Path) -
         "not), so outputs and timings compare like for like.",
         "- **Exact** means the greedy tokens equal mlx-lm's token for token; otherwise the first differing position "
         "and mlx-lm's top-2 logit gap there are listed (a near-zero gap is a float near-tie, not a bug).",
-        *(["- The pystd demo models were trained on 512-token windows (`scripts/train_demo_models.py --seq-len`), "
+        *(["- The pystd demo models were trained on 512-token windows (`training/train_demo_models.py --seq-len`), "
            "so the 1024-token workloads also test how well they generalise past that length."]
           if "pystd" in models["target"]["path"] else []),
         "- The CPU is shared with other work (see the load average above), so numbers are noisy: treat differences "
@@ -571,7 +570,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results directory")
     p.add_argument("--model", type=Path, default=Path(DEFAULT_MODEL))
     p.add_argument("--draft", type=Path, default=Path(DEFAULT_DRAFT), help="draft model; '' for none")
-    p.add_argument("--tiny", action="store_true", help="use tiny random models (tests/tiny_models.py) instead")
+    p.add_argument("--tiny", action="store_true", help="use tiny random models (fixtures/tiny_models.py) instead")
     p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(s.name for s in S.SYSTEMS)}")
     p.add_argument("--kinds", help="comma-separated subset of workload kinds")
     p.add_argument("--max-tokens", type=int, help="new tokens per run")
@@ -601,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         model_path, draft_path = make_tiny_models(Path(tempfile.gettempdir()) / "mlx-engine-bench-tiny")
     if not (model_path / "config.json").exists():
-        logger.error("no model at %s (train it with scripts/train_demo_models.py, or pass --model / --tiny)", model_path)
+        logger.error("no model at %s (train it with training/train_demo_models.py, or pass --model / --tiny)", model_path)
         return 2
     if draft_path is not None and not (draft_path / "config.json").exists():
         logger.warning("no draft model at %s; draft-model systems are skipped", draft_path)

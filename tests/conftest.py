@@ -1,13 +1,9 @@
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import mlx_engine  # noqa: E402,F401  (loads OpenBLAS before mlx.core)
-from tiny_models import MarkovLM, make_model, make_tokenizer, successor_table  # noqa: E402
+import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
+from fixtures.tiny_models import MarkovLM, make_model, make_tokenizer, successor_table  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
+import demo
+from conftest import requires_default_model
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import demo  # noqa: E402
-from conftest import requires_default_model  # noqa: E402
 
 
 def test_defaults_are_plain_decoding():

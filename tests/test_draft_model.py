@@ -1,7 +1,7 @@
 import mlx.core as mx
 import pytest
 from conftest import assert_same_or_near_tie, generate_ids
-from tiny_models import MarkovLM, make_model, successor_table
+from fixtures.tiny_models import MarkovLM, make_model, successor_table
 
 import mlx_engine as me
 from mlx_engine.cache import UNKNOWN, SequenceCache

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from conftest import generate_ids, requires_default_model
-from tiny_models import make_gguf
+from fixtures.tiny_models import make_gguf
 
 import mlx_engine as me
 

@@ -8,7 +8,7 @@ import jsonschema
 import mlx.core as mx
 import pytest
 from conftest import generate_ids, requires_default_model
-from tiny_vlm import image_b64, make_qwen2_vl
+from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
 import mlx_engine as me
 from mlx_engine.speculative.loop import decode

@@ -6,7 +6,7 @@ import gc
 import mlx.core as mx
 import pytest
 from conftest import generate_ids
-from tiny_models import MarkovLM, successor_table
+from fixtures.tiny_models import MarkovLM, successor_table
 
 import mlx_engine as me
 from mlx_engine.cache import UNKNOWN, CacheOptions, SequenceCache, common_prefix_length
