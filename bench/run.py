@@ -3,7 +3,8 @@
 For every workload the systems run interleaved, the order rotating each round
 (A B C, B C A, C A B, ...) so no system always runs in the same place: one warm-up
 round, then ``reps`` measured rounds; medians are reported. Outputs:
-``<out>/latest.json``, ``<out>/latest.md``, ``<out>/ratios.png`` and
+``<out>/latest.json`` (a compact summary; every run in ``<out>/raw/``, not
+committed), ``<out>/latest.md``, ``<out>/ratios.png`` and
 ``docs/benchmarks.md``.
 """
 
@@ -537,8 +538,13 @@ def splice_docs(existing: str, generated: str) -> str:
 
 
 def write_reports(report: dict, out_dir: Path, docs_path: Path | None) -> str:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "latest.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    """``latest.json`` is the compact summary that is committed (rows, summary,
+    machine, configuration); every run's tokens and timings go to
+    ``raw/latest-raw.json``, which git ignores (megabytes per run)."""
+    (out_dir / "raw").mkdir(parents=True, exist_ok=True)
+    summary = {k: v for k, v in report.items() if k != "raw"}
+    (out_dir / "latest.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (out_dir / "raw" / "latest-raw.json").write_text(json.dumps(report, default=str) + "\n")
     md = render_markdown(report)
     (out_dir / "latest.md").write_text("# mlx-engine benchmark: latest results\n\n" + md)
     try:
