@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""Command-line demo of mlx-engine: stream a completion with statistics.
+"""Command-line demo of mlx-engine: stream an answer with statistics.
 
-    python demo.py                                   # bundled demo model
-    python demo.py --model path/to/model --prompt "Hello"
-    python demo.py --draft-model models/pystd-draft  # speculative decoding
+    python demo.py                                   # SmolLM2-135M-Instruct answers a question
+    python demo.py --chat                            # multi-turn chat; the prompt cache grows each turn
+    python demo.py --prompt "Name three rivers in Europe."
+    python demo.py --model path/to/model.gguf --prompt "Hello"
     python demo.py --prompt-lookup-num-tokens 8      # prompt-lookup decoding
     python demo.py --auto-speculative                # let the engine choose
+    python demo.py --model models/pystd-target --draft-model models/pystd-draft   # draft-model speculation
+    python demo.py --json-schema person.json --prompt "Describe a person as JSON."
     python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
 """
 
@@ -20,24 +23,21 @@ from pathlib import Path
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_MODEL = ROOT / "models" / "pystd-target"
-DEFAULT_PROMPT = "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return the paths of all .py files under root.\"\"\"\n"
+DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
+DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly and accurately."
+# Base models (no chat template), like the bundled toy model, continue this text.
+DEFAULT_BASE_PROMPT = "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return the paths of all .py files under root.\"\"\"\n"
 LMSTUDIO_DIRS = (Path.home() / ".lmstudio" / "models", Path.home() / ".cache" / "lm-studio" / "models")
 
 
-def resolve_model(name: str | None) -> Path:
-    """A path, or a model name under the LM Studio models folders."""
+def resolve_model(name: str | None) -> str | Path:
+    """A path, a catalog name (default: SmolLM2-135M-Instruct), or a model
+    name under the LM Studio models folders."""
     if name is None:
-        if not (DEFAULT_MODEL / "config.json").exists():
-            sys.exit(
-                f"The bundled demo model is missing at {DEFAULT_MODEL}.\n"
-                "Pass --model /path/to/model (a Hugging Face-layout MLX model directory), "
-                "or train the demo models with: python scripts/train_demo_models.py"
-            )
-        return DEFAULT_MODEL
+        return me.DEFAULT_MODEL
     path = Path(name).expanduser()
-    if path.exists():
-        return path
+    if path.exists() or name.lower() in me.CATALOG:
+        return path if path.exists() else name
     for root in LMSTUDIO_DIRS:
         if (root / name).exists():
             return root / name
@@ -46,9 +46,10 @@ def resolve_model(name: str | None) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Stream text from a local model with mlx-engine.")
-    p.add_argument("--model", help="model directory, or a name under the LM Studio models folders (default: bundled demo model)")
+    p.add_argument("--model", help=f"model directory, .gguf file, catalog name, or a name under the LM Studio models folders (default: {me.DEFAULT_MODEL})")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat (an empty line or EOF ends it)")
     p.add_argument("--prompt", default=None, help="prompt text; '-' reads standard input")
-    p.add_argument("--system", default=None, help="system message (used with the chat template)")
+    p.add_argument("--system", default=None, help=f"system message for the chat template (default: {DEFAULT_SYSTEM!r}; '' for none)")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="prompt-lookup decoding with this many draft tokens")
     p.add_argument("--auto-speculative", action="store_true", help="let the engine pick plain, prompt lookup or draft model per request")
+    p.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the answer to this JSON schema (a .json file)")
+    p.add_argument("--regex", default=None, help="constrain the answer to this regular expression")
+    p.add_argument("--grammar", default=None, metavar="FILE", help="constrain the answer to this Lark grammar file")
     p.add_argument("--images", nargs="+", default=None, metavar="FILE", help="image files for a vision model (sent base64-encoded)")
     p.add_argument("--verbose", action="store_true", help="log engine decisions")
     return p
@@ -77,29 +81,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-draft-tokens needs --draft-model")
     if args.max_tokens <= 0:
         parser.error("--max-tokens must be positive")
+    if sum(x is not None for x in (args.json_schema, args.regex, args.grammar)) > 1:
+        parser.error("--json-schema, --regex and --grammar are alternatives; pass one")
+    if args.chat and (args.images or args.prompt is not None):
+        parser.error("--chat reads the messages from the terminal; it takes no --prompt or --images")
     for name in args.images or []:  # before any model loads
         if not Path(name).expanduser().is_file():
             parser.error(f"--images: {name!r} is not a file")
     return args
 
 
-def build_prompt(kit: me.ModelKit, args: argparse.Namespace) -> list[int]:
-    text = args.prompt
-    if text == "-":
+def uses_chat(kit: me.ModelKit, args: argparse.Namespace) -> bool:
+    return bool(getattr(kit.tokenizer, "chat_template", None)) and not args.no_chat_template
+
+
+def read_prompt(kit: me.ModelKit, args: argparse.Namespace) -> str:
+    if args.prompt == "-":
         text = sys.stdin.read()
         if not text.strip():
             raise ValueError("--prompt -: standard input was empty")
-    if text is None:
-        text = DEFAULT_PROMPT
-    template = getattr(kit.tokenizer, "chat_template", None)
+        return text
+    if args.prompt is not None:
+        return args.prompt
+    return DEFAULT_QUESTION if uses_chat(kit, args) else DEFAULT_BASE_PROMPT
+
+
+def system_messages(args: argparse.Namespace) -> list[dict]:
+    system = DEFAULT_SYSTEM if args.system is None else args.system
+    return [{"role": "system", "content": system}] if system else []
+
+
+def build_prompt(kit: me.ModelKit, args: argparse.Namespace, text: str, history: list[dict]) -> list[int]:
+    """Token ids for the next request: the chat so far plus ``text`` under the
+    chat template, or the raw text for a base model."""
     n_images = len(args.images or [])
-    if n_images and isinstance(kit, me.VisionModelKit) and (not template or args.no_chat_template):
+    if n_images and isinstance(kit, me.VisionModelKit) and not uses_chat(kit, args):
         # One image placeholder per image, before the text.
         return [kit.placeholder_id] * n_images + me.tokenize(kit, text)
-    if template and not args.no_chat_template:
+    if uses_chat(kit, args):
         content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}] if n_images else text
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": content}]
-        return list(kit.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        messages = (history or system_messages(args)) + [{"role": "user", "content": content}]
+        return me.apply_chat_template(kit, messages)
     if args.system:
         text = f"{args.system}\n\n{text}"
     return me.tokenize(kit, text)
@@ -114,6 +136,19 @@ def read_images(paths: list[str]) -> list[str]:
         path = Path(name).expanduser()
         encoded.append(base64.b64encode(path.read_bytes()).decode("ascii"))
     return encoded
+
+
+def constraints(args: argparse.Namespace) -> dict:
+    """Structured-output arguments from --json-schema / --regex / --grammar."""
+    out = {"regex": args.regex} if args.regex is not None else {}
+    for flag, key in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        name = getattr(args, flag)
+        if name is not None:
+            path = Path(name).expanduser()
+            if not path.is_file():
+                sys.exit(f"--{flag.replace('_', '-')}: {str(path)!r} is not a file")
+            out[key] = path.read_text(encoding="utf-8")
+    return out
 
 
 def progress_bar():
@@ -147,6 +182,8 @@ def print_stats(s: me.GenerationStats, stop: me.GenerationStopCondition) -> None
             f"Acceptance rate: {s.acceptance_rate:.1%}",
             f"Mean accepted per round: {s.mean_accepted_per_round:.2f} over {s.verify_rounds} rounds",
         ]
+    if s.grammar_drafted_tokens:
+        lines.append(f"Grammar-forced tokens drafted/accepted: {s.grammar_drafted_tokens}/{s.grammar_accepted_tokens}")
     lines += [f"Mode switch: {m}" for m in s.mode_switches]
     lines.append(f"Peak memory: {s.peak_memory / 2**20:.1f} MiB")
     print("\n\nGeneration stats:", *(f" - {line}" for line in lines), sep="\n")
@@ -185,15 +222,9 @@ def error_line(exc: ValueError, args: argparse.Namespace) -> str:
     return message
 
 
-def run(args: argparse.Namespace) -> int:
-    kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
-    if args.draft_model:
-        me.load_draft_model(kit, resolve_model(args.draft_model))
-    images_b64 = read_images(args.images) if args.images else None
-    prompt = build_prompt(kit, args)
-    if args.no_chat_template or not getattr(kit.tokenizer, "chat_template", None):
-        sys.stdout.write(kit.tokenizer.decode(prompt))  # a base model continues the text: show it
-    final = None
+def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], images_b64) -> tuple[me.GenerationResult, str]:
+    """Stream one answer to stdout; returns the final result and the whole text."""
+    final, pieces = None, []
     for result in me.create_generator(
         kit,
         prompt,
@@ -209,14 +240,53 @@ def run(args: argparse.Namespace) -> int:
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         auto_speculative=args.auto_speculative,
         images_b64=images_b64,
+        **constraints(args),
     ):
         sys.stdout.write(result.text)
         sys.stdout.flush()
+        pieces.append(result.text)
         if args.top_logprobs and result.top_logprobs:
             for tok, tops in zip(result.tokens, result.top_logprobs):
                 alts = ", ".join(f"{t.text!r}:{t.logprob:.2f}" for t in tops)
                 print(f"\n    [{tok.text!r} {tok.logprob:.2f}] {alts}", file=sys.stderr)
         final = result
+    return final, "".join(pieces)
+
+
+def chat(kit: me.ModelKit, args: argparse.Namespace) -> int:
+    """Multi-turn chat: each turn sends the whole conversation, and the kit's
+    prompt cache reuses everything but the newest message."""
+    if not uses_chat(kit, args):
+        sys.exit("--chat needs a model with a chat template")
+    history = system_messages(args)
+    print("Chat with the model; an empty line or end of input ends it.", file=sys.stderr)
+    while True:
+        try:
+            text = input("\n> ")
+        except EOFError:
+            return 0
+        if not text.strip():
+            return 0
+        prompt = build_prompt(kit, args, text, history)
+        final, answer = generate(kit, args, prompt, None)
+        history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+        print_stats(final.stats, final.stop_condition)
+
+
+def run(args: argparse.Namespace) -> int:
+    kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
+    if args.draft_model:
+        me.load_draft_model(kit, resolve_model(args.draft_model))
+    if args.chat:
+        return chat(kit, args)
+    images_b64 = read_images(args.images) if args.images else None
+    text = read_prompt(kit, args)
+    prompt = build_prompt(kit, args, text, [])
+    if uses_chat(kit, args):
+        print(f"> {text}\n", flush=True)
+    else:
+        sys.stdout.write(kit.tokenizer.decode(prompt))  # a base model continues the text: show it
+    final, _ = generate(kit, args, prompt, images_b64)
     print_stats(final.stats, final.stop_condition)
     return 0
 

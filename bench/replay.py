@@ -13,7 +13,7 @@ measurement misses each drafted round's fixed overheads), so results are tokens
 per undrafted-round time: 1.0 is plain decoding. Measuring, run it on a quiet
 machine: the cost measurement sees any other load.
 
-The adaptive policy replayed is the engine's own ``DraftModelDrafter.num_tokens``
+The adaptive policy replayed is the engine's own ``DraftLengthPolicy``
 (with fixed round costs: nothing is timed here). Used to choose the acceptance
 model's decay; see docs/decoding.md. Two references frame it: the best fixed
 length in hindsight and the oracle (every round's length chosen knowing the
@@ -33,7 +33,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlx_engine.speculative import costs  # noqa: E402
-from mlx_engine.speculative.draft_model import DraftModelDrafter  # noqa: E402
+from mlx_engine.speculative.policy import DraftLengthPolicy  # noqa: E402
 
 from . import workloads as W  # noqa: E402
 from .run import DEFAULT_DRAFT, DEFAULT_MODEL  # noqa: E402
@@ -173,10 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     measured: dict[int, costs.CostModel] = {}
     policies = {f"k={k}": (lambda rounds, k=k: Fixed(k)) for k in (1, 2, 3, 4, 6, 8)}
     for decay in (float(d) for d in args.decays.split(",")):
-        def adaptive(rounds: costs.RoundCosts, decay: float = decay) -> DraftModelDrafter:
-            drafter = DraftModelDrafter(kit.draft, None, rounds)
-            drafter.acceptance = costs.AcceptanceModel(0.6, decay=decay)
-            return drafter
+        def adaptive(rounds: costs.RoundCosts, decay: float = decay) -> DraftLengthPolicy:
+            return DraftLengthPolicy(None, rounds, decay=decay)
         policies[f"adaptive d={decay:g}"] = adaptive
     policies["follow-the-leader"] = lambda rounds: FollowTheLeader([t / rounds.prior[0] for t in rounds.prior])
     extra = ["best fixed k", "oracle"]

@@ -51,3 +51,20 @@ def paired_ratio(a: list[float], b: list[float], resamples: int = 4000, seed: in
     means = sorted(sum(rng.choice(logs) for _ in range(n)) / n for _ in range(resamples))
     low, high = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
     return PairedRatio(math.exp(mean), math.exp(low), math.exp(high), n)
+
+
+def format_paired(ratio: float, low: float | None, high: float | None) -> str:
+    """``1.23 (1.10-1.35)``, or just the ratio without an interval."""
+    return f"{ratio:.2f}" + (f" ({low:.2f}-{high:.2f})" if low is not None and high is not None else "")
+
+
+def bench_args(prog: str, description: str, reps: int, max_tokens: int, argv: list[str] | None):
+    """The options every focused benchmark script takes."""
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--reps", type=int, default=reps, help="measured rounds")
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    return p.parse_args(argv)

@@ -1,8 +1,8 @@
 """Benchmark workloads built from held-out Python stdlib files.
 
 Every workload is a token prompt (plus, for ``multi-turn``, an untimed first
-turn). Texts come from ``scripts/corpus.py``'s held-out files, which the demo
-models never saw in training; if that module is unavailable a fixed list of
+turn). Texts come from ``training/corpus.py``'s held-out files, which the demo
+models never saw in training; if it finds none a fixed list of
 stdlib files is read directly.
 """
 
@@ -12,7 +12,6 @@ import builtins
 import keyword
 import logging
 import re
-import sys
 import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
@@ -58,21 +57,15 @@ text_source = ""
 def load_texts() -> dict[str, str]:
     """Held-out stdlib texts, ``relative path -> text``."""
     global text_source
-    root = Path(__file__).resolve().parent.parent
-    if str(root / "scripts") not in sys.path:
-        sys.path.insert(0, str(root / "scripts"))
-    try:
-        import corpus  # type: ignore[import-not-found]
+    from training import corpus
 
-        texts = corpus.read_heldout_texts()
-        if texts:
-            text_source = "held-out stdlib files from `scripts/corpus.py`, never seen in training"
-            return texts
-        logger.warning("scripts/corpus.py returned no held-out files; using the fallback list")
-    except Exception as exc:  # noqa: BLE001 - any failure means: use the fallback
-        logger.warning("scripts/corpus.py not usable (%s); using the fallback list", exc)
+    texts = corpus.read_heldout_texts()
+    if texts:
+        text_source = "held-out stdlib files from `training/corpus.py`, never seen in training"
+        return texts
+    logger.warning("training/corpus.py found no held-out files; reading a fixed list of stdlib files")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text_source = "stdlib files read directly (scripts/corpus.py was not importable)"
+    text_source = "stdlib files read directly (training/corpus.py found none)"
     return {name: (stdlib / name).read_text(encoding="utf-8") for name in FALLBACK_FILES if (stdlib / name).is_file()}
 
 

@@ -5,8 +5,10 @@ from ._blas import BlasStatus, blas_status, setup_blas
 
 setup_blas()
 
+from .catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
 from .errors import CallbackError, GenerationInProgressError, IncompatibleDraftModelError, ModelLoadError  # noqa: E402
 from .generate import (  # noqa: E402
+    apply_chat_template,
     create_generator,
     is_draft_model_compatible,
     load_draft_model,
@@ -28,6 +30,9 @@ from .results import (  # noqa: E402
 from .speculative.draft_model import DraftCompatibility, check_draft_model  # noqa: E402
 
 __all__ = [
+    "CATALOG",
+    "DEFAULT_MODEL",
+    "apply_chat_template",
     "BlasStatus",
     "CallbackError",
     "DraftCompatibility",

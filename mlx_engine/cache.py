@@ -8,6 +8,7 @@ a token sequence by trimming to the longest common prefix and feeding the rest.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -32,23 +33,43 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return i
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How a kit builds its KV caches: ``load_model``'s cache arguments, checked
+    once (``validate``) and shared by the kit, its draft model and every cache."""
+
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+
+    @classmethod
+    def validate(cls, max_kv_size=None, kv_bits=None, kv_group_size=None, quantized_kv_start=None) -> CacheOptions:
+        """``ValueError`` naming the argument for anything not allowed."""
+        if max_kv_size is not None and (not _is_int(max_kv_size) or max_kv_size < 8):
+            raise ValueError(f"max_kv_size must be an integer >= 8 or None, got {max_kv_size!r}")
+        if kv_bits is not None and kv_bits not in (2, 3, 4, 6, 8):
+            raise ValueError(f"kv_bits must be one of 2, 3, 4, 6, 8 or None, got {kv_bits!r}")
+        if kv_group_size is not None and kv_group_size not in (32, 64, 128):
+            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
+        if quantized_kv_start is not None and (not _is_int(quantized_kv_start) or quantized_kv_start < 0):
+            raise ValueError(f"quantized_kv_start must be a non-negative integer, got {quantized_kv_start!r}")
+        if kv_bits is not None and max_kv_size is not None:
+            raise ValueError("kv_bits cannot be combined with max_kv_size: mlx-lm cannot quantize a rotating KV cache")
+        return cls(max_kv_size, kv_bits, kv_group_size or 64, quantized_kv_start or 0)
+
+
 class SequenceCache:
     """KV cache layers of one model plus the tokens whose keys/values they hold."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        max_kv_size: int | None = None,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        quantized_kv_start: int = 0,
-    ):
+    def __init__(self, model: nn.Module, options: CacheOptions = CacheOptions()):
         self.model = model
-        self.max_kv_size = max_kv_size
-        self.kv_bits = kv_bits
-        self.kv_group_size = kv_group_size
-        self.quantized_kv_start = quantized_kv_start
+        self.options = options
+        self.max_kv_size = options.max_kv_size
         self.layers: list = []
         self.tokens: list[int] = []
         self.reset()
@@ -132,10 +153,11 @@ class SequenceCache:
         """Name the ids that ``feed_lazy`` recorded as UNKNOWN from ``start``."""
         self.tokens[start : start + len(ids)] = ids
 
-    def _forward(self, inputs: mx.array) -> mx.array:
-        logits = self.model(inputs, cache=self.layers)
-        if self.kv_bits is not None:
-            maybe_quantize_kv_cache(self.layers, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
+    def _forward(self, inputs: mx.array, **model_inputs) -> mx.array:
+        logits = self.model(inputs, cache=self.layers, **model_inputs)
+        o = self.options
+        if o.kv_bits is not None:
+            maybe_quantize_kv_cache(self.layers, o.quantized_kv_start, o.kv_group_size, o.kv_bits)
         return logits
 
     def prefill(
@@ -143,13 +165,23 @@ class SequenceCache:
         tokens: list[int],
         on_chunk: Callable[[int], None] | None = None,
         chunk_size: int = PREFILL_CHUNK,
+        *,
+        keys: list[int] | None = None,
+        model_inputs: Callable[[int, int], dict] | None = None,
     ) -> None:
         """Process ``tokens`` in chunks, evaluating the cache after each so an
         interruption between chunks leaves a consistent, reusable cache.
-        ``on_chunk(n)`` is called after each chunk of n tokens and may raise to stop."""
+        ``on_chunk(n)`` is called after each chunk of n tokens and may raise to stop.
+        The one prefill path for text and vision kits: ``keys`` (default
+        ``tokens``) are what the cache records (a vision kit records image-hash
+        keys at image positions), and ``model_inputs(i, j)`` gives extra model
+        inputs for ``tokens[i:j]`` (a vision kit's embeddings and positions)."""
+        keys = tokens if keys is None else keys
         for start in range(0, len(tokens), chunk_size):
-            chunk = tokens[start : start + chunk_size]
-            self.feed(chunk)
+            end = min(start + chunk_size, len(tokens))
+            extra = model_inputs(start, end) if model_inputs is not None else {}
+            self._forward(mx.array(tokens[start:end], dtype=mx.uint32)[None], **extra)
+            self.tokens.extend(keys[start:end])
             mx.eval([c.state for c in self.layers])
             if on_chunk is not None:
-                on_chunk(len(chunk))
+                on_chunk(end - start)

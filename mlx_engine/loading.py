@@ -12,11 +12,16 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
+from . import catalog, gguf
 from .errors import ModelLoadError
 from .model_checks import check_config_fields, check_model_files, check_weights_match_config
 
 logger = logging.getLogger(__name__)
+
+QUANTIZED_LAYERS = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+FLOAT32_MEMORY_SHARE = 0.25  # "auto" dequantizes on the CPU only while float32 weights fit in this share of RAM
 
 # Tokens that end a turn in common chat formats; added to the stop set when the
 # vocabulary has them.
@@ -62,16 +67,8 @@ def offline() -> Iterator[None]:
 
 
 def resolve_model_dir(model_path: str | os.PathLike, what: str = "model_path") -> Path:
-    if not isinstance(model_path, (str, os.PathLike)):
-        raise ValueError(f"{what} must be a path to a local model directory, got {model_path!r}")
-    if not str(model_path).strip():
-        raise ValueError(f"{what} must not be empty (an empty path would mean the current directory)")
-    path = Path(model_path).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"{what} {str(path)!r} does not exist. The engine only loads local model "
-            "directories (Hugging Face layout) and never downloads from a hub."
-        )
+    """A Hugging Face-layout model directory (config.json inside)."""
+    path = _existing_path(model_path, what)
     if not path.is_dir():
         raise ModelLoadError(f"{what} {str(path)!r} is not a directory")
     if not (path / "config.json").is_file():
@@ -79,7 +76,48 @@ def resolve_model_dir(model_path: str | os.PathLike, what: str = "model_path") -
     return path
 
 
+def resolve_model_path(model_path: str | os.PathLike, what: str = "model_path") -> Path:
+    """Where a model's files are: a Hugging Face-layout directory, a ``.gguf``
+    file, a directory holding one GGUF model (as LM Studio's folders do), or a
+    catalog name such as ``"smollm2-135m-instruct"`` (catalog.py)."""
+    if isinstance(model_path, str) and not Path(model_path).expanduser().exists():
+        installed = catalog.lookup(model_path)
+        if installed is not None:
+            return installed
+    path = _existing_path(model_path, what)
+    if path.is_file():
+        if not gguf.is_gguf(path):
+            raise ModelLoadError(f"{what} {str(path)!r} is a file but not a .gguf model; pass a model directory or a .gguf file")
+        return path
+    if (path / "config.json").is_file():
+        return path
+    found = gguf.find_gguf(path)
+    if found is None:
+        raise ModelLoadError(
+            f"{what} {str(path)!r} has no config.json and no .gguf file; expected a Hugging Face model directory or a GGUF model"
+        )
+    return found
+
+
+def _existing_path(model_path, what: str) -> Path:
+    if not isinstance(model_path, (str, os.PathLike)):
+        names = ", ".join(sorted(catalog.CATALOG))
+        raise ValueError(f"{what} must be a local model directory, a .gguf file or a catalog name ({names}), got {model_path!r}")
+    if not str(model_path).strip():
+        raise ValueError(f"{what} must not be empty (an empty path would mean the current directory)")
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"{what} {str(path)!r} does not exist. The engine only loads local models (a Hugging Face-layout "
+            f"directory, a .gguf file, or one of: {', '.join(sorted(catalog.CATALOG))}) and never downloads from a hub."
+        )
+    return path
+
+
 def read_config(path: Path) -> dict:
+    """The model's config.json, or for a GGUF file the equivalent built from its metadata."""
+    if gguf.is_gguf(path):
+        return gguf.config_from_header(gguf.read_header(path))
     check_model_files(path)
     try:
         with open(path / "config.json", encoding="utf-8") as f:
@@ -111,7 +149,10 @@ def check_architecture(config: dict, path: Path) -> None:
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """The tokenizer, never running code from the folder unless trust_remote_code
-    (passed explicitly, so transformers never asks on stdin)."""
+    (passed explicitly, so transformers never asks on stdin). A GGUF file's is
+    rebuilt from its metadata (gguf.py)."""
+    if gguf.is_gguf(path):
+        return gguf.load_tokenizer(gguf.read_header(path))
     from mlx_lm.utils import _load_tokenizer, _tokenizer_defaults
 
     try:
@@ -123,6 +164,11 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 def load_weights(path: Path, trust_remote_code: bool) -> tuple[nn.Module, dict]:
     from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    if gguf.is_gguf(path):
+        header = gguf.read_header(path)
+        config = gguf.config_from_header(header)
+        return gguf.load_model(header, config), config
 
     files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:
@@ -140,8 +186,13 @@ def load_weights(path: Path, trust_remote_code: bool) -> tuple[nn.Module, dict]:
 
 
 def choose_compute_dtype(model: nn.Module, requested: str | None) -> mx.Dtype | None:
-    """On the CPU, half-precision matmuls bypass BLAS and are many times slower
-    than float32, so unquantized half weights are upcast there by default."""
+    """The dtype to compute in, or None to keep the weights as stored.
+
+    On the CPU, half-precision and quantized matmuls bypass BLAS and are many
+    times slower than float32 (docs/performance.md), so ``"auto"`` upcasts half
+    weights and dequantizes quantized ones to float32 there, as long as the
+    float32 weights take at most ``FLOAT32_MEMORY_SHARE`` of physical memory. On
+    a GPU, ``"auto"`` keeps what is stored."""
     if requested not in (None, "auto", "float32", "float16", "bfloat16", "native"):
         raise ValueError(f"compute_dtype must be one of 'auto', 'native', 'float32', 'float16', 'bfloat16', got {requested!r}")
     if requested == "native":
@@ -150,14 +201,52 @@ def choose_compute_dtype(model: nn.Module, requested: str | None) -> mx.Dtype | 
         return getattr(mx, requested)
     if mx.default_device() != mx.cpu:
         return None
-    from mlx.utils import tree_flatten
-
-    params = tree_flatten(model.parameters())
-    if any(k.endswith(".scales") for k, _ in params):
-        return None  # quantized weights stay as they are
-    if any(v.dtype in (mx.float16, mx.bfloat16) for _, v in params):
+    quantized = any(isinstance(m, QUANTIZED_LAYERS) for m in model.modules())
+    if quantized:
+        needed, budget = 4 * float_param_count(model), FLOAT32_MEMORY_SHARE * physical_memory()
+        if needed <= budget:
+            return mx.float32
+        logger.info("keeping quantized weights: float32 would take %.1f GiB of %.1f GiB allowed", needed / 2**30, budget / 2**30)
+        return None
+    if any(v.dtype in (mx.float16, mx.bfloat16) for _, v in tree_flatten(model.parameters())):
         return mx.float32
     return None
+
+
+def apply_compute_dtype(model: nn.Module, dtype: mx.Dtype | None) -> None:
+    """Dequantize quantized layers (in float32, so the values are the ones the
+    file encodes) and cast to ``dtype``; evaluated here so the weights exist
+    before any other thread uses them."""
+    if dtype is None:
+        return
+    from mlx_lm.utils import dequantize_model
+
+    for module in model.modules():
+        if isinstance(module, QUANTIZED_LAYERS):
+            module.scales = module.scales.astype(mx.float32)
+            if getattr(module, "biases", None) is not None:
+                module.biases = module.biases.astype(mx.float32)
+    dequantize_model(model)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+
+
+def float_param_count(model: nn.Module) -> int:
+    """Parameters counted as unquantized values (a 4-bit weight word holds 8)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QUANTIZED_LAYERS):
+            total += module.weight.size * 32 // module.bits + sum(v.size for k, v in module.items() if k == "bias")
+        elif not module.children():
+            total += sum(v.size for _, v in tree_flatten(module.parameters()))
+    return total
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 * 2**30
 
 
 def eos_token_ids(tokenizer) -> set[int]:

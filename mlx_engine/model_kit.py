@@ -12,8 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import loading
-from .cache import SequenceCache
-from .errors import ModelLoadError
+from .cache import CacheOptions, SequenceCache
+from .errors import GenerationInProgressError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +40,57 @@ class PromptPlan:
 
 
 @dataclass
-class _Activity:
-    """Which request runs on the kit and which ones were asked to stop."""
+class Activity:
+    """The kit's request bookkeeping, safe from any thread: the requests created
+    and not yet ended (``known``), the one running (``active``), and those asked
+    to stop. A request is registered when its generator is created and ended
+    when the generator finishes, fails or is closed, started or not."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     active: str | None = None
     known: set[str] = field(default_factory=set)
     cancelled: set[str] = field(default_factory=set)
+
+    def register(self, request_id: str) -> None:
+        with self.lock:
+            if request_id in self.known:
+                raise ValueError(f"request_id {request_id!r} is already in use on this kit")
+            self.known.add(request_id)
+
+    def begin(self, request_id: str) -> None:
+        """Make ``request_id`` the running request (one at a time)."""
+        with self.lock:
+            if self.active is not None:
+                raise GenerationInProgressError(f"generation {self.active!r} is still running on this kit")
+            self.active = request_id
+
+    def end(self, request_id: str) -> None:
+        with self.lock:
+            if self.active == request_id:
+                self.active = None
+            self.known.discard(request_id)
+            self.cancelled.discard(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask ``request_id`` to stop; False when no such request exists."""
+        with self.lock:
+            if request_id not in self.known:
+                return False
+            self.cancelled.add(request_id)
+            return True
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return request_id in self.cancelled
+
+
+@dataclass(frozen=True)
+class KitOptions:
+    """A kit's load options, as ``load_model`` checked them."""
+
+    cache: CacheOptions = CacheOptions()
+    vocab_only: bool = False
+    trust_remote_code: bool = False
+    compute_dtype: str | None = "auto"
 
 
 class ModelKit:
@@ -54,53 +98,43 @@ class ModelKit:
 
     _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        max_kv_size: int | None = None,
-        vocab_only: bool = False,
-        trust_remote_code: bool = False,
-        kv_bits: int | None = None,
-        kv_group_size: int | None = None,
-        quantized_kv_start: int | None = None,
-        compute_dtype: str | None = "auto",
-    ):
-        self.model_path = loading.resolve_model_dir(model_path)
-        self.config = loading.read_config(self.model_path)
-        _validate_kv_options(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
-        loading.check_architecture(self.config, self.model_path)
-        self.max_kv_size = max_kv_size
-        self.kv_bits = kv_bits
-        self.kv_group_size = kv_group_size or 64
-        self.quantized_kv_start = quantized_kv_start or 0
-        self.tokenizer = loading.load_tokenizer(self.model_path, trust_remote_code)
+    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions()):
+        self._init_files(loading.resolve_model_path(model_path), options)
+        if options.vocab_only:
+            return
+        self.model, self.config = loading.load_weights(self.model_path, options.trust_remote_code)
+        self.compute_dtype = prepare_weights(self.model, options.compute_dtype)
+        self.num_params = param_count(self.model)
+        smoke_test(self.model, self.model_path)
+        kv = options.cache
+        if kv.kv_bits is not None:
+            head_dim = _head_dim(self.config)
+            if head_dim is not None and head_dim % kv.kv_group_size:
+                raise ValueError(f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}")
+        self.cache = self.new_cache(self.model)
+        logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
+
+    def _init_files(self, path: Path, options: KitOptions) -> None:
+        """What every kit starts from: config, tokenizer and empty slots (one
+        initializer for text and vision kits)."""
+        self.model_path = path
+        self.config = loading.read_config(path)
+        self.check_architecture()
+        self.cache_options = options.cache
+        self.tokenizer = loading.load_tokenizer(path, options.trust_remote_code)
         self.eos_token_ids = loading.eos_token_ids(self.tokenizer)
-        self.vocab_only = vocab_only
+        self.vocab_only = options.vocab_only
         self.model: nn.Module | None = None
         self.cache: SequenceCache | None = None
         self.draft: DraftModel | None = None
         self.compute_dtype: mx.Dtype | None = None
         self.cost_model = None  # measured lazily by the speculative router
         self.num_params = 0
-        self._activity = _Activity()
-        if vocab_only:
-            return
-        self.model, self.config = loading.load_weights(self.model_path, trust_remote_code)
-        self.num_params = param_count(self.model)
-        self.compute_dtype = loading.choose_compute_dtype(self.model, compute_dtype)
-        if self.compute_dtype is not None:
-            self.model.set_dtype(self.compute_dtype)
-        materialize(self.model)
-        smoke_test(self.model, self.model_path)
-        if kv_bits is not None:
-            head_dim = _head_dim(self.config)
-            if head_dim is not None and head_dim % self.kv_group_size:
-                raise ValueError(
-                    f"kv_group_size must divide the model's attention head size ({head_dim}); got {self.kv_group_size}"
-                )
-        self.cache = self.new_cache(self.model)
-        logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
+        self._activity = Activity()
+
+    def check_architecture(self) -> None:
+        """Refuse an architecture mlx-lm cannot build (VisionModelKit: mlx-vlm)."""
+        loading.check_architecture(self.config, self.model_path)
 
     @property
     def vocab_size(self) -> int:
@@ -112,13 +146,7 @@ class ModelKit:
         return int(self.config.get("vocab_size") or len(self.tokenizer))
 
     def new_cache(self, model: nn.Module) -> SequenceCache:
-        return SequenceCache(
-            model,
-            max_kv_size=self.max_kv_size,
-            kv_bits=self.kv_bits,
-            kv_group_size=self.kv_group_size,
-            quantized_kv_start=self.quantized_kv_start,
-        )
+        return SequenceCache(model, self.cache_options)
 
     # Prompt handling; VisionModelKit overrides these to add images.
     def decode_images(self, prompt: list[int], images_b64) -> list:
@@ -141,6 +169,15 @@ class ModelKit:
         self.draft = None
         self.cost_model = None
         mx.clear_cache()
+
+
+def prepare_weights(model: nn.Module, compute_dtype: str | None) -> mx.Dtype | None:
+    """Apply the compute-dtype policy (loading.choose_compute_dtype) and evaluate
+    every array, so nothing is left lazy for another thread; returns the dtype."""
+    dtype = loading.choose_compute_dtype(model, compute_dtype)
+    loading.apply_compute_dtype(model, dtype)
+    materialize(model)
+    return dtype
 
 
 def materialize(model: nn.Module) -> None:
@@ -171,9 +208,8 @@ def smoke_test(model: nn.Module, path: Path) -> None:
 
 
 def param_count(model: nn.Module) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
+    """Number of parameters, counting quantized weights as the values they hold."""
+    return loading.float_param_count(model)
 
 
 def _head_dim(config: dict) -> int | None:
@@ -198,19 +234,3 @@ def _find_embedding(model: nn.Module) -> int | None:
         if found is not None:
             return found
     return None
-
-
-def _validate_kv_options(max_kv_size, kv_bits, kv_group_size, quantized_kv_start) -> None:
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    if max_kv_size is not None and (not is_int(max_kv_size) or max_kv_size < 8):
-        raise ValueError(f"max_kv_size must be an integer >= 8 or None, got {max_kv_size!r}")
-    if kv_bits is not None and kv_bits not in (2, 3, 4, 6, 8):
-        raise ValueError(f"kv_bits must be one of 2, 3, 4, 6, 8 or None, got {kv_bits!r}")
-    if kv_group_size is not None and kv_group_size not in (32, 64, 128):
-        raise ValueError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size!r}")
-    if quantized_kv_start is not None and (not is_int(quantized_kv_start) or quantized_kv_start < 0):
-        raise ValueError(f"quantized_kv_start must be a non-negative integer, got {quantized_kv_start!r}")
-    if kv_bits is not None and max_kv_size is not None:
-        raise ValueError("kv_bits cannot be combined with max_kv_size: mlx-lm cannot quantize a rotating KV cache")

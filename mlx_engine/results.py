@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-StopReason = Literal["eos_token", "stop_string", "token_limit", "user_cancelled"]
+StopReason = Literal["eos_token", "stop_string", "token_limit", "user_cancelled", "grammar_complete"]
 
 
 class Token(NamedTuple):
@@ -59,6 +59,9 @@ class GenerationStats:
     rejected_tokens: int = 0
     verify_rounds: int = 0
     acceptance_by_position: list[float] = field(default_factory=list)
+    # Structured output: tokens the grammar forced, drafted without a drafter.
+    grammar_drafted_tokens: int = 0
+    grammar_accepted_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:

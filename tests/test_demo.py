@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
+import demo
+from conftest import requires_default_model
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import demo  # noqa: E402
 
 
 def test_defaults_are_plain_decoding():
@@ -28,6 +29,7 @@ def test_speculative_flags_parse():
         ["--prompt-lookup-num-tokens", "4", "--draft-model", "d"],
         ["--num-draft-tokens", "3"],
         ["--max-tokens", "0"],
+        ["--regex", "a", "--json-schema", "s.json"],
     ],
 )
 def test_conflicting_flags_are_rejected(argv):
@@ -95,3 +97,40 @@ def test_decoding_line_names_the_first_decision_after_a_switch():
     assert demo.decoding_line(s) == (
         "Decoding: auto:prompt_lookup; started as plain - prompt 40 tokens: prompt too short or sparse for lookup")
     assert demo.decoding_line(me.GenerationStats(decoding_mode="plain")) == "Decoding: plain"
+
+
+@requires_default_model
+def test_demo_answers_with_the_default_model():
+    out = subprocess.run([sys.executable, str(ROOT / "demo.py")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    answer = out.stdout.split("Generation stats:")[0]
+    assert "capital of France" in answer and "Paris" in answer.split("?", 1)[1]
+    assert "Stop reason: eos_token" in out.stdout
+    assert "Peak memory:" in out.stdout
+
+
+@requires_default_model
+def test_demo_chat_reuses_the_cache_each_turn():
+    turns = "What is the capital of France?\nAnd of Italy?\n\n"
+    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--chat", "--max-tokens", "24"], input=turns,
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    cached = [int(line.split("(")[1].split()[0]) for line in out.stdout.splitlines() if "reused from cache" in line]
+    assert len(cached) == 2
+    assert cached[0] == 0 and cached[1] > 20
+    assert "Paris" in out.stdout and "Rome" in out.stdout
+
+
+def test_chat_refuses_prompt():
+    with pytest.raises(SystemExit) as err:
+        demo.parse_args(["--chat", "--prompt", "hi"])
+    assert err.value.code == 2
+
+
+def test_demo_json_schema(tmp_path, llama_path):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
+    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--model", str(llama_path), "--prompt", "hi",
+                          "--json-schema", str(schema), "--max-tokens", "30"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert '{"ok": ' in out.stdout

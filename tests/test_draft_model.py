@@ -1,7 +1,7 @@
 import mlx.core as mx
 import pytest
 from conftest import assert_same_or_near_tie, generate_ids
-from tiny_models import MarkovLM, make_model, successor_table
+from fixtures.tiny_models import MarkovLM, make_model, successor_table
 
 import mlx_engine as me
 from mlx_engine.cache import UNKNOWN, SequenceCache
@@ -276,7 +276,7 @@ def test_adaptive_length_backs_off_exploring_and_times_undrafted_rounds():
     while not lengths or lengths[-1]:
         lengths.append(timed.num_tokens(16))
         timed.observe(lengths[-1], lengths[-1], 0.01 if lengths[-1] == 0 else 0.02)
-    assert len(lengths) == timed.max_timing_wait + 1 and min(lengths[:-1]) > 0
+    assert len(lengths) == timed.policy.max_timing_wait + 1 and min(lengths[:-1]) > 0
     assert not rounds.needs_undrafted_timing() and timed.num_tokens(16) > 0
     rejected = DraftModelDrafter(None, None, RoundCosts(verify, draft_step=0.2))
     rejected.observe(3, 3, 0.02)
@@ -293,8 +293,8 @@ def test_exploration_drafts_the_most_promising_length():
     # would be the least informative and the dearest per token.
     verify = CostModel((0.01,) + tuple(0.02 + 0.0005 * (n - 2) for n in range(2, 18)))
     drafter = DraftModelDrafter(None, None, RoundCosts(verify), prior_acceptance=0.5)
-    lengths = [drafter.num_tokens(16) for _ in range(drafter.explore_every)]
-    assert lengths[:-1] == [0] * (drafter.explore_every - 1)
+    lengths = [drafter.num_tokens(16) for _ in range(drafter.policy.explore_every)]
+    assert lengths[:-1] == [0] * (drafter.policy.explore_every - 1)
     assert lengths[-1] > 2, lengths
 
 

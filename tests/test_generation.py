@@ -225,7 +225,7 @@ def test_multibyte_text_is_never_split(llama_path):
 
 
 def test_quantized_kv_cache(llama_path, models_dir):
-    from tiny_models import make_model
+    from fixtures.tiny_models import make_model
 
     with pytest.raises(ValueError, match="kv_group_size"):
         me.load_model(llama_path, kv_bits=8, kv_group_size=32)  # head size 16

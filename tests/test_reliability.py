@@ -10,7 +10,6 @@ No test asserts a time: rates are reported, not judged."""
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import threading
@@ -121,7 +120,7 @@ def test_cancellations_at_random_points_leave_output_equal_to_a_fresh_kit(llama_
 
 
 def test_cancellations_on_a_vision_kit(tmp_path_factory):
-    from tiny_vlm import image_b64, make_qwen2_vl
+    from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
     path = make_qwen2_vl(tmp_path_factory.mktemp("rel_vlm") / "qwen2_vl")
     kit, fresh = me.load_model(path), me.load_model(path)
@@ -219,7 +218,7 @@ def test_host_threads_share_a_kit_in_every_mode(llama_path, draft_path):
 
 def test_process_exit_after_threaded_work_never_aborts(tmp_path_factory, llama_path):
     from test_threads import run_exit_script
-    from tiny_models import make_model
+    from fixtures.tiny_models import make_model
 
     half = make_model(tmp_path_factory.mktemp("rel_half") / "half", "llama", hidden=64, layers=2, seed=1,
                       tokenizer_from=llama_path, dtype=mx.float16)
@@ -436,7 +435,7 @@ def test_fuzz_image_aspect_ratios_on_a_vision_kit(tmp_path_factory):
     """The model's image processor refuses extreme aspect ratios: named, early."""
     import base64
 
-    from tiny_vlm import make_qwen2_vl
+    from fixtures.tiny_vlm import make_qwen2_vl
 
     kit = me.load_model(make_qwen2_vl(tmp_path_factory.mktemp("rel_vlm_ar") / "q"))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from conftest import generate_ids
-from tiny_models import make_model
+from fixtures.tiny_models import make_model
 
 import mlx_engine as me
 from mlx_engine import GenerationInProgressError

@@ -14,9 +14,10 @@ import mlx.core as mx
 
 from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..model_kit import DraftModel, ModelKit, materialize, param_count, smoke_test
+from ..model_kit import DraftModel, ModelKit, param_count, prepare_weights, smoke_test
 from . import costs
 from .loop import DrafterUnavailable
+from .policy import DraftLengthPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     tokenizer (no weights), so hosts can list compatible drafts cheaply."""
     reasons: list[str] = []
     try:
-        draft_path = loading.resolve_model_dir(path, "draft model path")
+        draft_path = loading.resolve_model_path(path, "draft model path")
         config = loading.read_config(draft_path)
         if loading.is_vision_config(config):
             reasons.append("the draft is a vision model; a draft must be a text-only model")
@@ -94,12 +95,9 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
         raise IncompatibleDraftModelError(
             f"draft model {str(path)!r} is not compatible: " + "; ".join(report.reasons), report.reasons
         )
-    draft_path = loading.resolve_model_dir(path, "draft model path")
+    draft_path = loading.resolve_model_path(path, "draft model path")
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
-    dtype = loading.choose_compute_dtype(model, "auto")
-    if dtype is not None:
-        model.set_dtype(dtype)
-    materialize(model)
+    prepare_weights(model, "auto")
     smoke_test(model, draft_path)
     new = DraftModel(draft_path, model, kit.new_cache(model), param_count(model))
     unload_draft(kit)
@@ -122,21 +120,12 @@ class DraftModelDrafter:
 
     The draft cache is synchronised to the history by longest common prefix each
     round, which rewinds rejected drafts and reuses prefixes across requests with
-    the same mechanism. With ``num_draft_tokens=None`` the length is chosen each
-    round from the observed acceptance and round times (``round_costs``), and is
-    at most ``2·(a+1)+2`` after a round that accepted ``a`` drafts and rejected
-    one. When no length pays, rounds go undrafted, with an exploration draft
-    after ``explore_every`` of them so a change in acceptance is noticed (the gap
-    doubles, up to ``max_explore_gap``, while those drafts keep not paying).
-    docs/decoding.md explains each rule and how it was chosen."""
+    the same mechanism. The draft steps are chained lazily and handed to the loop
+    unevaluated. How many tokens to draft is ``policy``'s decision
+    (policy.DraftLengthPolicy); this class only tells it how far the draft model
+    had to catch up before drafting, so such rounds are not timed."""
 
     name = "draft_model"
-    explore_every = 2
-    max_explore_gap = 64
-    max_timing_wait = 8
-    # Between drafted rounds the draft model is one or two tokens behind: the
-    # target's own token, after the last draft it had not been fed.
-    steady_catch_up = 2
 
     def __init__(
         self,
@@ -148,19 +137,20 @@ class DraftModelDrafter:
     ):
         self.draft = draft
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
-        self.fixed = num_draft_tokens
-        self.round_costs = round_costs
-        # A draft model's acceptance changes quickly between copied and free
-        # text, so its evidence turns over faster than the default.
-        self.acceptance = costs.AcceptanceModel(prior_acceptance, decay=0.8)
-        self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
-        self.explore_gap = self.explore_every
+        self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance)
         self._unresolved: tuple[int, mx.array] | None = None
         self._catch_up = 0  # tokens the draft model processed before this round's drafts
-        # How far the last drafted round got (accepted + 1) if it had a draft
-        # rejected, else None; bounds the next draft (see observe).
-        self._rejected_at: int | None = None
-        self._timing_wait = 0  # rounds an undrafted timing has waited for a rejection
+
+    @property
+    def acceptance(self) -> costs.AcceptanceModel:
+        return self.policy.acceptance
+
+    @property
+    def round_costs(self) -> costs.RoundCosts | None:
+        return self.policy.round_costs
+
+    def num_tokens(self, limit: int) -> int:
+        return self.policy.num_tokens(limit)
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
         """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
@@ -169,40 +159,6 @@ class DraftModelDrafter:
         todo = prompt[keep:-1]
         cache.prefill(todo, on_chunk)
         return len(todo)
-
-    def num_tokens(self, limit: int) -> int:
-        if self.fixed is not None:
-            return min(self.fixed, limit)
-        if self.round_costs is None:
-            return min(4, limit)
-        if self.round_costs.needs_undrafted_timing():
-            # Drafting is judged against an undrafted round, so time one now and
-            # then: inferring its cost from drafted rounds flatters drafting. Time
-            # it where it costs least, right after a rejected draft, unless that
-            # takes more than max_timing_wait rounds (in a burst of accepts an
-            # undrafted round gives up a whole round's worth of tokens).
-            self._timing_wait += 1
-            if self._rejected_at is not None or self._timing_wait > self.max_timing_wait:
-                self._timing_wait = 0
-                return 0
-        max_k = min(limit, costs.MAX_DRAFT)
-        if self._rejected_at is not None:
-            max_k = min(max_k, 2 * self._rejected_at + 2)
-        k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k)
-        if k == 0:
-            self.idle_rounds += 1
-            if self.idle_rounds < self.explore_gap:
-                return 0
-            # Explore with the most promising drafted length, not one token: on
-            # MLX's CPU backend the step from a 1- to a 2-token pass is the dear
-            # part of a verify, and acceptance is bursty, so only a longer draft
-            # shows whether drafting pays. Back off while exploring keeps not paying.
-            self.idle_rounds = 0
-            self.explore_gap = min(2 * self.explore_gap, self.max_explore_gap)
-            return costs.best_draft_length(self.acceptance, self.round_costs, max_k, min_k=1)[0]
-        self.idle_rounds = 0
-        self.explore_gap = self.explore_every
-        return k
 
     def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
         self._resolve()
@@ -240,19 +196,4 @@ class DraftModelDrafter:
             self._unresolved = None
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        self.acceptance.observe(drafted, accepted)
-        if drafted:
-            # After a rejection, draft at most twice as far as that round got, plus
-            # two: the next round starts right after a token the draft missed, and
-            # acceptance learned deep inside the burst that just ended is stale
-            # there (replay: long drafts kept failing at the first token or two
-            # for several rounds after each burst on open-gen and code-edit).
-            self._rejected_at = accepted + 1 if accepted < drafted else None
-            if self._catch_up > self.steady_catch_up:
-                # The draft model first caught up on tokens decoded without it: a
-                # one-off cost of resuming drafting, not what a round of this length
-                # costs. Counting it made the first draft after undrafted rounds
-                # look 2x dearer than it is, which kept drafting off for good.
-                seconds = None
-        if self.round_costs is not None:
-            self.round_costs.observe(drafted, seconds)
+        self.policy.observe(drafted, accepted, seconds, catch_up=self._catch_up)

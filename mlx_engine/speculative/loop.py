@@ -18,6 +18,7 @@ import mlx.core as mx
 from ..cache import SequenceCache
 from ..results import GenerationStats
 from ..sampling import LogitsProcessor, Sampler
+from ..structured import GrammarConstraint, apply_mask
 from .costs import MAX_DRAFT
 
 
@@ -26,6 +27,7 @@ class Step(NamedTuple):
     logprob: float  # log-probability of ``token`` under the distribution it was sampled from
     logprobs: mx.array  # (vocab,) that distribution, for top-logprobs
     from_draft: bool
+    completes_grammar: bool = False  # the request's grammar allows nothing after this token
 
 
 class DrafterUnavailable(Exception):
@@ -58,9 +60,11 @@ def sample_rows(
     sampler: Sampler,
     processors: list[LogitsProcessor],
     context_window: int,
+    masks: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Sample the target's token at each of the k+1 positions. Logits processors
-    see the exact context of each position (history plus the drafts before it)."""
+    see the exact context of each position (history plus the drafts before it);
+    ``masks`` (k+1, vocab) then removes the tokens a grammar forbids there."""
     if processors:
         rows = []
         for i in range(logits.shape[0]):
@@ -70,6 +74,8 @@ def sample_rows(
                 row = proc(mx.array(ctx), row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
+    if masks is not None:
+        logits = apply_mask(logits, masks)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return sampler(logprobs), logprobs
 
@@ -80,14 +86,15 @@ class _Round(NamedTuple):
     tokens: mx.array  # the target's choice at each position
     chosen: mx.array  # their log-probabilities
     logprobs: mx.array
+    forced: bool = False  # the drafts are tokens the grammar forced, not the drafter's
 
 
-def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array) -> _Round:
+def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array, forced: bool = False) -> _Round:
     """Start evaluating a round; the chosen tokens' log-probabilities are
     computed with them so reading them later never waits on a queued round."""
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     mx.async_eval(tokens, chosen, logprobs)
-    return _Round(drafts, start, tokens, chosen, logprobs)
+    return _Round(drafts, start, tokens, chosen, logprobs, forced)
 
 
 class _AcceptanceTracker:
@@ -112,6 +119,10 @@ class _AcceptanceTracker:
             self.hits[i] += i < accepted
         s.acceptance_by_position = [h / t for h, t in zip(self.hits, self.tries)]
 
+    def record_forced(self, drafted: int, accepted: int) -> None:
+        self.stats.grammar_drafted_tokens += drafted
+        self.stats.grammar_accepted_tokens += accepted
+
 
 def decode(
     cache: SequenceCache,
@@ -123,9 +134,11 @@ def decode(
     drafter: Drafter | None,
     stats: GenerationStats,
     on_fallback: Callable[[str], None] | None = None,
+    constraint: GrammarConstraint | None = None,
 ) -> Iterator[Step]:
     """Yield up to ``max_new`` tokens following ``history`` (whose last token the
-    cache does not hold yet). With ``drafter=None`` this is plain decoding.
+    cache does not hold yet). With ``drafter=None`` this is plain decoding; with a
+    ``constraint`` every position is sampled under the grammar's mask.
 
     Each round is queued on MLX before the previous round's tokens are handed
     out, so the caller's work (detokenizing, stop strings) overlaps the model, as
@@ -133,72 +146,133 @@ def decode(
     position: the id, or UNKNOWN for an id of a queued round that is not read yet.
     The caller may therefore stop at any point: the next request's prefix match
     stops at the first UNKNOWN and recomputes from there."""
-    tracker = _AcceptanceTracker(stats)
-    produced = 0
-    last_read: float | None = None
+    loop = _Loop(cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback, constraint)
+    return loop.run()
 
-    def launch() -> _Round:
-        nonlocal drafter
-        limit = max_new - produced - 1
-        drafts: Drafts = []
-        if drafter is not None and limit > 0:
-            try:
-                # Checked before drafting: a lazily drafted round cannot be undone.
-                if reason := cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
-                    raise DrafterUnavailable(reason)
-                drafts = drafter.propose(history, limit)[:limit]
-            except DrafterUnavailable as exc:
-                drafter, drafts = None, []
-                if on_fallback is not None:
-                    on_fallback(str(exc))
+
+class _Loop:
+    """One decode's state: the history, the drafter (dropped for good when it
+    becomes unavailable), the tokens produced and the last round's read time."""
+
+    def __init__(self, cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback,
+                 constraint):
+        self.cache, self.history, self.max_new = cache, history, max_new
+        self.sampler, self.processors, self.context_window = sampler, processors, context_window
+        self.drafter, self.on_fallback, self.constraint = drafter, on_fallback, constraint
+        self.tracker = _AcceptanceTracker(stats)
+        self.produced = 0
+        self.last_read: float | None = None
+
+    def run(self) -> Iterator[Step]:
+        cache = self.cache
+        pending = self.launch()
+        while True:
+            rnd = pending
+            ahead = self.drafter is None and not self.processors and self.constraint is None
+            ahead = ahead and self.produced + 1 < self.max_new
+            if ahead:
+                pending = self.launch_plain_from(rnd.tokens)
+            sampled = rnd.tokens.tolist()
+            sampled_lp = rnd.chosen.tolist()
+            now = time.perf_counter()
+            seconds = None if self.last_read is None else now - self.last_read
+            self.last_read = now
+            if ahead:
+                cache.resolve(pending.start, sampled[:1])
+            n = _accept(cache, rnd, sampled, self.drafter, self.tracker, seconds)
+            emitted, complete = self.grammar_cut(sampled[: n + 1], n)
+            self.history.extend(emitted)
+            self.produced += len(emitted)
+            if self.produced < self.max_new and not ahead and not complete:
+                pending = self.launch()
+            for i, tok in enumerate(emitted):
+                yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n, complete and i == len(emitted) - 1)
+            if self.produced >= self.max_new or complete:
+                return
+
+    def grammar_cut(self, emitted: list[int], accepted: int) -> tuple[list[int], bool]:
+        """Advance the grammar; nothing follows a complete grammar (not even an
+        end token drafted or sampled after it), so every mode ends on the same
+        token. Returns the tokens to emit and whether the grammar is complete."""
+        if self.constraint is None:
+            return emitted, False
+        kept = emitted[: self.constraint.advance(emitted)]
+        if len(kept) < accepted + 1:
+            self.cache.rewind_to(len(self.cache.tokens) - (accepted + 1 - len(kept)))
+        return kept, self.constraint.complete
+
+    def propose(self, limit: int) -> Drafts:
+        if self.drafter is None or limit <= 0:
+            return []
+        try:
+            # Checked before drafting: a lazily drafted round cannot be undone.
+            if reason := self.cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
+                raise DrafterUnavailable(reason)
+            return self.drafter.propose(self.history, limit)[:limit]
+        except DrafterUnavailable as exc:
+            self.drafter = None
+            if self.on_fallback is not None:
+                self.on_fallback(str(exc))
+            return []
+
+    def launch(self) -> _Round:
+        cache, history, limit = self.cache, self.history, self.max_new - self.produced - 1
+        if self.constraint is not None:
+            return _launch_constrained(cache, history, limit, self.propose, self.constraint, self.sampler,
+                                       self.processors, self.context_window)
+        drafts = self.propose(limit)
         if isinstance(drafts, mx.array):
-            if drafts.size and not processors:
+            if drafts.size and not self.processors:
                 logits, start = cache.feed_lazy([history[-1]], drafts)
-                return _queue(drafts, start, *sample_rows(logits, [], [], sampler, [], context_window))
+                return _queue(drafts, start, *sample_rows(logits, [], [], self.sampler, [], self.context_window))
             drafts = drafts.tolist()  # processors need each position's exact context
         logits = cache.feed([history[-1]] + drafts)
-        return _queue(drafts, len(cache), *sample_rows(logits, history, drafts, sampler, processors, context_window))
+        rows = sample_rows(logits, history, drafts, self.sampler, self.processors, self.context_window)
+        return _queue(drafts, len(cache), *rows)
 
-    def launch_plain_from(token: mx.array) -> _Round:
+    def launch_plain_from(self, token: mx.array) -> _Round:
         # Plain decoding without logits processors: build the next step from the
         # token before it is known (as mlx-lm's generate_step does), so graph
         # construction overlaps the running step.
-        logits, start = cache.feed_lazy([], token)
-        return _queue([], start, *sample_rows(logits, [], [], sampler, [], context_window))
+        logits, start = self.cache.feed_lazy([], token)
+        return _queue([], start, *sample_rows(logits, [], [], self.sampler, [], self.context_window))
 
-    pending = launch()
-    while True:
-        rnd = pending
-        ahead = drafter is None and not processors and produced + 1 < max_new
-        if ahead:
-            pending = launch_plain_from(rnd.tokens)
-        sampled = rnd.tokens.tolist()
-        sampled_lp = rnd.chosen.tolist()
-        now = time.perf_counter()
-        seconds = None if last_read is None else now - last_read
-        last_read = now
-        if ahead:
-            cache.resolve(pending.start, sampled[:1])
-        drafts = rnd.drafts
-        if isinstance(drafts, mx.array):
-            drafts = drafts.tolist()  # already evaluated: the verify pass used them
-            cache.resolve(rnd.start, drafts)
-        k = len(drafts)
-        n = 0
-        while n < k and sampled[n] == drafts[n]:
-            n += 1
-        if k:
-            cache.rewind_to(len(cache.tokens) - (k - n))
-            drafter.observe(k, n, seconds)
-            tracker.record(k, n)
-        elif drafter is not None:
-            drafter.observe(0, 0, seconds)
-        emitted = sampled[: n + 1]
-        history.extend(emitted)
-        produced += len(emitted)
-        if produced < max_new and not ahead:
-            pending = launch()
-        for i, tok in enumerate(emitted):
-            yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n)
-        if produced >= max_new:
-            return
+
+def _accept(cache: SequenceCache, rnd: _Round, sampled: list[int], drafter, tracker, seconds) -> int:
+    """Accept the drafts that match the target's choices, rewind the cache past
+    the rest, and report the round; returns the number accepted."""
+    drafts = rnd.drafts
+    if isinstance(drafts, mx.array):
+        drafts = drafts.tolist()  # already evaluated: the verify pass used them
+        cache.resolve(rnd.start, drafts)
+    k = len(drafts)
+    n = 0
+    while n < k and sampled[n] == drafts[n]:
+        n += 1
+    if k:
+        cache.rewind_to(len(cache.tokens) - (k - n))
+    if rnd.forced:
+        tracker.record_forced(k, n)  # the grammar's drafts, not the drafter's: no feedback to it
+    elif k:
+        drafter.observe(k, n, seconds)
+        tracker.record(k, n)
+    elif drafter is not None:
+        drafter.observe(0, 0, seconds)
+    return n
+
+
+def _launch_constrained(cache, history, limit, propose, constraint, sampler, processors, context_window) -> _Round:
+    """A verify round under a grammar: the tokens it forces are drafted for free
+    (when the cache can rewind them), otherwise the drafter's drafts are cut at
+    the first token the grammar forbids; every position gets its grammar mask."""
+    forced: list[int] = []
+    if limit > 0 and not cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
+        forced = constraint.forced(min(limit, MAX_DRAFT))
+    drafts = forced or propose(limit)
+    if isinstance(drafts, mx.array):
+        drafts = drafts.tolist()
+    drafts = constraint.allowed_prefix(list(drafts))
+    masks = constraint.masks(drafts)
+    logits = cache.feed([history[-1]] + drafts)
+    rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks)
+    return _queue(drafts, len(cache), *rows, forced=bool(forced))

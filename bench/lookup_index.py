@@ -1,7 +1,7 @@
 """Measure the prompt-lookup index: build time and per-round cost at a given
 history length (default 32k tokens of Python source from the stdlib).
 
-    .venv/bin/python scripts/measure_lookup.py [--tokens 32768]
+    .venv/bin/python -m bench.lookup_index [--tokens 32768]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ For each of ``<out>/pystd-target`` and ``<out>/pystd-draft`` this loads the
 model with ``mlx_lm.load`` and measures
 
 * held-out loss: mean cross-entropy (nats/token) on 32 evenly spaced windows of
-  512 tokens of the held-out stdlib files (``scripts/corpus.py``),
+  512 tokens of the held-out stdlib files (``training/corpus.py``),
 * copy accuracy: next-token accuracy on the second half of 64 repeated random
   token sequences (2 x 48 tokens); chance is ~1/4096,
 * echo: prompt = held-out passage (96 tokens) + "\\n\\n" + first 8 tokens of the
@@ -16,7 +16,7 @@ model with ``mlx_lm.load`` and measures
 
 and writes ``eval.json`` and ``README.md`` into each model directory.
 
-    .venv/bin/python scripts/eval_demo_models.py --out models
+    .venv/bin/python -m training.eval_demo_models --out models
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ if os.path.exists(_OPENBLAS):
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import corpus  # noqa: E402
+from training import corpus  # noqa: E402
 
 EOS = "<|endoftext|>"
 NOLOOP_PROMPTS = [
@@ -230,7 +228,7 @@ PRIOR_PHASES = {
         {"phase": 2, "steps": 1021, "tokens": 2091008, "wall_s": 2400.1, "lr": 2e-3, "seed": 1,
          "warmup": 20, "copy_frac": 0.75, "random_copy_frac": 0.0,
          "recipe": "distilled from `pystd-target` on 512-token windows",
-         "command": ".venv/bin/python scripts/train_demo_models.py --out models --only draft "
+         "command": ".venv/bin/python -m training.train_demo_models --out models --only draft "
                     "--init-draft models/pystd-draft --prior-steps 681 --distill-from models/pystd-target "
                     "--draft-minutes 40 --draft-lr 2e-3 --warmup 20 --random-copy-frac 0 --seed 1",
          "end_eval": {"step": 1021, "heldout_loss": 4.7201,
@@ -315,7 +313,7 @@ def write_card(path: Path, res: dict, info: dict, cinfo: dict, other: dict | Non
                  f"**{r16:.1f}x** (float16).\n")
     first_seed = PRIOR_PHASES[role][0].get("seed", info["seed"]) if info.get("prior_steps") else info["seed"]
     retrain = info.get("retrain_command") or (
-        "nohup .venv/bin/python scripts/train_demo_models.py --out models "
+        "nohup .venv/bin/python -m training.train_demo_models --out models "
         f"--target-minutes {TRAIN_MINUTES['target']:g} --draft-minutes {TRAIN_MINUTES['draft']:g} --seed {first_seed} "
         "> models/logs/nohup.out 2>&1 &")
     if distilled:
@@ -324,8 +322,8 @@ def write_card(path: Path, res: dict, info: dict, cinfo: dict, other: dict | Non
         for ph in phases[1:]:
             lines += [f"# phase {ph['phase']}: {ph['recipe']}", ph["command"]]
         lines += [f"# phase {len(phases) + 1}: distil the draft from the target on {info['seq_len']}-token windows, "
-                  "then re-run scripts/eval_demo_models.py",
-                  ".venv/bin/python scripts/train_demo_models.py --out models --only draft "
+                  "then re-run -m training.eval_demo_models",
+                  ".venv/bin/python -m training.train_demo_models --out models --only draft "
                   f"--init-draft models/pystd-draft --prior-steps {info['prior_steps']} "
                   f"--distill-from models/pystd-target --draft-minutes {info['train_wall_s'] / 60:.0f} "
                   f"--draft-lr {info['lr']:g} --warmup {info['warmup']} --random-copy-frac {info['random_copy_frac']:g} "
@@ -379,7 +377,7 @@ There is no chat template.
 Python {cinfo['python_version']} standard library sources: {cinfo['training_files']} `.py` files
 ({cinfo['training_bytes'] / 1e6:.1f} MB, {cinfo['training_tokens']:,} tokens), excluding
 `site-packages`, `test`/`tests`, `idlelib`, `lib2to3`, files > 200 kB and these held-out
-files: {', '.join('`' + f + '`' for f in cinfo['heldout_files'])} (see `scripts/corpus.py`).
+files: {', '.join('`' + f + '`' for f in cinfo['heldout_files'])} (see `training/corpus.py`).
 Documents are joined with `<|endoftext|>`. {info['copy_frac']:.0%} of the training windows are
 *copy windows*, filled with blocks of: up to 64 tokens of natural context, a 16-128 token
 passage, a short separator (e.g. `\\n`, `\\n\\n`, `\\n# again:\\n`, nothing), the passage again,

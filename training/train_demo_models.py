@@ -8,7 +8,7 @@ Produces, under ``--out`` (default ``models``):
 * ``logs/``          tokenizer/token caches and ``train.log`` (git-ignored)
 
 Both models share one byte-level BPE tokenizer (vocab 4096) trained on the
-Python standard library sources (see ``scripts/corpus.py``), and are saved in
+Python standard library sources (see ``training/corpus.py``), and are saved in
 Hugging Face layout (float16 ``model.safetensors`` + config + tokenizer files)
 so that ``mlx_lm.load(path)`` loads them.
 
@@ -20,7 +20,7 @@ demo relies on it for prompt-lookup decoding and the echo benchmark.
 
 Typical use (runs for about 90 minutes on 2 CPU cores)::
 
-    nohup .venv/bin/python scripts/train_demo_models.py --out models \
+    nohup .venv/bin/python -m training.train_demo_models --out models \
         --target-minutes 85 --draft-minutes 11 > models/logs/nohup.out 2>&1 &
 
 Given ``--max-steps N`` (and budgets large enough not to stop early) the run is
@@ -50,8 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import corpus  # noqa: E402
+from training import corpus  # noqa: E402
 
 EOS = "<|endoftext|>"
 log = logging.getLogger("train_demo")

@@ -1,0 +1,259 @@
+"""The request pipeline after validation: prompt → the one loop → results.
+
+``Generation`` is what ``create_generator`` returns (wrapped to run on the kit's
+engine thread). Running it: ``_prepare`` expands the prompt (images), brings the
+cache to its longest common prefix, checks that the cache can be rewound before
+any draft work and builds the drafter; ``_process_prompt`` prefills what the
+caches lack, in chunks, with progress and cancellation; ``decode``
+(speculative/loop.py) yields tokens; ``_results`` turns them into streamed
+results with exactly one final result carrying the stop condition and stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator, NamedTuple
+
+import mlx.core as mx
+
+from . import worker
+from .cache import common_prefix_length
+from .errors import CallbackError
+from .model_kit import ModelKit
+from .plan import build_drafter
+from .request import Request
+from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, TopLogprob
+from .sampling import build_logits_processors, build_sampler
+from .speculative.draft_model import DraftModelDrafter
+from .speculative.loop import Drafter, Step, decode
+from .stop_strings import TextStream
+from .structured import GrammarConstraint
+
+logger = logging.getLogger(__name__)
+
+
+class Generation(Iterator[GenerationResult]):
+    """One request's stream of results. The request id is known to the kit from
+    creation until the stream ends or is closed, started or not, so a generator
+    that is dropped unstarted never leaves its id behind."""
+
+    def __init__(self, kit: ModelKit, request: Request):
+        self._kit, self._request = kit, request
+        kit._activity.register(request.request_id)
+        self._gen: Iterator[GenerationResult] = run(kit, request)
+        self._started = False
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> GenerationResult:
+        self._started = True  # from here on, run() ends the request itself
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+        if not self._started:
+            self._started = True
+            self._kit._activity.end(self._request.request_id)
+
+
+class _Prepared(NamedTuple):
+    prompt: list[int]  # the real ids (a vision kit's images expanded)
+    todo: list[int]  # the part of the prompt the main cache lacks (all but the last token)
+    drafter: Drafter | None
+    draft_drafter: DraftModelDrafter | None  # the draft model inside ``drafter``, to prefill
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def run(kit: ModelKit, req: Request) -> Iterator[GenerationResult]:
+    """Run a validated request on the kit (its engine thread)."""
+    act = kit._activity
+    steps = None
+    model_work = False  # whether the caches may hold a half-recorded forward pass
+    try:
+        act.begin(req.request_id)
+        stats = GenerationStats(prompt_tokens=len(req.prompt))
+        t_start = time.perf_counter()
+        mx.reset_peak_memory()
+        if req.params.seed is not None:
+            mx.random.seed(req.params.seed)
+        prepared = _prepare(kit, req, stats)
+        model_work = True
+        try:
+            _process_prompt(kit, prepared, req.progress_cb, lambda: _stop_requested(kit, req.request_id))
+        except _Cancelled:
+            stats.total_time = time.perf_counter() - t_start
+            yield _final(GenerationResult("", []), "user_cancelled", stats, req.stats_cb)
+            return
+        steps = _decode(kit, req, prepared, stats)
+        yield from _results(kit, req, steps, stats, t_start, len(prepared.todo))
+    except CallbackError:
+        raise  # raised between prompt chunks or at the end: caches are consistent
+    except Exception:
+        # An unexpected failure during model work may have left a forward pass
+        # half-recorded; start the next request from clean caches rather than
+        # risk reusing a bad one. A failure before it leaves the caches as they were.
+        if model_work:
+            _reset_caches(kit)
+        raise
+    finally:
+        if steps is not None:
+            steps.close()
+        act.end(req.request_id)
+
+
+def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
+    """Expand the prompt, reuse the cached prefix, plan against the cache and
+    build the drafter (timing the one-off cost measurement apart)."""
+    plan = kit.plan_prompt(req.prompt, req.images)  # a vision kit expands its images here
+    prompt = plan.ids
+    stats.prompt_tokens = len(prompt)
+    stats.cached_tokens = kit.cache.sync_to(plan.keys[:-1])
+    todo = prompt[stats.cached_tokens : -1]
+    decoding = req.plan.for_cache(kit.cache, len(todo))
+    t_setup = time.perf_counter()
+    drafter, draft_drafter = build_drafter(kit, decoding, prompt, stats)
+    stats.setup_time = time.perf_counter() - t_setup
+    return _Prepared(prompt, todo, drafter, draft_drafter)
+
+
+def _process_prompt(
+    kit: ModelKit, prepared: _Prepared, progress_cb: Callable | None, cancelled: Callable[[], bool]
+) -> None:
+    """Prefill the main (and draft) caches with the prompt's uncached part,
+    reporting progress from 0 to 100 over both models' work (the draft's weighted
+    by its size). Raises _Cancelled between chunks when asked to stop."""
+    prompt, draft_drafter = prepared.prompt, prepared.draft_drafter
+    draft_todo, draft_weight = 0, 0.0
+    if draft_drafter is not None:
+        draft_todo = len(prompt) - 1 - common_prefix_length(draft_drafter.draft.cache.tokens, prompt[:-1])
+        draft_weight = kit.draft.num_params / kit.num_params
+    total = len(prepared.todo) + draft_weight * draft_todo
+    done = 0.0
+
+    def report(percent: float) -> None:
+        if progress_cb is None:
+            return
+        try:
+            keep_going = progress_cb(percent)
+        except Exception as exc:
+            raise CallbackError(f"prompt_progress_callback raised {type(exc).__name__}: {exc}") from exc
+        if keep_going is False:
+            raise _Cancelled()
+
+    def chunk_done(weight: float) -> Callable[[int], None]:
+        def on_chunk(n: int) -> None:
+            nonlocal done
+            done += n * weight
+            if cancelled():
+                raise _Cancelled()
+            if done < total:
+                report(100.0 * done / total)
+
+        return on_chunk
+
+    report(0.0)
+    kit.prefill_prompt(prepared.todo, chunk_done(1.0))
+    if draft_drafter is not None:
+        draft_drafter.prefill(prompt, chunk_done(draft_weight))
+    report(100.0)
+
+
+def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats) -> Iterator[Step]:
+    """The one verify/accept/rewind loop for this request."""
+
+    def on_fallback(reason: str) -> None:
+        stats.mode_switches.append(f"{stats.decoding_mode} -> plain: {reason}")
+        stats.decoding_mode = "plain"
+
+    constraint = None
+    if req.grammar is not None:
+        constraint = GrammarConstraint(kit, req.grammar, draft_forced=req.structured_drafting)
+    return decode(kit.cache, list(prepared.prompt), req.max_tokens, build_sampler(req.params),
+                  build_logits_processors(req.params), req.params.repetition_context_size,
+                  prepared.drafter, stats, on_fallback, constraint)
+
+
+def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t_start: float, processed: int):
+    """Streamed results for the loop's tokens, ending with exactly one final
+    result: an end token, a stop string, a complete grammar, the token limit or
+    cancellation."""
+    stream = TextStream(kit.tokenizer.detokenizer, req.stop_strings)
+    t_first, n = None, 0
+
+    def finish(text: str, tokens: list[Token], tops, stop) -> GenerationResult:
+        stats.generated_tokens = n
+        return _finish(GenerationResult(text, tokens, tops), stop, stats, req.stats_cb, t_start, t_first, processed)
+
+    for step in steps:
+        t_first = t_first or time.perf_counter()
+        if _stop_requested(kit, req.request_id):
+            yield finish(stream.finish().text, [], None, "user_cancelled")
+            return
+        n += 1
+        tok = step.token
+        if tok in kit.eos_token_ids:
+            tail = stream.finish()
+            reason = "stop_string" if tail.stop_string else "eos_token"
+            yield finish(tail.text, [], None, GenerationStopCondition(reason, tail.stop_string, [tok]))
+            return
+        token = Token(tok, kit.tokenizer.decode([tok]), step.logprob, step.from_draft)
+        tops = [_top_logprobs(kit, step.logprobs, req.params.top_logprobs)] if req.params.top_logprobs else None
+        last = n >= req.max_tokens
+        event = stream.push(tok, final=last or step.completes_grammar)
+        if event.stop_string is not None:
+            stop = GenerationStopCondition("stop_string", event.stop_string, event.stop_tokens)
+            yield finish(event.text, [token], tops, stop)
+            return
+        if step.completes_grammar or last:
+            yield finish(event.text, [token], tops, "grammar_complete" if step.completes_grammar else "token_limit")
+            return
+        yield GenerationResult(event.text, [token], tops)
+
+
+def _stop_requested(kit: ModelKit, request_id: str) -> bool:
+    """Cancelled by stop_generation, or the process is exiting."""
+    return kit._activity.is_cancelled(request_id) or worker.shutting_down.is_set()
+
+
+def _reset_caches(kit: ModelKit) -> None:
+    if kit.cache is not None:
+        kit.cache.reset()
+    if kit.draft is not None:
+        kit.draft.cache.reset()
+
+
+def _top_logprobs(kit: ModelKit, logprobs: mx.array, n: int) -> list[TopLogprob]:
+    idx = mx.argpartition(-logprobs, kth=n - 1)[:n]
+    vals = logprobs[idx]
+    order = mx.argsort(-vals)
+    ids, lps = idx[order].tolist(), vals[order].tolist()
+    return [TopLogprob(i, kit.tokenizer.decode([i]), lp) for i, lp in zip(ids, lps)]
+
+
+def _finish(result, stop, stats, stats_cb, t_start, t_first, processed_prompt) -> GenerationResult:
+    now = time.perf_counter()
+    t_first = t_first or now
+    stats.time_to_first_token = t_first - t_start
+    prompt_time = stats.time_to_first_token - stats.setup_time
+    stats.prompt_tps = processed_prompt / prompt_time if prompt_time > 0 else 0.0
+    if stats.generated_tokens > 1 and now > t_first:
+        stats.generation_tps = (stats.generated_tokens - 1) / (now - t_first)
+    stats.total_time = now - t_start
+    return _final(result, stop, stats, stats_cb)
+
+
+def _final(result: GenerationResult, stop: StopReason | GenerationStopCondition, stats, stats_cb) -> GenerationResult:
+    stats.peak_memory = int(mx.get_peak_memory())
+    result.stop_condition = stop if isinstance(stop, GenerationStopCondition) else GenerationStopCondition(stop)
+    result.stats = stats
+    if stats_cb is not None:
+        try:
+            stats_cb(stats)
+        except Exception as exc:
+            raise CallbackError(f"stats_callback raised {type(exc).__name__}: {exc}") from exc
+    return result

@@ -1,0 +1,148 @@
+"""Validating a request: every ``create_generator`` argument is checked here,
+before the generator is returned, and becomes one frozen ``Request``.
+
+``validate_request`` takes ``create_generator``'s keyword arguments exactly as
+received (a namespace built from its signature, the one list of their names and
+defaults), checks them against the kit and plans the decoding. A bad argument raises ``ValueError`` naming it; nothing here touches
+the model or its caches.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import mlx.core as mx
+
+from .errors import GenerationInProgressError
+from .model_kit import ModelKit
+from .plan import DecodingPlan, choose_plan
+from .results import GenerationStats
+from .sampling import SamplingParams, validate_sampling
+from .stop_strings import StopStringMatcher
+from .structured import check_grammar, compile_constraint
+
+DEFAULT_MAX_TOKENS = 256
+
+ProgressCallback = Callable[[float], "bool | None"]
+StatsCallback = Callable[[GenerationStats], None]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked request, ready for the pipeline (pipeline.py)."""
+
+    request_id: str
+    prompt: list[int]
+    images: list
+    max_tokens: int
+    params: SamplingParams
+    stop_strings: list[str]
+    progress_cb: ProgressCallback | None
+    stats_cb: StatsCallback | None
+    plan: DecodingPlan
+    grammar: str | None  # llguidance grammar of a structured-output constraint
+    structured_drafting: bool
+
+
+def validate_request(kit: ModelKit, prompt_tokens, o: SimpleNamespace, request_id: str) -> Request:
+    """Check every argument (``o``: create_generator's keyword arguments) against
+    the kit; ``ValueError`` naming the first bad one."""
+    prompt = validate_prompt(kit, prompt_tokens)
+    images = kit.decode_images(prompt, o.images_b64)
+    if isinstance(o.max_tokens, bool) or not isinstance(o.max_tokens, int) or o.max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {o.max_tokens!r}")
+    params = validate_sampling(
+        temp=o.temp, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, min_tokens_to_keep=o.min_tokens_to_keep,
+        repetition_penalty=o.repetition_penalty, repetition_context_size=o.repetition_context_size,
+        seed=o.seed, top_logprobs=o.top_logprobs, vocab_size=kit.vocab_size,
+    )
+    stops = StopStringMatcher.validate(o.stop_strings)
+    for name, cb in (("prompt_progress_callback", o.prompt_progress_callback), ("stats_callback", o.stats_callback)):
+        if cb is not None and not callable(cb):
+            raise ValueError(f"{name} must be callable or None")
+    constraint = compile_constraint(o.json_schema, o.regex, o.grammar)
+    if constraint is not None:
+        check_grammar(kit, *constraint)
+    if not isinstance(o.structured_drafting, bool):
+        raise ValueError(f"structured_drafting must be True or False, got {o.structured_drafting!r}")
+    plan = choose_plan(
+        kit,
+        num_draft_tokens=o.num_draft_tokens,
+        toggle=o.speculative_decoding_toggle,
+        lookup_tokens=o.prompt_lookup_num_tokens,
+        ngrams=(o.prompt_lookup_min_ngram, o.prompt_lookup_max_ngram, o.prompt_lookup_num_candidates),
+        auto=o.auto_speculative,
+    )
+    return Request(request_id, prompt, images, o.max_tokens, params, stops, o.prompt_progress_callback,
+                   o.stats_callback, plan, None if constraint is None else constraint[1], o.structured_drafting)
+
+
+def validate_request_id(request_id) -> None:
+    if request_id is not None and not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string or None, got {request_id!r}")
+
+
+def require_model(kit: ModelKit) -> None:
+    """``ValueError`` unless ``kit`` is a loaded kit that can generate."""
+    if not isinstance(kit, ModelKit):
+        raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
+    if kit.vocab_only:
+        raise ValueError("this kit was loaded with vocab_only=True and cannot generate; load it without vocab_only")
+    if kit.model is None:
+        raise ValueError("this kit has been unloaded")
+
+
+def require_idle(kit: ModelKit) -> None:
+    """``GenerationInProgressError`` while a generation runs on ``kit``."""
+    active = kit._activity.active
+    if active is not None:
+        raise GenerationInProgressError(
+            f"generation {active!r} is still running on this kit; finish or close it first "
+            "(a kit runs one generation at a time)"
+        )
+
+
+def validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
+    """The prompt as a list of Python ints. Any sequence of integers is accepted
+    (ints, numpy or MLX integer scalars, a 1-D integer array); text, mappings and
+    sets are refused."""
+    if isinstance(prompt_tokens, (str, bytes)):
+        raise ValueError("prompt_tokens must be a list of token ids; use tokenize(kit, text) for text")
+    if isinstance(prompt_tokens, (Mapping, Set)):
+        raise ValueError(f"prompt_tokens must be a sequence of token ids, got a {type(prompt_tokens).__name__}")
+    if getattr(prompt_tokens, "ndim", 1) != 1:
+        raise ValueError(f"prompt_tokens must be one-dimensional, got shape {tuple(prompt_tokens.shape)}")
+    if isinstance(prompt_tokens, mx.array):
+        prompt_tokens = prompt_tokens.tolist()
+    try:
+        prompt = list(prompt_tokens)
+    except TypeError:
+        raise ValueError(f"prompt_tokens must be a list of token ids, got {type(prompt_tokens).__name__}") from None
+    if not prompt:
+        raise ValueError("prompt_tokens must not be empty")
+    vocab = kit.vocab_size
+    ids = []
+    for i, t in enumerate(prompt):
+        t = _token_id(t)
+        if t is None:
+            raise ValueError(f"prompt_tokens must be integers; item {i} is {prompt[i]!r}")
+        if not 0 <= t < vocab:
+            raise ValueError(f"prompt_tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
+        ids.append(t)
+    return ids
+
+
+def _token_id(t) -> int | None:
+    """``t`` as an int if it is an integer (Python, numpy or a 0-d integer array)."""
+    if isinstance(t, bool):
+        return None
+    if isinstance(t, numbers.Integral):
+        return int(t)
+    dtype = getattr(t, "dtype", None)
+    if getattr(t, "ndim", None) == 0 and dtype is not None and "int" in str(dtype) and "bool" not in str(dtype):
+        return int(t.item())
+    return None

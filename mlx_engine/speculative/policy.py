@@ -1,0 +1,103 @@
+"""How many tokens a draft model drafts each round.
+
+``DraftLengthPolicy`` is the adaptive draft length on its own, separate from the
+drafter's cache work, so the drafter, the router (which reads its acceptance and
+round costs) and ``bench/replay.py`` (which replays it offline) use the same
+object. With a fixed ``num_draft_tokens`` it always answers that length.
+"""
+
+from __future__ import annotations
+
+from . import costs
+
+
+class DraftLengthPolicy:
+    """Chooses each round's draft length from the observed acceptance and round
+    times (``round_costs``). It is at most ``2·(a+1)+2`` after a round that
+    accepted ``a`` drafts and rejected one. When no length pays, rounds go
+    undrafted, with an exploration draft after ``explore_every`` of them so a
+    change in acceptance is noticed (the gap doubles, up to ``max_explore_gap``,
+    while those drafts keep not paying). docs/decoding.md explains each rule and
+    how it was chosen."""
+
+    explore_every = 2
+    max_explore_gap = 64
+    max_timing_wait = 8
+    # Between drafted rounds the draft model is one or two tokens behind: the
+    # target's own token, after the last draft it had not been fed.
+    steady_catch_up = 2
+
+    def __init__(self, fixed: int | None, round_costs: costs.RoundCosts | None = None,
+                 prior_acceptance: float = 0.6, decay: float = 0.8):
+        self.fixed = fixed
+        self.round_costs = round_costs
+        # A draft model's acceptance changes quickly between copied and free
+        # text, so its evidence turns over faster than the default.
+        self.acceptance = costs.AcceptanceModel(prior_acceptance, decay=decay)
+        self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
+        self.explore_gap = self.explore_every
+        # How far the last drafted round got (accepted + 1) if it had a draft
+        # rejected, else None; bounds the next draft (see observe).
+        self._rejected_at: int | None = None
+        self._timing_wait = 0  # rounds an undrafted timing has waited for a rejection
+
+    def num_tokens(self, limit: int) -> int:
+        """The next round's draft length (0: an undrafted round)."""
+        if self.fixed is not None:
+            return min(self.fixed, limit)
+        if self.round_costs is None:
+            return min(4, limit)
+        if self._time_undrafted_now():
+            return 0
+        max_k = min(limit, costs.MAX_DRAFT)
+        if self._rejected_at is not None:
+            max_k = min(max_k, 2 * self._rejected_at + 2)
+        k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k)
+        if k == 0:
+            self.idle_rounds += 1
+            if self.idle_rounds < self.explore_gap:
+                return 0
+            # Explore with the most promising drafted length, not one token: on
+            # MLX's CPU backend the step from a 1- to a 2-token pass is the dear
+            # part of a verify, and acceptance is bursty, so only a longer draft
+            # shows whether drafting pays. Back off while exploring keeps not paying.
+            self.idle_rounds = 0
+            self.explore_gap = min(2 * self.explore_gap, self.max_explore_gap)
+            return costs.best_draft_length(self.acceptance, self.round_costs, max_k, min_k=1)[0]
+        self.idle_rounds = 0
+        self.explore_gap = self.explore_every
+        return k
+
+    def _time_undrafted_now(self) -> bool:
+        """Drafting is judged against an undrafted round, so time one now and
+        then: inferring its cost from drafted rounds flatters drafting. Time it
+        where it costs least, right after a rejected draft, unless that takes more
+        than max_timing_wait rounds (in a burst of accepts an undrafted round
+        gives up a whole round's worth of tokens)."""
+        if not self.round_costs.needs_undrafted_timing():
+            return False
+        self._timing_wait += 1
+        if self._rejected_at is not None or self._timing_wait > self.max_timing_wait:
+            self._timing_wait = 0
+            return True
+        return False
+
+    def observe(self, drafted: int, accepted: int, seconds: float | None = None, catch_up: int = 0) -> None:
+        """A round's outcome; ``catch_up``: tokens the draft model processed
+        before drafting (a round after undrafted ones starts by catching up)."""
+        self.acceptance.observe(drafted, accepted)
+        if drafted:
+            # After a rejection, draft at most twice as far as that round got, plus
+            # two: the next round starts right after a token the draft missed, and
+            # acceptance learned deep inside the burst that just ended is stale
+            # there (replay: long drafts kept failing at the first token or two
+            # for several rounds after each burst on open-gen and code-edit).
+            self._rejected_at = accepted + 1 if accepted < drafted else None
+            if catch_up > self.steady_catch_up:
+                # The draft model first caught up on tokens decoded without it: a
+                # one-off cost of resuming drafting, not what a round of this length
+                # costs. Counting it made the first draft after undrafted rounds
+                # look 2x dearer than it is, which kept drafting off for good.
+                seconds = None
+        if self.round_costs is not None:
+            self.round_costs.observe(drafted, seconds)

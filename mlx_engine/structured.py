@@ -1,0 +1,154 @@
+"""Structured output: JSON schemas, regular expressions and Lark grammars.
+
+llguidance (a dependency of mlx-vlm, so already installed) compiles the
+constraint and, given the tokens so far, computes which tokens may come next in
+tens of microseconds. ``GrammarConstraint`` keeps one llguidance matcher per
+request in step with the accepted tokens; the verify loop asks it for a mask at
+every position of a verify pass (the matcher walks the drafts and rolls them
+back), truncates drafts at the first token the grammar forbids, and drafts the
+tokens the grammar forces (keys, punctuation) for free.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")
+# llguidance's JSON layout options; a schema's own "x-guidance" replaces them.
+JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any = None) -> tuple[str, str] | None:
+    """``(argument name, llguidance grammar)`` for the one constraint given, or
+    None; ``ValueError`` naming the argument for anything malformed."""
+    import llguidance
+
+    given = [(n, v) for n, v in zip(CONSTRAINT_ARGS, (json_schema, regex, grammar)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(n for n, _ in given)} were both given; pass at most one of {', '.join(CONSTRAINT_ARGS)}")
+    if not given:
+        return None
+    name, value = given[0]
+    try:
+        if name == "json_schema":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, dict):
+                raise ValueError(f"must be a JSON object (a dict or its JSON text), got {type(schema).__name__}")
+            if "x-guidance" not in schema:
+                # Compact JSON: with one way to write whitespace, keys and punctuation
+                # become forced spans that are drafted for free.
+                schema = {**schema, "x-guidance": dict(JSON_LAYOUT)}
+            return name, llguidance.LLMatcher.grammar_from_json_schema(schema)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"must be a non-empty string, got {value!r}")
+        if name == "regex":
+            return name, llguidance.LLMatcher.grammar_from_regex(value)
+        return name, llguidance.LLMatcher.grammar_from_lark(value)
+    except (ValueError, TypeError, RuntimeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{name} is not valid: {exc}") from exc
+
+
+def tokenizer_for(kit) -> Any:
+    """The kit's llguidance tokenizer view (built once per kit: ~0.5 s for a
+    49k vocabulary). Its size is the model's, so padded embedding rows are
+    simply never allowed."""
+    cached = getattr(kit, "_llg_tokenizer", None)
+    if cached is None:
+        import llguidance.hf
+
+        hf = getattr(kit.tokenizer, "_tokenizer", kit.tokenizer)
+        eos = sorted(kit.eos_token_ids) or None
+        try:
+            cached = llguidance.hf.from_tokenizer(hf, n_vocab=kit.vocab_size, eos_token=eos)
+        except Exception as exc:
+            raise ValueError(f"structured output needs a fast (Rust) Hugging Face tokenizer: {exc}") from exc
+        kit._llg_tokenizer = cached
+    return cached
+
+
+def check_grammar(kit, name: str, grammar: str) -> None:
+    """Refuse a grammar llguidance cannot build for this tokenizer, before any model work."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer_for(kit))
+    if error:
+        raise ValueError(f"{name} cannot be used: {error}")
+
+
+class GrammarConstraint:
+    """One request's grammar state: masks for verify passes, draft checks,
+    forced tokens, and advancing by the tokens the loop emits."""
+
+    def __init__(self, kit, grammar: str, draft_forced: bool = True):
+        import llguidance
+
+        self.vocab_size = kit.vocab_size
+        self.draft_forced = draft_forced
+        self.eos_ids = set(kit.eos_token_ids)
+        self.matcher = llguidance.LLMatcher(tokenizer_for(kit), grammar, log_level=0)
+        self._raise_on_error()
+
+    def _raise_on_error(self) -> None:
+        if self.matcher.is_error():
+            raise RuntimeError(f"structured output: the grammar matcher failed: {self.matcher.get_error()}")
+
+    @property
+    def complete(self) -> bool:
+        """True once the grammar allows nothing more (only the end of the text)."""
+        return self.matcher.is_stopped()
+
+    def allowed_prefix(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar accepts."""
+        return drafts[: self.matcher.validate_tokens(drafts)] if drafts else drafts
+
+    def forced(self, limit: int) -> list[int]:
+        """Tokens the grammar forces next (none when there is a choice). An end
+        token is never drafted: the grammar completes before it, in every mode."""
+        if limit <= 0 or not self.draft_forced:
+            return []
+        out = []
+        for tok in self.matcher.compute_ff_tokens()[:limit]:
+            if tok in self.eos_ids:
+                break
+            out.append(tok)
+        return out
+
+    def masks(self, drafts: list[int]) -> mx.array:
+        """Allowed tokens at each of the ``len(drafts) + 1`` verify positions, as
+        a (k+1, vocab) bool array: position i is masked as after ``drafts[:i]``.
+        Drafts must be grammar-valid (``allowed_prefix``)."""
+        import llguidance.numpy
+
+        bits = llguidance.numpy.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        consumed = 0
+        for i in range(len(drafts) + 1):
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, bits, i)
+            if i < len(drafts):
+                if not self.matcher.consume_token(drafts[i]):
+                    raise RuntimeError(f"structured output: draft token {drafts[i]} was checked but not accepted")
+                consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
+        return mx.array(unpacked.astype(np.bool_))
+
+    def advance(self, tokens: list[int]) -> int:
+        """Commit tokens the loop emitted (each was sampled under its mask), up to
+        the one that completes the grammar; returns how many were committed."""
+        for i, tok in enumerate(tokens):
+            if not self.matcher.consume_token(tok):
+                self._raise_on_error()
+            if self.matcher.is_stopped():
+                return i + 1
+        return len(tokens)
+
+
+def apply_mask(logits: mx.array, mask: mx.array) -> mx.array:
+    return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))

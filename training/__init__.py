@@ -1,0 +1,1 @@
+"""Training and evaluating the bundled toy model pair (see docs/demo-models.md)."""
