@@ -103,6 +103,8 @@ def run(kit: ModelKit, req: Request) -> Iterator[GenerationResult]:
     finally:
         if steps is not None:
             steps.close()
+        if kit.prompt_cache is not None:
+            kit.prompt_cache.settle()
         act.end(req.request_id)
 
 
@@ -112,7 +114,10 @@ def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
     plan = kit.plan_prompt(req.prompt, req.images)  # a vision kit expands its images here
     prompt = plan.ids
     stats.prompt_tokens = len(prompt)
-    stats.cached_tokens = kit.cache.sync_to(plan.keys[:-1])
+    entry, hit = kit.prompt_cache.select(plan.keys[:-1])  # the cached sequence sharing the longest prefix
+    stats.cached_tokens = entry.sync_to(plan.keys[:-1])
+    stats.cache_source = hit.source if stats.cached_tokens else "none"
+    stats.cache_entries = len(kit.prompt_cache.entries)
     todo = prompt[stats.cached_tokens : -1]
     decoding = req.plan.for_cache(kit.cache, len(todo))
     t_setup = time.perf_counter()
