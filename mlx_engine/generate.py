@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 def load_model(
     model_path: str | Path,
     *,
-    max_kv_size: int | None = None,
+    max_kv_size: int | str | None = None,
     vocab_only: bool = False,
     trust_remote_code: bool = False,
     kv_bits: int | None = None,

@@ -12,7 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import loading
-from .cache import CacheOptions, SequenceCache
+from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache
+from .context import fit_context
 from .disk_cache import DiskCache, model_identity
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
 from .errors import GenerationInProgressError, ModelLoadError
@@ -115,7 +116,15 @@ class ModelKit:
             if head_dim is not None and head_dim % kv.kv_group_size:
                 raise ValueError(f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}")
         self.cache = self.new_cache(self.model)
+        self._fit_context()
         logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
+
+    def _fit_context(self) -> None:
+        """``context_length``: with ``max_kv_size="auto"`` the longest context that
+        fits memory (context.py), else the one the model was trained for."""
+        trained = self.config.get("text_config", self.config).get("max_position_embeddings")
+        trained = int(trained) if isinstance(trained, int) and trained > 0 else None
+        self.context_length = fit_context(self.model, trained) if self.cache_options.auto_context else trained
 
     def _init_files(self, path: Path, options: KitOptions) -> None:
         """What every kit starts from: config, tokenizer and empty slots (one
@@ -129,6 +138,7 @@ class ModelKit:
         self.vocab_only = options.vocab_only
         self.model: nn.Module | None = None
         self.prompt_cache: PromptCache | None = None
+        self.context_length: int | None = None  # tokens a request may hold (see _fit_context)
         self._prompt_cache_options = options.prompt_cache
         self.draft: DraftModel | None = None
         self.compute_dtype: mx.Dtype | None = None
@@ -188,10 +198,10 @@ class ModelKit:
         """The request's prompt as the cache sees it (see PromptPlan)."""
         return PromptPlan(prompt, prompt)
 
-    def prefill_prompt(self, todo: list[int], on_chunk=None) -> None:
+    def prefill_prompt(self, todo: list[int], on_chunk=None, chunk_size: int = PREFILL_CHUNK) -> None:
         """Feed ``todo``, the part of the last planned prompt (all but its last
         token) that the cache lacks."""
-        self.cache.prefill(todo, on_chunk)
+        self.cache.prefill(todo, on_chunk, chunk_size)
 
     def unload(self) -> None:
         if self.prompt_cache is not None:

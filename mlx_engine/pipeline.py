@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from . import worker
 from .cache import common_prefix_length
+from .context import prefill_chunk
 from .errors import CallbackError
 from .model_kit import ModelKit
 from .plan import build_drafter
@@ -162,7 +163,8 @@ def _process_prompt(
         return on_chunk
 
     report(0.0)
-    kit.prefill_prompt(prepared.todo, chunk_done(1.0))
+    hidden = int(kit.config.get("text_config", kit.config).get("hidden_size", 4096) or 4096)
+    kit.prefill_prompt(prepared.todo, chunk_done(1.0), prefill_chunk(kit.vocab_size, hidden))
     if draft_drafter is not None:
         draft_drafter.prefill(prompt, chunk_done(draft_weight))
     report(100.0)

@@ -130,3 +130,30 @@ def test_a_different_model_never_reads_the_entries(llama_path, qwen_path, tmp_pa
 def test_bad_prompt_cache_options(llama_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         me.load_model(llama_path, **kwargs)
+
+
+def test_auto_context_fits_memory_and_refuses_longer_prompts(llama_path, monkeypatch):
+    from mlx_engine import context
+
+    kit = me.load_model(llama_path, max_kv_size="auto")
+    assert kit.context_length == 4096  # the fixture's trained context fits easily
+    per_token = context.kv_bytes_per_token(kit.model)
+    assert per_token == 2 * 2 * 2 * 16 * 4  # 2 layers x (keys, values) x 2 KV heads x 16 dims x float32
+    monkeypatch.setattr(context, "available_memory", lambda: 2 * 64 * per_token)  # room for 64 tokens
+    small = me.load_model(llama_path, max_kv_size="auto")
+    assert small.context_length == 64
+    with pytest.raises(ValueError, match="do not fit this kit's context of 64 tokens"):
+        me.create_generator(small, list(range(3, 70)), max_tokens=4)
+    ids, last = generate_ids(small, list(range(3, 60)), max_tokens=50, temp=0.0)
+    assert len(ids) == 64 - 57 and last.stop_condition.stop_reason == "token_limit"
+
+
+def test_prefill_chunk_shrinks_when_memory_is_short(monkeypatch):
+    from mlx_engine import context
+
+    monkeypatch.setattr(context, "available_memory", lambda: 64 * 2**30)
+    assert context.prefill_chunk(49152, 576) == 512
+    monkeypatch.setattr(context, "available_memory", lambda: 200 * 2**20)  # a quarter: 50 MB; 128 tokens take 30
+    assert context.prefill_chunk(49152, 576) == 128
+    monkeypatch.setattr(context, "available_memory", lambda: 1)
+    assert context.prefill_chunk(49152, 576) == context.MIN_PREFILL_CHUNK
