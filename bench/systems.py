@@ -110,7 +110,7 @@ def run_engine(models: Models, system: System, prompt: list[int], max_tokens: in
     first turn) is run untimed before the measured one, leaving the kit's caches
     holding it and its reply, which the measured request may reuse."""
     kit = models.kit
-    kit.cache.reset()
+    kit.prompt_cache.clear()  # every cached sequence: the run starts cold
     if kit.draft is not None:
         kit.draft.cache.reset()
     if setup is not None:

@@ -8,7 +8,7 @@ a token sequence by trimming to the longest common prefix and feeding the rest.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import mlx.core as mx
@@ -46,12 +46,15 @@ class CacheOptions:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    auto_context: bool = False  # max_kv_size="auto": the context is fitted to memory (context.py)
 
     @classmethod
     def validate(cls, max_kv_size=None, kv_bits=None, kv_group_size=None, quantized_kv_start=None) -> CacheOptions:
         """``ValueError`` naming the argument for anything not allowed."""
+        if max_kv_size == "auto":
+            return replace(cls.validate(None, kv_bits, kv_group_size, quantized_kv_start), auto_context=True)
         if max_kv_size is not None and (not _is_int(max_kv_size) or max_kv_size < 8):
-            raise ValueError(f"max_kv_size must be an integer >= 8 or None, got {max_kv_size!r}")
+            raise ValueError(f"max_kv_size must be an integer >= 8, 'auto' or None, got {max_kv_size!r}")
         if kv_bits is not None and kv_bits not in (2, 3, 4, 6, 8):
             raise ValueError(f"kv_bits must be one of 2, 3, 4, 6, 8 or None, got {kv_bits!r}")
         if kv_group_size is not None and kv_group_size not in (32, 64, 128):

@@ -16,6 +16,7 @@ from .cache import CacheOptions
 from .images import validate_max_image_pixels
 from .model_kit import KitOptions, ModelKit
 from .pipeline import Generation
+from .prompt_cache import PromptCacheOptions
 from .request import (
     DEFAULT_MAX_TOKENS,
     ProgressCallback,
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 def load_model(
     model_path: str | Path,
     *,
-    max_kv_size: int | None = None,
+    max_kv_size: int | str | None = None,
     vocab_only: bool = False,
     trust_remote_code: bool = False,
     kv_bits: int | None = None,
@@ -46,16 +47,24 @@ def load_model(
     seed: int | None = None,
     compute_dtype: str | None = "auto",
     max_image_pixels: int | None = None,
+    prompt_cache_bytes: int | None = None,
+    prompt_cache_dir: str | Path | None = None,
+    prompt_cache_disk_bytes: int | None = None,
 ) -> ModelKit:
-    """Load a local model directory (Hugging Face layout) into a kit.
+    """Load a local model (a Hugging Face-layout directory, a .gguf file or a
+    catalog name) into a kit.
 
-    ``compute_dtype="auto"`` computes unquantized half-precision weights in
+    ``compute_dtype="auto"`` computes half-precision and quantized weights in
     float32 on the CPU, where that is several times faster; ``"native"`` keeps
     the stored dtype. A directory whose config.json has ``vision_config`` gives a
     ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images.
-    The kit's MLX work runs on its own engine thread (docs/reliability.md)."""
+    ``prompt_cache_bytes`` bounds the KV bytes of the cached sequences kept
+    between requests; ``prompt_cache_dir`` adds a disk tier (docs/api.md,
+    "Prompt cache"). The kit's MLX work runs on its own engine thread
+    (docs/reliability.md)."""
     cache_options = CacheOptions.validate(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
-    kit_options = KitOptions(cache_options, vocab_only, trust_remote_code, compute_dtype)
+    prompt_cache = PromptCacheOptions.validate(prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
+    kit_options = KitOptions(cache_options, vocab_only, trust_remote_code, compute_dtype, prompt_cache)
     thread = worker.acquire()
     try:
         kit = thread.call(_load_model, model_path, kit_options, seed, max_image_pixels)

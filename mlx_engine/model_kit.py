@@ -12,7 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import loading
-from .cache import CacheOptions, SequenceCache
+from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache
+from .context import fit_context
+from .disk_cache import DiskCache, model_identity
+from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
 from .errors import GenerationInProgressError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -91,6 +94,7 @@ class KitOptions:
     vocab_only: bool = False
     trust_remote_code: bool = False
     compute_dtype: str | None = "auto"
+    prompt_cache: PromptCacheOptions = PromptCacheOptions()
 
 
 class ModelKit:
@@ -112,7 +116,15 @@ class ModelKit:
             if head_dim is not None and head_dim % kv.kv_group_size:
                 raise ValueError(f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}")
         self.cache = self.new_cache(self.model)
+        self._fit_context()
         logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
+
+    def _fit_context(self) -> None:
+        """``context_length``: with ``max_kv_size="auto"`` the longest context that
+        fits memory (context.py), else the one the model was trained for."""
+        trained = self.config.get("text_config", self.config).get("max_position_embeddings")
+        trained = int(trained) if isinstance(trained, int) and trained > 0 else None
+        self.context_length = fit_context(self.model, trained) if self.cache_options.auto_context else trained
 
     def _init_files(self, path: Path, options: KitOptions) -> None:
         """What every kit starts from: config, tokenizer and empty slots (one
@@ -125,7 +137,9 @@ class ModelKit:
         self.eos_token_ids = loading.eos_token_ids(self.tokenizer)
         self.vocab_only = options.vocab_only
         self.model: nn.Module | None = None
-        self.cache: SequenceCache | None = None
+        self.prompt_cache: PromptCache | None = None
+        self.context_length: int | None = None  # tokens a request may hold (see _fit_context)
+        self._prompt_cache_options = options.prompt_cache
         self.draft: DraftModel | None = None
         self.compute_dtype: mx.Dtype | None = None
         self.cost_model = None  # measured lazily by the speculative router
@@ -148,6 +162,32 @@ class ModelKit:
     def new_cache(self, model: nn.Module) -> SequenceCache:
         return SequenceCache(model, self.cache_options)
 
+    @property
+    def cache(self) -> SequenceCache | None:
+        """The cached sequence the current (or last) request uses; the others
+        are in ``prompt_cache`` (prompt_cache.py)."""
+        return self.prompt_cache.active if self.prompt_cache is not None else None
+
+    @cache.setter
+    def cache(self, value: SequenceCache | None) -> None:
+        if value is None:
+            self.prompt_cache = None
+        elif self.prompt_cache is None:
+            self.prompt_cache = self._make_prompt_cache(value)
+        else:
+            self.prompt_cache.replace_all(value)
+
+    def _make_prompt_cache(self, first: SequenceCache) -> PromptCache:
+        o = self._prompt_cache_options
+        disk = None
+        if o.directory is not None:
+            identity = model_identity(self.model_path, self.compute_dtype, self.cache_options)
+            disk = DiskCache(o.directory, identity, o.disk_bytes)
+        budget = default_memory_budget() if o.memory_bytes is None else o.memory_bytes
+        cache = PromptCache(lambda: self.new_cache(self.model), budget, disk)
+        cache.replace_all(first)
+        return cache
+
     # Prompt handling; VisionModelKit overrides these to add images.
     def decode_images(self, prompt: list[int], images_b64) -> list:
         if images_b64 is None or (isinstance(images_b64, (list, tuple)) and not images_b64):
@@ -158,12 +198,14 @@ class ModelKit:
         """The request's prompt as the cache sees it (see PromptPlan)."""
         return PromptPlan(prompt, prompt)
 
-    def prefill_prompt(self, todo: list[int], on_chunk=None) -> None:
+    def prefill_prompt(self, todo: list[int], on_chunk=None, chunk_size: int = PREFILL_CHUNK) -> None:
         """Feed ``todo``, the part of the last planned prompt (all but its last
         token) that the cache lacks."""
-        self.cache.prefill(todo, on_chunk)
+        self.cache.prefill(todo, on_chunk, chunk_size)
 
     def unload(self) -> None:
+        if self.prompt_cache is not None:
+            self.prompt_cache.flush()  # to the disk tier, when there is one
         self.model = None
         self.cache = None
         self.draft = None

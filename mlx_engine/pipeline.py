@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from . import worker
 from .cache import common_prefix_length
+from .context import prefill_chunk
 from .errors import CallbackError
 from .model_kit import ModelKit
 from .plan import build_drafter
@@ -103,6 +104,8 @@ def run(kit: ModelKit, req: Request) -> Iterator[GenerationResult]:
     finally:
         if steps is not None:
             steps.close()
+        if kit.prompt_cache is not None:
+            kit.prompt_cache.settle()
         act.end(req.request_id)
 
 
@@ -112,7 +115,10 @@ def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
     plan = kit.plan_prompt(req.prompt, req.images)  # a vision kit expands its images here
     prompt = plan.ids
     stats.prompt_tokens = len(prompt)
-    stats.cached_tokens = kit.cache.sync_to(plan.keys[:-1])
+    entry, hit = kit.prompt_cache.select(plan.keys[:-1])  # the cached sequence sharing the longest prefix
+    stats.cached_tokens = entry.sync_to(plan.keys[:-1])
+    stats.cache_source = hit.source if stats.cached_tokens else "none"
+    stats.cache_entries = len(kit.prompt_cache.entries)
     todo = prompt[stats.cached_tokens : -1]
     decoding = req.plan.for_cache(kit.cache, len(todo))
     t_setup = time.perf_counter()
@@ -157,7 +163,8 @@ def _process_prompt(
         return on_chunk
 
     report(0.0)
-    kit.prefill_prompt(prepared.todo, chunk_done(1.0))
+    hidden = int(kit.config.get("text_config", kit.config).get("hidden_size", 4096) or 4096)
+    kit.prefill_prompt(prepared.todo, chunk_done(1.0), prefill_chunk(kit.vocab_size, hidden))
     if draft_drafter is not None:
         draft_drafter.prefill(prompt, chunk_done(draft_weight))
     report(100.0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .cache import SequenceCache
+from .cache import SequenceCache, common_prefix_length
 from .model_kit import ModelKit
 from .results import GenerationStats
 from .speculative import costs
@@ -116,6 +116,17 @@ def draft_step_cost(kit: ModelKit) -> float:
     return draft.step_cost / kit_costs(kit).step()
 
 
+def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
+    """The kit's other cached conversations, which prompt lookup drafts from
+    when the request's own history has no match. Sequences that hold this whole
+    prompt (earlier answers to it) are left out, so regenerating with a seed
+    samples the same tokens again."""
+    if kit.prompt_cache is None:
+        return []
+    n = len(prompt) - 1
+    return [e.tokens for e in kit.prompt_cache.entries[:-1] if common_prefix_length(e.tokens, prompt) < n]
+
+
 def build_drafter(
     kit: ModelKit, plan: DecodingPlan, prompt: list[int], stats: GenerationStats
 ) -> tuple[Drafter | None, DraftModelDrafter | None]:
@@ -124,7 +135,7 @@ def build_drafter(
     stats.decoding_mode, stats.mode_reason = plan.mode_name, plan.reason
     if plan.kind == "plain":
         return None, None
-    lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams)
+    lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
     if plan.kind == "prompt_lookup":
         return lookup, None
     draft = None

@@ -77,8 +77,23 @@ def validate_request(kit: ModelKit, prompt_tokens, o: SimpleNamespace, request_i
         ngrams=(o.prompt_lookup_min_ngram, o.prompt_lookup_max_ngram, o.prompt_lookup_num_candidates),
         auto=o.auto_speculative,
     )
-    return Request(request_id, prompt, images, o.max_tokens, params, stops, o.prompt_progress_callback,
+    max_tokens = _fit_to_context(kit, prompt, o.max_tokens)
+    return Request(request_id, prompt, images, max_tokens, params, stops, o.prompt_progress_callback,
                    o.stats_callback, plan, None if constraint is None else constraint[1], o.structured_drafting)
+
+
+def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:
+    """With a context fitted to memory (``max_kv_size="auto"``), a prompt must
+    fit it, and generation stops at its end (``token_limit``)."""
+    context = kit.context_length
+    if not kit.cache_options.auto_context or context is None:
+        return max_tokens
+    if len(prompt) >= context:
+        raise ValueError(
+            f"prompt_tokens: {len(prompt)} tokens do not fit this kit's context of {context} tokens "
+            "(max_kv_size='auto' fitted it to memory); shorten the prompt"
+        )
+    return min(max_tokens, context - len(prompt))
 
 
 def validate_request_id(request_id) -> None:

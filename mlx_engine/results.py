@@ -43,6 +43,8 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the kit's cache
+    cache_source: str = "none"  # where they came from: none | memory | branch | disk (docs/api.md)
+    cache_entries: int = 0  # cached sequences the kit holds in memory, this one included
     time_to_first_token: float = 0.0
     prompt_tps: float = 0.0  # over the prompt tokens actually processed (setup_time excluded)
     setup_time: float = 0.0  # one-off cost measurement for draft/auto decoding, within time_to_first_token

@@ -120,7 +120,9 @@ def test_unload_releases_draft_memory(llama_path, models_dir):
     assert loaded - before > 4_000_000
     me.unload_draft_model(kit)
     after = mx.get_active_memory()
-    assert abs(after - before) <= 0.02 * before
+    # Nothing of the draft stays (the main cache may have been re-laid out by the
+    # prompt cache in between, so it is not required to match byte for byte).
+    assert after <= 1.02 * before
 
 
 @pytest.mark.parametrize("when", ["close", "stop"])

@@ -363,3 +363,28 @@ def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadow
     assert "no more switches to lookup" in stats.mode_switches[-1]
     run(60, lambda n: (2, 2))  # the shadow keeps promising, but is not followed again
     assert router.mode == "draft_model"
+
+
+def test_lookup_memory_drafts_from_other_sequences():
+    memory = [[9, 9, 9], [1, 2, 3, 4, 5, 6, 7]]
+    drafter = PromptLookupDrafter(4, memory=memory)
+    assert drafter.propose([20, 21, 3], 4) == [4, 5, 6, 7]  # continues "3" from the other conversation
+    assert drafter.propose([20, 21, 3, 30, 7], 4) == []  # never across the end of a sequence
+    assert PromptLookupDrafter(4).propose([20, 21, 3], 4) == []
+    own = PromptLookupDrafter(4, memory=memory)
+    assert own.propose([3, 8, 8, 3], 4) == [8, 8, 3]  # the request's own history comes first
+
+
+def test_lookup_memory_keeps_output_exact(kit):
+    """A second conversation quoting the first: lookup drafts from the cached
+    first conversation and the output stays plain greedy output."""
+    import mlx_engine as me
+    from conftest import generate_ids
+
+    doc = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n" * 2
+    generate_ids(kit, me.tokenize(kit, "Remember this:\n" + doc), max_tokens=4, temp=0.0)
+    quote = me.tokenize(kit, "Something else. Quote it:\nclass Point:\n")
+    plain, _ = generate_ids(me.load_model(kit.model_path), quote, max_tokens=24, temp=0.0)
+    ids, last = generate_ids(kit, quote, max_tokens=24, temp=0.0, prompt_lookup_num_tokens=8)
+    assert ids == plain
+    assert last.stats.cache_entries == 2 and last.stats.drafted_tokens > 0

@@ -272,7 +272,8 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
     if isinstance(drafts, mx.array):
         drafts = drafts.tolist()
     drafts = constraint.allowed_prefix(list(drafts))
-    masks = constraint.masks(drafts)
     logits = cache.feed([history[-1]] + drafts)
+    mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
+    masks = constraint.masks(drafts)
     rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks)
     return _queue(drafts, len(cache), *rows, forced=bool(forced))

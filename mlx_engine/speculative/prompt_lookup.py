@@ -30,17 +30,19 @@ class NGramIndex:
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self._table[tuple(self.tokens[end - n : end])].append(end)
 
-    def lookup(self, num_tokens: int, num_candidates: int = 4) -> list[int]:
+    def lookup(self, num_tokens: int, num_candidates: int = 4, suffix: list[int] | None = None) -> list[int]:
         """Draft up to ``num_tokens`` tokens continuing the indexed history: the
         continuation of the longest suffix n-gram that occurred before. Among the
         ``num_candidates`` most recent matches, the longest continuation wins
-        (ties go to the most recent)."""
+        (ties go to the most recent). With ``suffix``, continue that sequence's
+        suffix from this index's tokens instead (another text: lookup memory)."""
         toks = self.tokens
         end = len(toks)
-        if num_tokens <= 0 or end == 0:
+        query = toks if suffix is None else suffix
+        if num_tokens <= 0 or end == 0 or not query:
             return []
-        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
-            positions = self._table.get(tuple(toks[end - n :]))
+        for n in range(min(self.max_ngram, len(query)), self.min_ngram - 1, -1):
+            positions = self._table.get(tuple(query[len(query) - n :]))
             if not positions:
                 continue
             best: list[int] = []
@@ -48,7 +50,7 @@ class NGramIndex:
             for pos in reversed(positions):
                 if pos >= end:
                     continue  # the suffix itself
-                cont = toks[pos : pos + num_tokens]
+                cont = _until_separator(toks[pos : pos + num_tokens])
                 if len(cont) > len(best):
                     best = cont
                 seen += 1
@@ -57,6 +59,13 @@ class NGramIndex:
             if best:
                 return best
         return []
+
+
+SEPARATOR = -2  # between the sequences of a lookup memory; never a token id
+
+
+def _until_separator(tokens: list[int]) -> list[int]:
+    return tokens[: tokens.index(SEPARATOR)] if SEPARATOR in tokens else tokens
 
 
 def density_score(tokens: list[int], min_length: int = 256, ngram: int = 3, full_length: int = 768) -> float:
@@ -80,18 +89,38 @@ def density_score(tokens: list[int], min_length: int = 256, ngram: int = 3, full
 
 
 class PromptLookupDrafter:
-    """A drafter that copies continuations of the current suffix from the history."""
+    """A drafter that copies continuations of the current suffix from the
+    history, and, when the history has none, from ``memory``: other token
+    sequences the kit holds (its other cached conversations), at most
+    ``MEMORY_TOKENS`` of the most recent ones."""
 
     name = "prompt_lookup"
+    MEMORY_TOKENS = 16384
 
-    def __init__(self, num_tokens: int, min_ngram: int = 1, max_ngram: int = 3, num_candidates: int = 4):
+    def __init__(self, num_tokens: int, min_ngram: int = 1, max_ngram: int = 3, num_candidates: int = 4,
+                 memory: list[list[int]] | None = None):
         self.num_tokens = num_tokens
         self.num_candidates = num_candidates
         self.index = NGramIndex(min_ngram, max_ngram)
+        self.memory = None
+        if memory:
+            self.memory = NGramIndex(min_ngram, max_ngram)
+            kept, total = [], 0
+            for seq in reversed(memory):  # most recent first, within the budget
+                seq = [t for t in seq if t >= 0][-self.MEMORY_TOKENS :]
+                if seq and total + len(seq) <= self.MEMORY_TOKENS:
+                    kept.append(seq)
+                    total += len(seq)
+            for seq in reversed(kept):
+                self.memory.extend(self.memory.tokens + seq + [SEPARATOR])
 
     def propose(self, history: list[int], limit: int) -> list[int]:
         self.index.extend(history)
-        return self.index.lookup(min(self.num_tokens, limit), self.num_candidates)
+        n = min(self.num_tokens, limit)
+        drafts = self.index.lookup(n, self.num_candidates)
+        if not drafts and self.memory is not None:
+            drafts = self.memory.lookup(n, self.num_candidates, suffix=history[-self.index.max_ngram :])
+        return drafts
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         pass  # a fixed length; the router adapts lookup lengths

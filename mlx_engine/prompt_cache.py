@@ -1,0 +1,206 @@
+"""A kit's prompt cache: several cached sequences, branches, a memory budget
+and an optional disk tier.
+
+Each entry is a ``SequenceCache`` (KV layers plus the exact tokens they hold).
+A request uses the entry sharing the longest prefix with its prompt:
+
+- when the prompt extends the entry (the next turn of that chat), the entry is
+  used in place;
+- when it diverges inside the entry (regenerate, an edited message, another
+  chat with the same system prompt), a **branch** is made: a new entry holding
+  the shared prefix, whose KV arrays are slices of the original's (MLX arrays
+  are immutable, so the two share storage until one grows), and the original
+  stays intact: every earlier point of a conversation is a checkpoint;
+- caches that cannot be sliced (rotating windows that have wrapped, quantized
+  or recurrent layers) are trimmed in place, as a single-sequence cache would.
+
+Entries are evicted least recently used first once their KV bytes pass the
+budget; with a disk directory, evicted entries are written there (disk.py) and
+read back on a prefix hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .cache import UNKNOWN, SequenceCache, common_prefix_length
+from .disk_cache import DiskCache
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_ENTRIES = 16
+DEFAULT_DISK_BYTES = 8 * 2**30
+
+
+def default_memory_budget() -> int:
+    """An eighth of physical memory, at most 4 GiB."""
+    from .loading import physical_memory
+
+    return min(4 * 2**30, physical_memory() // 8)
+
+
+@dataclass(frozen=True)
+class PromptCacheOptions:
+    """``load_model``'s prompt-cache arguments, checked: ``memory_bytes`` bounds
+    the KV bytes of all cached sequences (None: ``default_memory_budget()``);
+    ``directory`` turns on the disk tier, ``disk_bytes`` bounds it."""
+
+    memory_bytes: int | None = None
+    directory: str | None = None
+    disk_bytes: int = DEFAULT_DISK_BYTES
+
+    @classmethod
+    def validate(cls, memory_bytes=None, directory=None, disk_bytes=None) -> PromptCacheOptions:
+        for name, value in (("prompt_cache_bytes", memory_bytes), ("prompt_cache_disk_bytes", disk_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer (bytes) or None, got {value!r}")
+        if directory is not None and (not isinstance(directory, (str, os.PathLike)) or not str(directory).strip()):
+            raise ValueError(f"prompt_cache_dir must be a directory path or None, got {directory!r}")
+        return cls(memory_bytes, None if directory is None else str(directory),
+                   DEFAULT_DISK_BYTES if disk_bytes is None else disk_bytes)
+
+
+class CacheHit(NamedTuple):
+    """Where a request's cached prefix came from, for the stats."""
+
+    tokens: int  # prompt tokens reused
+    source: str  # "none", "memory", "branch" or "disk"
+
+
+def cache_bytes(cache: SequenceCache) -> int:
+    """KV bytes held by ``cache`` (arrays as sliced: shared storage counts for each holder)."""
+    total = 0
+    for layer in cache.layers:
+        state = layer.state if not isinstance(layer, KVCache) else _kv_views(layer)
+        for a in _arrays(state):
+            total += a.nbytes
+    return total
+
+
+def _kv_views(layer: KVCache) -> tuple:
+    if layer.keys is None:
+        return ()
+    return layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+
+
+def _arrays(state) -> list[mx.array]:
+    if isinstance(state, mx.array):
+        return [state]
+    if isinstance(state, (list, tuple)):
+        return [a for s in state for a in _arrays(s)]
+    return []
+
+
+def can_branch(cache: SequenceCache) -> bool:
+    """Whether a prefix of ``cache`` can be copied out by slicing (plain KV layers)."""
+    return bool(cache.layers) and all(type(c) is KVCache for c in cache.layers)
+
+
+def branch(cache: SequenceCache, n: int, make: Callable[[], SequenceCache]) -> SequenceCache:
+    """A new entry holding the first ``n`` tokens of ``cache``; the KV arrays are
+    slices of the original's, so nothing is copied until either one grows."""
+    out = make()
+    for src, dst in zip(cache.layers, out.layers):
+        if src.keys is not None and n:
+            dst.keys, dst.values = src.keys[..., :n, :], src.values[..., :n, :]
+            dst.offset = n
+    out.tokens = list(cache.tokens[:n])
+    return out
+
+
+def _known_length(tokens: list[int]) -> int:
+    """Length without trailing UNKNOWN positions (a round abandoned mid-flight)."""
+    n = len(tokens)
+    while n and tokens[n - 1] == UNKNOWN:
+        n -= 1
+    return n
+
+
+def _is_prefix(tokens: list[int], of: list[int]) -> bool:
+    n = _known_length(tokens)
+    return n <= len(of) and tokens[:n] == of[:n]
+
+
+class PromptCache:
+    """The kit's cached sequences (one of them ``active``: the kit's ``cache``)."""
+
+    def __init__(self, make: Callable[[], SequenceCache], budget_bytes: int, disk: DiskCache | None = None,
+                 max_entries: int = DEFAULT_MAX_ENTRIES):
+        self.make = make
+        self.budget_bytes = budget_bytes
+        self.max_entries = max_entries
+        self.disk = disk
+        self.entries: list[SequenceCache] = [make()]  # least recently used first
+
+    @property
+    def active(self) -> SequenceCache:
+        return self.entries[-1]
+
+    def select(self, keys: list[int]) -> tuple[SequenceCache, CacheHit]:
+        """The entry for a prompt whose cache keys (all but the last position)
+        are ``keys``, made the most recently used; evicts past the budget."""
+        best = max(reversed(self.entries), key=lambda e: common_prefix_length(e.tokens, keys))
+        shared = common_prefix_length(best.tokens, keys)
+        entry, source = self._entry_for(best, shared, keys)
+        if entry in self.entries:
+            self.entries.remove(entry)
+        self.entries.append(entry)
+        self._evict()
+        return entry, CacheHit(common_prefix_length(entry.tokens, keys), source if shared or source == "disk" else "none")
+
+    def _entry_for(self, best: SequenceCache, shared: int, keys: list[int]) -> tuple[SequenceCache, str]:
+        if self.disk is not None:
+            loaded = self.disk.load_longest(keys, shared, self.make)
+            if loaded is not None:
+                return loaded, "disk"
+        if shared == _known_length(best.tokens):
+            return best, "memory"  # the prompt extends this entry
+        if shared and can_branch(best):
+            return branch(best, shared, self.make), "branch"
+        if not shared and best.tokens:
+            return self.make(), "none"  # a new sequence: keep the others
+        return best, "memory"  # trimmed in place (sync_to) where slicing is not possible
+
+    def settle(self) -> None:
+        """After a request: drop entries the active one now covers (their tokens
+        are a prefix of its own, e.g. the answer it replaced was regenerated
+        identically), then keep to the budget."""
+        active = self.active
+        known = active.tokens[: _known_length(active.tokens)]
+        self.entries = [e for e in self.entries[:-1] if not _is_prefix(e.tokens, known)] + [active]
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used entries past the entry count or the byte
+        budget (never the active one), writing them to disk when there is one."""
+        while len(self.entries) > 1 and (
+            len(self.entries) > self.max_entries or self.memory_bytes() > self.budget_bytes
+        ):
+            old = self.entries.pop(0)
+            if self.disk is not None and old.tokens:
+                self.disk.save(old)
+            logger.info("prompt cache: evicted a %d-token entry", len(old.tokens))
+
+    def memory_bytes(self) -> int:
+        return sum(cache_bytes(e) for e in self.entries)
+
+    def replace_all(self, cache: SequenceCache) -> None:
+        """Make ``cache`` the only entry (a kit whose model or cache was swapped)."""
+        self.entries = [cache]
+
+    def clear(self) -> None:
+        """Forget every cached sequence (the disk tier is kept)."""
+        self.entries = [self.make()]
+
+    def flush(self) -> None:
+        """Write every entry to the disk tier (at unload, for persistence)."""
+        if self.disk is not None:
+            for e in self.entries:
+                if e.tokens:
+                    self.disk.save(e)
