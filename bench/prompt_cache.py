@@ -114,22 +114,26 @@ def soak(n_requests: int = 200, n_chats: int = 20, budget: int = 64 * 2**20) -> 
 
 
 def lookup_memory(kit, reps: int) -> str:
-    doc = document(3, 3000)
-    quote = "Copy the first function of the document we discussed, exactly, in a code block."
+    """The same question in a new chat (another system prompt, so no shared
+    prefix): prompt lookup can draft the answer from the first chat."""
+    question = "Write a Python function that checks whether a string is a palindrome, with a docstring."
+    first = me.apply_chat_template(kit, [{"role": "system", "content": "You are a helpful assistant."},
+                                         {"role": "user", "content": question}])
+    second = me.apply_chat_template(kit, [{"role": "system", "content": "You are a Python expert."},
+                                          {"role": "user", "content": question}])
     ratios = []
     for _ in range(reps):
         kit.prompt_cache.clear()
-        ttft(kit, chat(kit, doc + QUESTION))
-        second = chat(kit, quote)
-        _, ids_mem, s_mem = ttft(kit, second, max_tokens=96, prompt_lookup_num_tokens=8)
-        keep = kit.prompt_cache.entries
-        kit.prompt_cache.entries = [keep[-1]]  # the same request without the other conversation
-        _, ids_own, s_own = ttft(kit, second, max_tokens=96, prompt_lookup_num_tokens=8)
+        ttft(kit, first, max_tokens=160)
+        _, ids_mem, s_mem = ttft(kit, second, max_tokens=160, prompt_lookup_num_tokens=8)
+        kit.prompt_cache.entries = [kit.prompt_cache.entries[-1]]  # the same request without the first chat
+        kit.prompt_cache.active.reset()
+        _, ids_own, s_own = ttft(kit, second, max_tokens=160, prompt_lookup_num_tokens=8)
         assert ids_mem == ids_own, "lookup memory changed greedy output"
         ratios.append(s_mem.generation_tps / s_own.generation_tps)
-    return (f"second chat quoting the first, prompt lookup: {statistics.median(ratios):.2f}x generation tok/s with "
-            f"lookup memory (median of {reps}; drafted {s_mem.drafted_tokens} vs {s_own.drafted_tokens} tokens, "
-            "same output)")
+    return (f"the same question in a second chat, prompt lookup: {statistics.median(ratios):.2f}x generation tok/s "
+            f"with lookup memory (median of {reps}; accepted {s_mem.accepted_tokens}/{s_mem.drafted_tokens} drafts "
+            f"against {s_own.accepted_tokens}/{s_own.drafted_tokens} without; same output)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -368,11 +368,12 @@ def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadow
 def test_lookup_memory_drafts_from_other_sequences():
     memory = [[9, 9, 9], [1, 2, 3, 4, 5, 6, 7]]
     drafter = PromptLookupDrafter(4, memory=memory)
-    assert drafter.propose([20, 21, 3], 4) == [4, 5, 6, 7]  # continues "3" from the other conversation
-    assert drafter.propose([20, 21, 3, 30, 7], 4) == []  # never across the end of a sequence
-    assert PromptLookupDrafter(4).propose([20, 21, 3], 4) == []
+    assert drafter.propose([20, 1, 2, 3], 4) == [4, 5, 6, 7]  # continues "1 2 3" from the other conversation
+    assert PromptLookupDrafter(4, memory=memory).propose([20, 21, 3], 4) == []  # one shared token is not enough
+    assert PromptLookupDrafter(4, memory=memory).propose([5, 6, 7], 4) == []  # never across the end of a sequence
+    assert PromptLookupDrafter(4).propose([20, 1, 2, 3], 4) == []
     own = PromptLookupDrafter(4, memory=memory)
-    assert own.propose([3, 8, 8, 3], 4) == [8, 8, 3]  # the request's own history comes first
+    assert own.propose([1, 2, 3, 8, 8, 1, 2, 3], 4) == [8, 8, 1, 2]  # the request's own history comes first
 
 
 def test_lookup_memory_keeps_output_exact(kit):
@@ -381,10 +382,11 @@ def test_lookup_memory_keeps_output_exact(kit):
     import mlx_engine as me
     from conftest import generate_ids
 
-    doc = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n" * 2
-    generate_ids(kit, me.tokenize(kit, "Remember this:\n" + doc), max_tokens=4, temp=0.0)
-    quote = me.tokenize(kit, "Something else. Quote it:\nclass Point:\n")
-    plain, _ = generate_ids(me.load_model(kit.model_path), quote, max_tokens=24, temp=0.0)
-    ids, last = generate_ids(kit, quote, max_tokens=24, temp=0.0, prompt_lookup_num_tokens=8)
+    question = me.tokenize(kit, "def add(a, b):\n")
+    plain, _ = generate_ids(me.load_model(kit.model_path), me.tokenize(kit, "# two\n") + question, max_tokens=24,
+                            temp=0.0)
+    generate_ids(kit, me.tokenize(kit, "# one\n") + question, max_tokens=24, temp=0.0)  # the first chat
+    ids, last = generate_ids(kit, me.tokenize(kit, "# two\n") + question, max_tokens=24, temp=0.0,
+                             prompt_lookup_num_tokens=8)
     assert ids == plain
-    assert last.stats.cache_entries == 2 and last.stats.drafted_tokens > 0
+    assert last.stats.cache_entries == 2 and last.stats.accepted_tokens > 0

@@ -96,6 +96,9 @@ class PromptLookupDrafter:
 
     name = "prompt_lookup"
     MEMORY_TOKENS = 16384
+    # A match in another conversation needs more context than one in the
+    # request's own history: a one- or two-token match there drafts noise.
+    MEMORY_MIN_NGRAM = 3
 
     def __init__(self, num_tokens: int, min_ngram: int = 1, max_ngram: int = 3, num_candidates: int = 4,
                  memory: list[list[int]] | None = None):
@@ -104,7 +107,7 @@ class PromptLookupDrafter:
         self.index = NGramIndex(min_ngram, max_ngram)
         self.memory = None
         if memory:
-            self.memory = NGramIndex(min_ngram, max_ngram)
+            self.memory = NGramIndex(max(min_ngram, self.MEMORY_MIN_NGRAM), max(max_ngram, self.MEMORY_MIN_NGRAM))
             kept, total = [], 0
             for seq in reversed(memory):  # most recent first, within the budget
                 seq = [t for t in seq if t >= 0][-self.MEMORY_TOKENS :]
