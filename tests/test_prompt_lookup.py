@@ -391,3 +391,13 @@ def test_lookup_memory_keeps_output_exact(kit):
                              prompt_lookup_num_tokens=8)
     assert ids == plain
     assert last.stats.cache_entries == 2 and last.stats.accepted_tokens > 0
+
+
+def test_router_shadow_drafts_use_lookup_memory():
+    """A short prompt starts the router in plain decoding; its shadow drafts come
+    from lookup memory too, so a conversation cached elsewhere can move it to lookup."""
+    memory = [[50, 51, 52, 53, 54, 55, 56, 57, 58]]
+    router = AutoRouter([50, 51], flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8, memory=memory))
+    assert router.mode == "plain"
+    assert router.propose([50, 51, 52], 8) == []  # plain rounds draft nothing themselves
+    assert router._shadows == [(3, [53, 54, 55, 56, 57, 58])]

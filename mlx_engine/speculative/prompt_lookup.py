@@ -118,8 +118,12 @@ class PromptLookupDrafter:
                 self.memory.extend(self.memory.tokens + seq + [SEPARATOR])
 
     def propose(self, history: list[int], limit: int) -> list[int]:
+        return self.peek(history, min(self.num_tokens, limit))
+
+    def peek(self, history: list[int], n: int) -> list[int]:
+        """Up to ``n`` tokens lookup would draft after ``history`` (the router's
+        shadow drafts use this with its own length)."""
         self.index.extend(history)
-        n = min(self.num_tokens, limit)
         drafts = self.index.lookup(n, self.num_candidates)
         if not drafts and self.memory is not None:
             drafts = self.memory.lookup(n, self.num_candidates, suffix=history[-self.index.max_ngram :])

@@ -164,7 +164,10 @@ class AutoRouter:
             else:
                 open_.append((pos, drafts))
         self._shadows = open_
-        if drafts := self.lookup.index.lookup(self.max_lookup, self.lookup.num_candidates):
+        # What lookup would draft now, lookup memory included (the kit's other
+        # conversations), so a short prompt whose answer was cached elsewhere
+        # can still move the router to lookup.
+        if drafts := self.lookup.peek(history, self.max_lookup):
             self._shadows.append((len(history), drafts))
 
     def _consider_lookup(self) -> None:
