@@ -24,7 +24,7 @@ import tempfile  # noqa: E402
 import textwrap  # noqa: E402
 import time  # noqa: E402
 
-from .stats import bench_args  # noqa: E402
+from .stats import bench_args, write_report  # noqa: E402
 
 QUESTION = "\n\nWhat does the function above do? Answer in one sentence."
 
@@ -144,11 +144,7 @@ def main(argv: list[str] | None = None) -> int:
              "|---:|---:|---:|---:|---:|---:|", *switching(kit, args.reps), "",
              "| prompt tokens | after restart, disk tier (s) | cold (s) | disk / cold |", "|---:|---:|---:|---:|",
              *disk(args.reps), "", "- " + soak(), "- " + lookup_memory(kit, args.reps)]
-    text = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prompt_cache.md").write_text(text)
-    print(text)
-    return 0
+    return write_report(lines, args.out, "prompt_cache.md")
 
 
 if __name__ == "__main__":

@@ -68,3 +68,12 @@ def bench_args(prog: str, description: str, reps: int, max_tokens: int, argv: li
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)
+
+
+def write_report(lines: list[str], out_dir, name: str) -> int:
+    """Write a focused benchmark's markdown to ``out_dir/name``, print it, return 0."""
+    text = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / name).write_text(text)
+    print(text)
+    return 0

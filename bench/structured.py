@@ -21,7 +21,7 @@ import logging  # noqa: E402
 
 from . import systems as S  # noqa: E402
 from .run import Plan, _median, measure  # noqa: E402
-from .stats import bench_args, format_paired, paired_ratio  # noqa: E402
+from .stats import bench_args, write_report, format_paired, paired_ratio  # noqa: E402
 from .workloads import Workload  # noqa: E402
 
 BOOK = {
@@ -92,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         kit = me.load_model(path)
         lines += bench_model(name, kit, args.reps, args.max_tokens)
         me.unload(kit)
-    text = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "structured.md").write_text(text)
-    print(text)
-    return 0
+    return write_report(lines, args.out, "structured.md")
 
 
 if __name__ == "__main__":
