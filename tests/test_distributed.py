@@ -75,17 +75,25 @@ def wait_for(path: Path, timeout: float = 60.0) -> None:
 
 
 # -- exactness ----------------------------------------------------------------
-def test_two_ranks_match_one_rank_in_every_mode(tmp_path, llama_path, draft_path):
+@pytest.fixture(scope="module")
+def ministral3_path(models_dir, llama_path):
+    """A model mlx-lm shards by pipeline (model.model.pipeline), sharing the llama fixture's tokenizer."""
+    return make_model(models_dir / "ministral3", "ministral3", hidden=64, layers=3, scale=3.0, seed=6, tokenizer_from=llama_path)
+
+
+@pytest.mark.parametrize("arch, parallelism", [("llama", "tensor"), ("ministral3", "pipeline")])
+def test_two_ranks_match_one_rank_in_every_mode(tmp_path, request, draft_path, arch, parallelism):
+    model = request.getfixturevalue(f"{arch}_path")
     out = tmp_path / "modes.json"
-    run = launch(tmp_path, str(llama_path), "--draft", str(draft_path), "--out", str(out))
+    run = launch(tmp_path, str(model), "--draft", str(draft_path), "--out", str(out), "--parallelism", parallelism)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
     assert "crash" not in result, result.get("crash")
-    assert result["shard"] == {"size": 2, "parallelism": "tensor"}
+    assert result["shard"] == {"size": 2, "parallelism": parallelism}
     follower = json.loads(Path(f"{out}.rank1").read_text())
     assert follower["reason"] == "stopped"
 
-    kit = me.load_model(llama_path)
+    kit = me.load_model(model)
     from sharded_job import ECHO
 
     prompt, echo = me.tokenize(kit, ECHO), me.tokenize(kit, ECHO * 8)
@@ -230,3 +238,17 @@ def test_break_ring_sockets_touches_only_hostfile_addresses(tmp_path, monkeypatc
     assert other_peer.recv(1) == b"x"  # untouched
     for s in (ring, other, ring_client, other_client, ring_peer, other_peer):
         s.close()
+
+
+def test_demo_runs_under_mlx_launch(tmp_path, llama_path):
+    """demo.py under mlx.launch: rank 0 answers and prints the stats, rank 1 serves and exits cleanly."""
+    demo = Path(__file__).resolve().parents[1] / "demo.py"
+    port = free_ports(1)[0]
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--python", sys.executable, str(demo),
+           "--model", str(llama_path), "--no-chat-template", "--prompt", "def add(a, b):", "--max-tokens", "8",
+           "--prompt-lookup-num-tokens", "4"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("Generation stats") == 1  # only rank 0 prints
+    assert "Decoding: prompt_lookup" in run.stdout
+    assert "exited with code" not in run.stderr  # mlx.launch reports a rank that failed

@@ -59,6 +59,10 @@ def make_tokenizer(out: Path, vocab_size: int = 400, extra_text: str = "") -> in
 ARCHS = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+    # Pipeline-parallel in mlx-lm (model.model.pipeline), for tests/test_distributed.py.
+    "ministral3": dict(model_type="ministral3", architectures=["Ministral3ForCausalLM"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                                        "original_max_position_embeddings": 4096}),
 }
 
 

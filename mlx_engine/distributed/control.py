@@ -245,3 +245,4 @@ def _address(get) -> tuple[str, int] | None:
     except OSError:
         return None
     return (addr[0], addr[1]) if isinstance(addr, tuple) and len(addr) >= 2 else None
+

@@ -6,7 +6,7 @@ int32 header (which cache, its length before the pass, the input shape, how to
 build the cache if it is new, and up to ``INLINE`` input ids) and ``all_sum``s it
 over the group, the followers contributing zeros; longer inputs follow in a
 second ``all_sum``. The model then runs on the ids *as received*, so the header
-collectives always run before the pass's own ones, and ids that are still lazy on
+collectives always run before the pass's own ones (they are queued first), and ids that are still lazy on
 rank 0 (a draft, the token sampled one step ahead) travel without a host sync.
 
 Followers (``serve``) wait on the header, trim their copy of that cache to the
@@ -83,6 +83,9 @@ class MirroredModel(nn.Module):
         ids = inputs.reshape(-1).astype(mx.int32)
         fields = [OP_FORWARD, cache_id, offset, batch, length, rot_size, rot_keep]
         received = self._announce(fields, ids)
+        # Queued before the pass is built: a pipeline stage's recv does not depend
+        # on the ids, and MLX could otherwise order it before the announcement.
+        mx.async_eval(received)
         logits = self.model(received.reshape(batch, length).astype(mx.uint32), cache=cache)
         mx.async_eval(logits)  # the whole pass runs on every rank, whatever the caller evaluates
         self.counter.passes += 1
