@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import inspect
 import logging
 import secrets
 import threading
@@ -83,9 +84,12 @@ class ShardWorker(worker.MLXWorker):
 
     def submit(self, fn: Callable, *args, **kwargs) -> worker._Task:
         if self.health.failure is not None:
-            if self.release is not None and fn == self.release:
+            if (self.release is not None and fn == self.release) or _closes_generator(fn):
+                # Unloading a dead kit or closing its generators touches no rank: run it here.
                 task = worker._Task(fn, args, kwargs)
                 task.run()
+                if task.error is not None and _closes_generator(fn):
+                    task.error = None  # a generator still running on a blocked thread stays as it is
                 return task
             raise self.health.error()
         task = super().submit(self._guarded, fn, args, kwargs)
@@ -115,6 +119,10 @@ class ShardWorker(worker.MLXWorker):
         task.done.wait(timeout)
 
 
+def _closes_generator(fn: Callable) -> bool:
+    return getattr(fn, "__name__", "") == "close" and inspect.isgenerator(getattr(fn, "__self__", None))
+
+
 def _on_failure(health: _Health, thread: ShardWorker, reason: str, control) -> None:
     """A rank failed: record it, release collectives blocked on it, and give the
     host its error within ABORT_GRACE seconds whatever MLX does."""
@@ -136,10 +144,11 @@ class ShardedModelKit(ModelKit):
 
     shard: ShardInfo
 
-    def _attach(self, model: MirroredModel, info: ShardInfo, compute_dtype, health: _Health, control: ControlServer) -> None:
+    def _attach(self, model: MirroredModel, info: ShardInfo, num_params: int, compute_dtype, health: _Health,
+                control: ControlServer) -> None:
         self.vocab_only = False
         self.model = model
-        self.num_params = param_count(model.model) * (info.size if info.parallelism == "tensor" else 1)
+        self.num_params = num_params  # of the whole model, as for a ModelKit
         self.compute_dtype = compute_dtype
         self.cache = self.new_cache(model)
         self.shard = info
@@ -230,7 +239,10 @@ def load_sharded_model(
     options = dict(max_kv_size=max_kv_size, trust_remote_code=trust_remote_code, seed=seed, compute_dtype=compute_dtype,
                    parallelism=parallelism, verify_weights=verify_weights, heartbeat_timeout=float(heartbeat_timeout),
                    connect_timeout=float(connect_timeout), control_host=control_host)
-    result = thread.call(_load, model_path, health, thread, **options)
+    try:
+        result = thread.call(_load, model_path, health, thread, **options)
+    except ShardedKitError as exc:  # a rank died during the load (MLX: connection lost)
+        raise DistributedConfigError(f"a rank failed while the model was loading: {exc.__cause__ or exc}") from exc
     if isinstance(result, ShardedModelKit):
         result._worker = thread
         thread.release = result.unload
@@ -246,14 +258,14 @@ def _load(model_path, health: _Health, thread: ShardWorker, **opts) -> ShardedMo
             "rank with mlx.launch (e.g. mlx.launch -n 2 --backend ring script.py) or use load_model for one process"
         )
     path, config = _check_files(model_path, group, opts)
-    model, info, dtype = _load_shard(path, config, group, opts)
+    model, info, dtype, num_params = _load_shard(path, config, group, opts)
     if opts["seed"] is not None:
         mx.random.seed(opts["seed"])
     if info.rank == 0:
         control = _serve_control(group, opts)
         kit = ShardedModelKit(path, vocab_only=True, max_kv_size=opts["max_kv_size"], trust_remote_code=opts["trust_remote_code"])
         mirrored = MirroredModel(model, group)
-        kit._attach(mirrored, ShardInfo(0, group.size(), info.parallelism, mirrored.counter), dtype, health, control)
+        kit._attach(mirrored, ShardInfo(0, group.size(), info.parallelism, mirrored.counter), num_params, dtype, health, control)
         thread.on_ring_error = lambda reason: _on_failure(health, thread, reason, control)
         control.watch(lambda reason: _on_failure(health, thread, reason, control))
         logger.info("sharded kit: %s over %d ranks (%s-parallel)", path, group.size(), info.parallelism)
@@ -278,24 +290,26 @@ def _check_files(model_path, group, opts) -> tuple[Path, dict]:
         settings = {k: opts[k] for k in ("trust_remote_code", "compute_dtype", "parallelism")}
         digest = sharding.fingerprint(path, full=opts["verify_weights"] == "full") + sharding.settings_digest(settings)
         digest = hashlib.sha256(digest).digest()
-    except (ValueError, OSError) as exc:
-        error = str(exc)
+    except Exception as exc:
+        error = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
     sharding.agree(group, "the model files, load settings or mlx / mlx-lm versions", error, digest)
     return path, config
 
 
-def _load_shard(path: Path, config: dict, group, opts) -> tuple[Any, ShardInfo, Any]:
-    """Load, cast and shard the model, then run one token through it on every rank."""
-    error, model, parallelism, dtype = None, None, "", None
+def _load_shard(path: Path, config: dict, group, opts) -> tuple[Any, ShardInfo, Any, int]:
+    """Load, cast and shard the model, then run one token through it on every rank.
+    A local failure of any kind is reported through ``agree`` (never raised alone)."""
+    error, model, parallelism, dtype, num_params = None, None, "", None, 0
     try:
         model, config = sharding.load_lazily(path, opts["trust_remote_code"])
+        num_params = param_count(model)  # shapes only: nothing is read yet
         parallelism = sharding.choose_parallelism(model, config, group.size(), opts["parallelism"])
         dtype = loading.choose_compute_dtype(model, opts["compute_dtype"])
         sharding.cast_lazily(model, dtype)
         sharding.shard(model, group, parallelism)
         materialize(model)
-    except (ValueError, OSError) as exc:
-        error = str(exc)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
     sharding.agree(group, "loading the model shards", error, f"{parallelism}/{dtype}".encode())
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -304,10 +318,12 @@ def _load_shard(path: Path, config: dict, group, opts) -> tuple[Any, ShardInfo, 
         logits = model(mx.array([[0]], dtype=mx.uint32), cache=make_prompt_cache(model))
         if not bool(mx.all(mx.isfinite(logits)).item()):
             error = "the sharded model computes NaN or infinite logits"
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:
+        if "[ring]" in str(exc):
+            raise DistributedConfigError(f"a rank failed while loading: {exc}") from exc
         error = f"the sharded model cannot run: {type(exc).__name__}: {exc}"
     sharding.agree(group, "running one token through the sharded model", error)
-    return model, ShardInfo(group.rank(), group.size(), parallelism, PassCounter()), dtype
+    return model, ShardInfo(group.rank(), group.size(), parallelism, PassCounter()), dtype, num_params
 
 
 def _serve_control(group, opts) -> ControlServer:
