@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_engine as me  # noqa: E402
 
+REGEX = r"(x|y)\.self = [0-9]{2,4}, and so on"
 ECHO = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 
 
@@ -44,6 +45,8 @@ def run_modes(kit, draft: str | None) -> dict:
         "plain_again": generate(kit, prompt, max_tokens=24, temp=0.0),  # the prompt cache is reused
         "lookup": generate(kit, echo, max_tokens=32, temp=0.0, prompt_lookup_num_tokens=6),
         "auto_lookup": generate(kit, echo, max_tokens=32, temp=0.0, auto_speculative=True),
+        # Structured output: masks on rank 0, forced spans drafted and verified by the sharded target.
+        "regex": generate(kit, prompt, max_tokens=24, temp=0.0, regex=REGEX),
     }
     if draft:
         me.load_draft_model(kit, draft)

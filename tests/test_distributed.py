@@ -94,10 +94,13 @@ def test_two_ranks_match_one_rank_in_every_mode(tmp_path, request, draft_path, a
     assert follower["reason"] == "stopped"
 
     kit = me.load_model(model)
-    from sharded_job import ECHO
+    from sharded_job import ECHO, REGEX
 
     prompt, echo = me.tokenize(kit, ECHO), me.tokenize(kit, ECHO * 8)
     plain = generate_ids(kit, prompt, max_tokens=24, temp=0.0)[0]
+    constrained, final = generate_ids(kit, prompt, max_tokens=24, temp=0.0, regex=REGEX)
+    assert result["regex"]["stop"] == final.stop_condition.stop_reason == "grammar_complete"
+    assert_same_or_near_tie(kit, prompt, constrained, result["regex"]["ids"])
     plain_echo = generate_ids(kit, echo, max_tokens=32, temp=0.0)[0]
     for mode in ("plain", "plain_again", "draft", "draft_adaptive"):
         assert_same_or_near_tie(kit, prompt, plain, result[mode]["ids"])
