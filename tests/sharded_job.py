@@ -48,6 +48,9 @@ def run_modes(kit, draft: str | None) -> dict:
         # Structured output: masks on rank 0, forced spans drafted and verified by the sharded target.
         "regex": generate(kit, prompt, max_tokens=24, temp=0.0, regex=REGEX),
     }
+    for _ in range(3):  # as after a failed request: each reset is a new cache, the old one freed
+        kit.cache.reset()
+        out["after_reset"] = generate(kit, prompt, max_tokens=4, temp=0.0)
     if draft:
         me.load_draft_model(kit, draft)
         out["draft"] = generate(kit, prompt, max_tokens=24, temp=0.0, num_draft_tokens=3)
@@ -98,7 +101,7 @@ def main() -> int:
         return 2
     if isinstance(kit, me.Follower):
         ended = kit.serve()
-        Path(f"{out}.rank{kit.shard.rank}").write_text(json.dumps({"reason": ended.reason, "passes": ended.passes, "detail": ended.detail}))
+        Path(f"{out}.rank{kit.shard.rank}").write_text(json.dumps({"reason": ended.reason, "passes": ended.passes, "detail": ended.detail, "caches": ended.caches}))
         return 0
     try:
         result = run_modes(kit, args.draft) if args.scenario == "modes" else run_wait(kit, out)

@@ -102,6 +102,7 @@ def test_two_ranks_match_one_rank_in_every_mode(tmp_path, request, draft_path, a
     assert result["regex"]["stop"] == final.stop_condition.stop_reason == "grammar_complete"
     assert_same_or_near_tie(kit, prompt, constrained, result["regex"]["ids"])
     plain_echo = generate_ids(kit, echo, max_tokens=32, temp=0.0)[0]
+    assert result["after_reset"]["ids"] == result["plain"]["ids"][:4]
     for mode in ("plain", "plain_again", "draft", "draft_adaptive"):
         assert_same_or_near_tie(kit, prompt, plain, result[mode]["ids"])
     for mode in ("lookup", "auto_lookup", "auto_draft"):
@@ -113,6 +114,9 @@ def test_two_ranks_match_one_rank_in_every_mode(tmp_path, request, draft_path, a
     assert result["draft"]["mode"] == "draft_model" and result["draft"]["drafted"] > 0
     assert result["auto_draft"]["mode"].startswith("auto:")
     assert follower["passes"] == result["passes_total"] > 0  # the follower mirrored every pass
+    # ... and freed the caches rank 0 freed (resets, cost-measurement scratch caches): at most
+    # the kit's cache and one freed since the last message remain.
+    assert follower["caches"] <= 2
 
 
 # -- faults ---------------------------------------------------------------------
@@ -153,6 +157,15 @@ def test_stopped_rank_makes_rank0_raise(tmp_path, llama_path):
     assert "hung or stopped" in result["error"]
     assert result["seconds_after_kill"] < 30
     assert not result["usable"]
+
+
+def test_killed_rank0_releases_the_follower(tmp_path, llama_path):
+    out, procs = _fault_job(tmp_path, llama_path, heartbeat=10.0)
+    procs[0].send_signal(signal.SIGKILL)
+    wait_all(procs, timeout=60)
+    follower = json.loads(Path(f"{out}.rank1").read_text())
+    assert follower["reason"] == "failed" and follower["passes"] > 0
+    assert "connection to a peer was lost" in follower["detail"] or "rank 0 closed" in follower["detail"]
 
 
 # -- configuration ----------------------------------------------------------------

@@ -191,7 +191,7 @@ class Follower:
         try:
             result = self._thread.call(self._loop.run)
         except (RuntimeError, ShardedKitError) as exc:
-            result = FollowerExit("failed", self._loop.passes, str(exc))
+            result = FollowerExit("failed", self._loop.passes, str(exc), len(self._loop.caches))
         self._stopped = True
         self._control.close()
         logger.info("follower rank %d: %s after %d passes %s", self.shard.rank, result.reason, result.passes, result.detail)

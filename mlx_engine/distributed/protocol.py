@@ -172,11 +172,13 @@ def _build_cache(model: nn.Module, rot_size: int, rot_keep: int) -> list:
 @dataclass(frozen=True)
 class FollowerExit:
     """How a follower's ``serve`` ended: ``reason`` is ``"stopped"`` (rank 0
-    released it) or ``"failed"``, with ``detail`` saying why."""
+    released it) or ``"failed"``, with ``detail`` saying why; ``passes`` mirrored,
+    and ``caches``: cache copies still held (those rank 0 had not freed)."""
 
     reason: str
     passes: int
     detail: str = ""
+    caches: int = 0
 
 
 class FollowerLoop:
@@ -200,7 +202,7 @@ class FollowerLoop:
                 raise ShardedKitError(f"follower out of step: message {seq} arrived, {self.seq} expected")
             if op == OP_STOP:
                 self.stopped = True
-                return FollowerExit("stopped", self.passes)
+                return FollowerExit("stopped", self.passes, caches=len(self.caches))
             if op == OP_DROP:
                 for dropped in values[FIELDS:]:
                     self.caches.pop(dropped, None)
