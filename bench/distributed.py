@@ -75,6 +75,8 @@ def measure(kit, reps: int, max_tokens: int) -> dict:
             runs.sort(key=lambda r: r["tps"])
             out[f"{name}/{mode}"] = dict(runs[len(runs) // 2], mirrored_passes=mirrored)
             print(f"  {name}/{mode}: {out[f'{name}/{mode}']}", file=sys.stderr, flush=True)
+    cm = kit.cost_model  # measured by the first draft or auto request, through the sharded model
+    out["costs"] = {"step_ms": cm.step() * 1e3, "relative": {str(n): cm.relative(n) for n in (2, 5, 9, 17)}}
     return out
 
 
@@ -107,7 +109,7 @@ def render(one: dict, two: dict, reps: int, max_tokens: int, load: str) -> str:
         "| workload / mode | 1 rank tok/s | 2 ranks tok/s | 2 / 1 | tokens per pass (1 rank / 2 ranks) | speed-up over own plain (1 rank / 2 ranks) |",
         "|---|---|---|---|---|---|",
     ]
-    for key in one:
+    for key in (k for k in one if k != "costs"):
         name = key.split("/")[0]
         a, b = one[key], two[key]
         pa, pb = one[f"{name}/plain"]["tps"], two[f"{name}/plain"]["tps"]
@@ -115,6 +117,13 @@ def render(one: dict, two: dict, reps: int, max_tokens: int, load: str) -> str:
             f"| {key} ({b['mode']}) | {a['tps']:.1f} | {b['tps']:.1f} | {b['tps'] / a['tps']:.2f} | "
             f"{a['tokens_per_pass']:.2f} / {b['tokens_per_pass']:.2f} | {a['tps'] / pa:.2f} / {b['tps'] / pb:.2f} |"
         )
+    lines += ["", "Forward-pass costs the engine measured (what drives draft lengths and the router): "
+              "a 1-token step, and an n-token verify pass in steps:", "",
+              "| kit | step | 2 tokens | 5 tokens | 9 tokens | 17 tokens |", "|---|---|---|---|---|---|"]
+    for label, res in (("1 rank", one), ("2 ranks", two)):
+        c = res["costs"]
+        rel = " | ".join(f"{c['relative'][n]:.2f}" for n in ("2", "5", "9", "17"))
+        lines.append(f"| {label} | {c['step_ms']:.1f} ms | {rel} |")
     return "\n".join(lines) + "\n"
 
 

@@ -268,3 +268,37 @@ def test_demo_runs_under_mlx_launch(tmp_path, llama_path):
     assert run.stdout.count("Generation stats") == 1  # only rank 0 prints
     assert "Decoding: prompt_lookup" in run.stdout
     assert "exited with code" not in run.stderr  # mlx.launch reports a rank that failed
+
+
+def test_control_channel_refuses_strangers_and_reports_silence_and_exit():
+    server = control.ControlServer("127.0.0.1", followers=2, token=42, heartbeat_timeout=1.0)
+    stranger = socket.create_connection(("127.0.0.1", server.port))
+    stranger.sendall(control._HELLO.pack(41, 1))  # wrong token
+    silent = control.ControlClient("127.0.0.1", server.port, 42, 1, timeout=5)  # never beats
+    beating = control.ControlClient("127.0.0.1", server.port, 42, 2, timeout=5)
+    beating.start(on_lost=lambda: None)
+    server.accept(timeout=10)
+    assert sorted(server._conns) == [1, 2]
+    assert stranger.recv(1) == b""  # closed by rank 0
+    failures = []
+    server.watch(failures.append)
+    deadline = time.monotonic() + 10
+    while not failures and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert failures == [failures[0]] and failures[0].startswith("rank 1 sent no heartbeat")
+    for s in (stranger,):
+        s.close()
+    silent.close()
+    beating.close()
+
+    server = control.ControlServer("127.0.0.1", followers=1, token=7, heartbeat_timeout=30.0)
+    client = control.ControlClient("127.0.0.1", server.port, 7, 1, timeout=5)
+    client.start(on_lost=lambda: None)
+    server.accept(timeout=10)
+    failures = []
+    server.watch(failures.append)
+    client.close()  # the follower's process is gone
+    deadline = time.monotonic() + 10
+    while not failures and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert failures and "exited or was killed" in failures[0]

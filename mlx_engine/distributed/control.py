@@ -50,28 +50,34 @@ class ControlServer:
     def accept(self, timeout: float) -> None:
         """Wait for every follower's hello (refusing strangers) for at most ``timeout`` s."""
         deadline = time.monotonic() + timeout
-        while len(self._conns) < self.followers:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(1, self.followers + 1)) - set(self._conns))
-                raise DistributedConfigError(f"ranks {missing} did not connect to rank 0's control channel within {timeout:.0f} s")
-            self._listener.settimeout(left)
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            conn.settimeout(5.0)
-            try:
-                token, rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            except (OSError, ConnectionError):
-                conn.close()
-                continue
-            if token != self.token or not 1 <= rank <= self.followers or rank in self._conns:
-                conn.close()
-                continue
-            conn.settimeout(None)
-            self._conns[rank] = conn
-        self._listener.close()
+        try:
+            while len(self._conns) < self.followers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, self.followers + 1)) - set(self._conns))
+                    raise DistributedConfigError(f"ranks {missing} did not connect to rank 0's control channel within {timeout:.0f} s")
+                self._listener.settimeout(left)
+                try:
+                    conn, _ = self._listener.accept()
+                except socket.timeout:
+                    continue
+                self._admit(conn)
+        finally:
+            self._listener.close()
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Keep ``conn`` if it says hello with the job's token and a rank not yet connected."""
+        conn.settimeout(5.0)
+        try:
+            token, rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+        except (OSError, ConnectionError):
+            conn.close()
+            return
+        if token != self.token or not 1 <= rank <= self.followers or rank in self._conns:
+            conn.close()
+            return
+        conn.settimeout(None)
+        self._conns[rank] = conn
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
         """Start the monitor thread; ``on_failure(reason)`` is called once."""
