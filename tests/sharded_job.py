@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_engine as me  # noqa: E402
 
+N_PROMPT, N_ECHO = 16, 24  # new tokens for the short prompt and the echo prompt
 REGEX = r"(x|y)\.self = [0-9]{2,4}, and so on"
 ECHO = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 
@@ -41,21 +42,26 @@ def run_modes(kit, draft: str | None) -> dict:
     echo = me.tokenize(kit, ECHO * 8)  # long enough for the router to consider lookup
     passes0 = kit.shard.counter.passes
     out = {
-        "plain": generate(kit, prompt, max_tokens=24, temp=0.0),
-        "plain_again": generate(kit, prompt, max_tokens=24, temp=0.0),  # the prompt cache is reused
-        "lookup": generate(kit, echo, max_tokens=32, temp=0.0, prompt_lookup_num_tokens=6),
-        "auto_lookup": generate(kit, echo, max_tokens=32, temp=0.0, auto_speculative=True),
+        "plain": generate(kit, prompt, max_tokens=N_PROMPT, temp=0.0),
+        "plain_again": generate(kit, prompt, max_tokens=N_PROMPT, temp=0.0),  # the prompt cache is reused
+        "lookup": generate(kit, echo, max_tokens=N_ECHO, temp=0.0, prompt_lookup_num_tokens=6),
+        "auto_lookup": generate(kit, echo, max_tokens=N_ECHO, temp=0.0, auto_speculative=True),
         # Structured output: masks on rank 0, forced spans drafted and verified by the sharded target.
         "regex": generate(kit, prompt, max_tokens=24, temp=0.0, regex=REGEX),
     }
-    for _ in range(3):  # as after a failed request: each reset is a new cache, the old one freed
+    gen = me.create_generator(kit, prompt + [5], max_tokens=N_PROMPT, temp=0.0)
+    for _ in range(5):  # a generation closed mid-way leaves a step queued ahead, unread
+        next(gen)
+    gen.close()
+    out["after_cancel"] = generate(kit, prompt, max_tokens=N_PROMPT, temp=0.0)
+    for _ in range(2):  # as after a failed request: each reset is a new cache, the old one freed
         kit.cache.reset()
         out["after_reset"] = generate(kit, prompt, max_tokens=4, temp=0.0)
     if draft:
         me.load_draft_model(kit, draft)
-        out["draft"] = generate(kit, prompt, max_tokens=24, temp=0.0, num_draft_tokens=3)
-        out["draft_adaptive"] = generate(kit, prompt, max_tokens=24, temp=0.0)
-        out["auto_draft"] = generate(kit, echo, max_tokens=32, temp=0.0, auto_speculative=True)
+        out["draft"] = generate(kit, prompt, max_tokens=N_PROMPT, temp=0.0, num_draft_tokens=3)
+        out["draft_adaptive"] = generate(kit, prompt, max_tokens=N_PROMPT, temp=0.0)
+        out["auto_draft"] = generate(kit, echo, max_tokens=N_ECHO, temp=0.0, auto_speculative=True)
         me.unload_draft_model(kit)
     out["passes"] = kit.shard.counter.passes - passes0
     out["passes_total"] = kit.shard.counter.passes

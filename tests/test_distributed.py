@@ -94,16 +94,16 @@ def test_two_ranks_match_one_rank_in_every_mode(tmp_path, request, draft_path, a
     assert follower["reason"] == "stopped"
 
     kit = me.load_model(model)
-    from sharded_job import ECHO, REGEX
+    from sharded_job import ECHO, N_ECHO, N_PROMPT, REGEX
 
     prompt, echo = me.tokenize(kit, ECHO), me.tokenize(kit, ECHO * 8)
-    plain = generate_ids(kit, prompt, max_tokens=24, temp=0.0)[0]
+    plain = generate_ids(kit, prompt, max_tokens=N_PROMPT, temp=0.0)[0]
     constrained, final = generate_ids(kit, prompt, max_tokens=24, temp=0.0, regex=REGEX)
     assert result["regex"]["stop"] == final.stop_condition.stop_reason == "grammar_complete"
     assert_same_or_near_tie(kit, prompt, constrained, result["regex"]["ids"])
-    plain_echo = generate_ids(kit, echo, max_tokens=32, temp=0.0)[0]
+    plain_echo = generate_ids(kit, echo, max_tokens=N_ECHO, temp=0.0)[0]
     assert result["after_reset"]["ids"] == result["plain"]["ids"][:4]
-    for mode in ("plain", "plain_again", "draft", "draft_adaptive"):
+    for mode in ("plain", "plain_again", "after_cancel", "draft", "draft_adaptive"):
         assert_same_or_near_tie(kit, prompt, plain, result[mode]["ids"])
     for mode in ("lookup", "auto_lookup", "auto_draft"):
         assert_same_or_near_tie(kit, echo, plain_echo, result[mode]["ids"])
