@@ -46,13 +46,13 @@ def workloads(kit) -> dict[str, list[int]]:
 
 def run_once(kit, prompt: list[int], max_tokens: int, options: dict) -> dict:
     options = {k: v for k, v in options.items() if k != "draft"}
-    final = None
+    final, ids = None, []
     for final in me.create_generator(kit, prompt, max_tokens=max_tokens, temp=0.0, **options):
-        pass
+        ids.extend(t.id for t in final.tokens)
     s = final.stats
     rounds = max(1, s.generated_tokens - s.accepted_tokens)  # each pass emits its accepted drafts + 1
     return {"tps": s.generation_tps, "tokens": s.generated_tokens, "accepted": s.accepted_tokens,
-            "tokens_per_pass": s.generated_tokens / rounds, "mode": s.decoding_mode}
+            "tokens_per_pass": s.generated_tokens / rounds, "mode": s.decoding_mode, "ids": ids}
 
 
 def measure(kit, reps: int, max_tokens: int) -> dict:
@@ -106,8 +106,8 @@ def render(one: dict, two: dict, reps: int, max_tokens: int, load: str) -> str:
         f"Toy pair (pystd-target 8 layers / 384 wide, float32 compute), {max_tokens} new tokens, greedy, median of {reps} "
         f"runs after a warm-up, {os.cpu_count()} CPU cores shared by both ranks; load average before/after: {load}.",
         "",
-        "| workload / mode | 1 rank tok/s | 2 ranks tok/s | 2 / 1 | tokens per pass (1 rank / 2 ranks) | speed-up over own plain (1 rank / 2 ranks) |",
-        "|---|---|---|---|---|---|",
+        "| workload / mode | 1 rank tok/s | 2 ranks tok/s | 2 / 1 | tokens per pass (1 rank / 2 ranks) | speed-up over own plain (1 rank / 2 ranks) | same tokens as 1 rank |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key in (k for k in one if k != "costs"):
         name = key.split("/")[0]
@@ -115,7 +115,8 @@ def render(one: dict, two: dict, reps: int, max_tokens: int, load: str) -> str:
         pa, pb = one[f"{name}/plain"]["tps"], two[f"{name}/plain"]["tps"]
         lines.append(
             f"| {key} ({b['mode']}) | {a['tps']:.1f} | {b['tps']:.1f} | {b['tps'] / a['tps']:.2f} | "
-            f"{a['tokens_per_pass']:.2f} / {b['tokens_per_pass']:.2f} | {a['tps'] / pa:.2f} / {b['tps'] / pb:.2f} |"
+            f"{a['tokens_per_pass']:.2f} / {b['tokens_per_pass']:.2f} | {a['tps'] / pa:.2f} / {b['tps'] / pb:.2f} | "
+            f"{'yes' if a['ids'] == b['ids'] else 'no'} |"
         )
     lines += ["", "Forward-pass costs the engine measured (what drives draft lengths and the router): "
               "a 1-token step, and an n-token verify pass in steps:", "",
