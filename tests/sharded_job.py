@@ -97,7 +97,13 @@ def main() -> int:
     ap.add_argument("--scenario", default="modes")
     ap.add_argument("--parallelism", default="auto")
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    ap.add_argument("--no-socket-shutdown", action="store_true",
+                    help="as with a backend whose sockets the engine cannot shut down: only the grace timeout releases rank 0")
     args = ap.parse_args()
+    if args.no_socket_shutdown:
+        import mlx_engine.distributed as distributed
+
+        distributed.break_ring_sockets = lambda: 0
     out = Path(args.out)
     try:
         kit = me.load_sharded_model(args.model, parallelism=args.parallelism, heartbeat_timeout=args.heartbeat_timeout)

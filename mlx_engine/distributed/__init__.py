@@ -80,6 +80,7 @@ class ShardWorker(worker.MLXWorker):
         self.health = health
         self.on_ring_error: Callable[[str], None] = health.fail
         self.release: Callable | None = None  # runs inline once failed (unloading a dead kit)
+        self.on_abort: Callable[[], None] | None = None  # after abort_inflight released a blocked call
         self._inflight: list[worker._Task] = []
 
     def submit(self, fn: Callable, *args, **kwargs) -> worker._Task:
@@ -108,10 +109,14 @@ class ShardWorker(worker.MLXWorker):
     def abort_inflight(self) -> None:
         """Release the host from calls still blocked after a failure (their thread
         stays blocked inside MLX; the kit is not used again)."""
+        aborted = False
         for task in self._inflight:
             if not task.done.is_set():
                 task.error = self.health.error()
                 task.done.set()
+                aborted = True
+        if aborted and self.on_abort is not None:
+            self.on_abort()
 
     def run_at_exit(self, fn: Callable, timeout: float) -> None:
         task = worker._Task(fn, (), {})
@@ -155,6 +160,15 @@ class ShardedModelKit(ModelKit):
         self._health = health
         self._control = control
 
+    def _forget_generation(self) -> None:
+        """The generation that was running is blocked on a failed rank and will never
+        finish on its own: stop counting it, so that ``unload`` is allowed."""
+        act = self._activity
+        with act.lock:
+            act.active = None
+            act.known.clear()
+            act.cancelled.clear()
+
     @property
     def usable(self) -> bool:
         return self._health.failure is None and self.model is not None
@@ -165,15 +179,22 @@ class ShardedModelKit(ModelKit):
         return self._health.failure
 
     def unload(self) -> None:
+        """Release the followers and drop the model. After a failure this runs on the
+        calling thread and only drops references: MLX calls such as ``clear_cache``
+        can wait on the engine thread, which may be blocked on the failed rank."""
         model = self.model
-        if isinstance(model, MirroredModel) and self._health.failure is None:
+        failed = self._health.failure is not None
+        if isinstance(model, MirroredModel) and not failed:
             self._control.closing()
             try:
                 model.stop_followers()
             except RuntimeError as exc:
                 logger.warning("could not release the followers: %s", exc)
         self._control.close()
-        super().unload()
+        if not failed:
+            super().unload()
+            return
+        self.model = self.cache = self.draft = self.cost_model = None
 
 
 class Follower:
@@ -246,6 +267,7 @@ def load_sharded_model(
     if isinstance(result, ShardedModelKit):
         result._worker = thread
         thread.release = result.unload
+        thread.on_abort = result._forget_generation
         atexit.register(_release_at_exit, weakref.ref(result))
     return result
 
