@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grammar", default=None, metavar="FILE", help="constrain the answer to this Lark grammar file")
     p.add_argument("--images", nargs="+", default=None, metavar="FILE", help="image files for a vision model (sent base64-encoded)")
     p.add_argument("--verbose", action="store_true", help="log engine decisions")
+    p.add_argument("--sharded", action="store_true", help="shard the model over the ranks of an mlx.launch job (implied under mlx.launch; docs/distributed.md)")
     return p
 
 
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="[%(name)s] %(message)s")
     try:
         return run(args)
-    except ValueError as exc:  # bad arguments and model folders (ModelLoadError): one line, like argparse
+    except (ValueError, me.ShardedKitError) as exc:  # bad arguments, model folders, a failed rank: one line, like argparse
         if args.verbose:
             raise
         print(f"{Path(sys.argv[0]).name}: error: {error_line(exc, args)}", file=sys.stderr)
@@ -274,7 +275,12 @@ def chat(kit: me.ModelKit, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
+    if args.sharded or "MLX_RANK" in os.environ:  # rank 0 runs the demo, the other ranks serve it
+        kit = me.load_sharded_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
+        if isinstance(kit, me.Follower):
+            return 0 if kit.serve().reason == "stopped" else 1
+    else:
+        kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
     if args.draft_model:
         me.load_draft_model(kit, resolve_model(args.draft_model))
     if args.chat:

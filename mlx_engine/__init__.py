@@ -7,6 +7,8 @@ setup_blas()
 
 from .catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
 from .errors import CallbackError, GenerationInProgressError, IncompatibleDraftModelError, ModelLoadError  # noqa: E402
+from .errors import DistributedConfigError, ShardedKitError  # noqa: E402
+from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
 from .generate import (  # noqa: E402
     apply_chat_template,
     create_generator,
@@ -35,7 +37,9 @@ __all__ = [
     "apply_chat_template",
     "BlasStatus",
     "CallbackError",
+    "DistributedConfigError",
     "DraftCompatibility",
+    "Follower",
     "GenerationInProgressError",
     "GenerationResult",
     "GenerationStats",
@@ -43,6 +47,8 @@ __all__ = [
     "IncompatibleDraftModelError",
     "ModelKit",
     "ModelLoadError",
+    "ShardedKitError",
+    "ShardedModelKit",
     "Token",
     "TopLogprob",
     "VisionModelKit",
@@ -52,6 +58,7 @@ __all__ = [
     "is_draft_model_compatible",
     "load_draft_model",
     "load_model",
+    "load_sharded_model",
     "stop_generation",
     "tokenize",
     "unload",

@@ -13,6 +13,7 @@ Set ``MLX_ENGINE_DISABLE_OPENBLAS=1`` to keep the bundled BLAS, or
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import platform
@@ -70,6 +71,7 @@ def setup_blas() -> BlasStatus:
         )
     else:
         path = _find_library()
+        _share_cores_between_local_ranks()
         if path is None:
             _status = BlasStatus(
                 "bundled", None, "no system OpenBLAS found (apt install libopenblas0-pthread)"
@@ -84,6 +86,23 @@ def setup_blas() -> BlasStatus:
     if platform.system() != "Darwin":
         logger.log(level, "BLAS for MLX CPU: %s (%s)", _status.backend, _status.path or _status.reason)
     return _status
+
+
+def _share_cores_between_local_ranks() -> None:
+    """Under mlx.launch (MLX_RANK set) with several ranks on this machine, give
+    each rank's OpenBLAS an equal share of the cores unless OPENBLAS_NUM_THREADS is
+    set: OpenBLAS threads spin while they wait, and two ranks each running a thread
+    per core made 2-rank passes 3-4x slower on a 2-core machine (docs/distributed.md)."""
+    if "MLX_RANK" not in os.environ or "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    try:
+        with open(os.environ.get("MLX_HOSTFILE", ""), encoding="utf-8") as f:
+            ips = [str(entry[0]).rpartition(":")[0] for entry in json.load(f)]
+        local = ips.count(ips[int(os.environ["MLX_RANK"])])
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return
+    if local > 1:
+        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
 
 
 def blas_status() -> BlasStatus:

@@ -20,3 +20,14 @@ class GenerationInProgressError(RuntimeError):
 
 class CallbackError(RuntimeError):
     """A user callback raised; the original exception is the ``__cause__``."""
+
+
+class DistributedConfigError(ModelLoadError):
+    """A sharded kit cannot be built: one rank only, model files or settings that
+    differ between ranks, or an architecture mlx-lm cannot shard (docs/distributed.md)."""
+
+
+class ShardedKitError(RuntimeError):
+    """A rank of a sharded kit died, hung or fell out of step; the kit is unusable
+    until the job is relaunched and the model loaded again."""
+

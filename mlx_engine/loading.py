@@ -213,10 +213,11 @@ def choose_compute_dtype(model: nn.Module, requested: str | None) -> mx.Dtype | 
     return None
 
 
-def apply_compute_dtype(model: nn.Module, dtype: mx.Dtype | None) -> None:
+def apply_compute_dtype(model: nn.Module, dtype: mx.Dtype | None, evaluate: bool = True) -> None:
     """Dequantize quantized layers (in float32, so the values are the ones the
     file encodes) and cast to ``dtype``; evaluated here so the weights exist
-    before any other thread uses them."""
+    before any other thread uses them, unless ``evaluate=False`` (a sharded
+    model, whose shards are evaluated after sharding)."""
     if dtype is None:
         return
     from mlx_lm.utils import dequantize_model
@@ -228,7 +229,8 @@ def apply_compute_dtype(model: nn.Module, dtype: mx.Dtype | None) -> None:
                 module.biases = module.biases.astype(mx.float32)
     dequantize_model(model)
     model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    if evaluate:
+        mx.eval(model.parameters())
 
 
 def float_param_count(model: nn.Module) -> int:

@@ -137,6 +137,9 @@ class PromptCache:
         self.max_entries = max_entries
         self.disk = disk
         self.entries: list[SequenceCache] = [make()]  # least recently used first
+        # One sequence, trimmed in place: for kits whose caches are mirrored on
+        # other processes (a sharded kit's followers know only in-place trims).
+        self.single_sequence = False
 
     @property
     def active(self) -> SequenceCache:
@@ -155,6 +158,8 @@ class PromptCache:
         return entry, CacheHit(common_prefix_length(entry.tokens, keys), source if shared or source == "disk" else "none")
 
     def _entry_for(self, best: SequenceCache, shared: int, keys: list[int]) -> tuple[SequenceCache, str]:
+        if self.single_sequence:
+            return best, "memory"
         if self.disk is not None:
             loaded = self.disk.load_longest(keys, shared, self.make)
             if loaded is not None:
