@@ -33,13 +33,29 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free: mlx.launch gives rank i port p+i."""
+    for _ in range(50):
+        start = free_ports(1)[0]
+        socks = []
+        try:
+            socks = [socket.create_server(("127.0.0.1", start + i)) for i in range(n)]
+            return start
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
 
 
 def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """Run the job with mlx.launch: 2 ranks, ring backend, loopback."""
-    port = free_ports(1)[0]
+    port = free_port_run(2)
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--python", sys.executable, str(JOB), *args]
     return subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
 
@@ -262,13 +278,13 @@ def test_break_ring_sockets_touches_only_hostfile_addresses(tmp_path, monkeypatc
 def test_demo_runs_under_mlx_launch(tmp_path, llama_path):
     """demo.py under mlx.launch: rank 0 answers and prints the stats, rank 1 serves and exits cleanly."""
     demo = Path(__file__).resolve().parents[1] / "demo.py"
-    port = free_ports(1)[0]
+    port = free_port_run(2)
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--python", sys.executable, str(demo),
            "--model", str(llama_path), "--no-chat-template", "--prompt", "def add(a, b):", "--max-tokens", "8",
            "--prompt-lookup-num-tokens", "4"]
     run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("Generation stats") == 1  # only rank 0 prints
+    assert run.stdout.count("Generation stats") == 1, run.stdout + run.stderr  # only rank 0 prints
     assert "Decoding: prompt_lookup" in run.stdout
     assert "exited with code" not in run.stderr  # mlx.launch reports a rank that failed
 
