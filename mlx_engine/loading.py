@@ -162,7 +162,9 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
         raise ModelLoadError(f"could not load the tokenizer from {str(path)!r}: {exc}") from exc
 
 
-def load_weights(path: Path, trust_remote_code: bool) -> tuple[nn.Module, dict]:
+def load_weights(path: Path, trust_remote_code: bool, lazy: bool = False) -> tuple[nn.Module, dict]:
+    """The model and its config. ``lazy=True`` maps safetensors weights without
+    reading them (a sharded rank reads only its shard); a GGUF file is read whole."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     if gguf.is_gguf(path):
@@ -176,7 +178,7 @@ def load_weights(path: Path, trust_remote_code: bool) -> tuple[nn.Module, dict]:
     check_weights_match_config(read_config(path), path, [Path(f) for f in files])
     try:
         with offline():
-            model, config = mlx_lm_load_model(path, lazy=False, trust_remote_code=trust_remote_code)
+            model, config = mlx_lm_load_model(path, lazy=lazy, trust_remote_code=trust_remote_code)
     except ModelLoadError:
         raise
     except Exception as exc:

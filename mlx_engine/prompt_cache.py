@@ -74,19 +74,16 @@ class CacheHit(NamedTuple):
 
 
 def cache_bytes(cache: SequenceCache) -> int:
-    """KV bytes held by ``cache`` (arrays as sliced: shared storage counts for each holder)."""
+    """KV bytes held by ``cache``: a plain KV layer counts its tokens' share of
+    its buffers (shared storage counts for each holder), other layers their state."""
     total = 0
     for layer in cache.layers:
-        state = layer.state if not isinstance(layer, KVCache) else _kv_views(layer)
-        for a in _arrays(state):
-            total += a.nbytes
+        if isinstance(layer, KVCache):
+            if layer.keys is not None:
+                total += (layer.keys.nbytes + layer.values.nbytes) * layer.offset // layer.keys.shape[2]
+        else:
+            total += sum(a.nbytes for a in _arrays(layer.state))
     return total
-
-
-def _kv_views(layer: KVCache) -> tuple:
-    if layer.keys is None:
-        return ()
-    return layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
 
 
 def _arrays(state) -> list[mx.array]:

@@ -10,7 +10,6 @@ when any rank failed or the digests differ.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -21,8 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import loading
-from ..errors import DistributedConfigError, ModelLoadError
-from ..model_checks import check_weights_match_config
+from ..errors import DistributedConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -128,21 +126,7 @@ def choose_parallelism(model: nn.Module, config: dict, size: int, requested: str
 def load_lazily(path: Path, trust_remote_code: bool) -> tuple[nn.Module, dict]:
     """The model with its weights mapped but not read (a GGUF file is read whole),
     so each rank reads only its shard when it is evaluated."""
-    if path.is_file():
-        return loading.load_weights(path, trust_remote_code)
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-
-    files = sorted(glob.glob(str(path / "model*.safetensors")))
-    if not files:
-        raise ModelLoadError(f"no model*.safetensors weights in {str(path)!r}")
-    check_weights_match_config(loading.read_config(path), path, [Path(f) for f in files])
-    try:
-        with loading.offline():
-            model, config = mlx_lm_load_model(path, lazy=True, trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise ModelLoadError(f"could not load weights from {str(path)!r}: {type(exc).__name__}: {exc}") from exc
-    model.eval()
-    return model, config
+    return loading.load_weights(path, trust_remote_code, lazy=True)
 
 
 def cast_lazily(model: nn.Module, dtype: mx.Dtype | None) -> None:
