@@ -10,6 +10,7 @@
     python demo.py --model models/pystd-target --draft-model models/pystd-draft   # draft-model speculation
     python demo.py --json-schema person.json --prompt "Describe a person as JSON."
     python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
+    python demo.py --parallel 4                      # four questions at once, decoded in one batch
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
@@ -27,6 +30,16 @@ DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly and accurately."
 # Base models (no chat template), like the bundled toy model, continue this text.
 DEFAULT_BASE_PROMPT = "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return the paths of all .py files under root.\"\"\"\n"
+PARALLEL_QUESTIONS = (
+    DEFAULT_QUESTION,
+    "Name three rivers in Europe.",
+    "Write a haiku about the sea.",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog.",
+    "What is 12 times 12?",
+    "Give one tip for writing clear code.",
+    "Which planet is closest to the sun?",
+    "Translate 'good morning' into French.",
+)
 LMSTUDIO_DIRS = (Path.home() / ".lmstudio" / "models", Path.home() / ".cache" / "lm-studio" / "models")
 
 
@@ -69,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grammar", default=None, metavar="FILE", help="constrain the answer to this Lark grammar file")
     p.add_argument("--images", nargs="+", default=None, metavar="FILE", help="image files for a vision model (sent base64-encoded)")
     p.add_argument("--verbose", action="store_true", help="log engine decisions")
+    p.add_argument("--parallel", type=int, default=None, metavar="N", help="answer N prompts at once (built-in questions, or --prompt N times) and print the aggregate throughput")
     p.add_argument("--sharded", action="store_true", help="shard the model over the ranks of an mlx.launch job (implied under mlx.launch; docs/distributed.md)")
     return p
 
@@ -86,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--json-schema, --regex and --grammar are alternatives; pass one")
     if args.chat and (args.images or args.prompt is not None):
         parser.error("--chat reads the messages from the terminal; it takes no --prompt or --images")
+    if args.parallel is not None and not 1 <= args.parallel <= 64:
+        parser.error("--parallel must be from 1 to 64")
+    if args.parallel is not None and (args.chat or args.images or args.sharded):
+        parser.error("--parallel runs independent prompts on one process; it takes no --chat, --images or --sharded")
     for name in args.images or []:  # before any model loads
         if not Path(name).expanduser().is_file():
             parser.error(f"--images: {name!r} is not a file")
@@ -223,12 +241,9 @@ def error_line(exc: ValueError, args: argparse.Namespace) -> str:
     return message
 
 
-def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], images_b64) -> tuple[me.GenerationResult, str]:
-    """Stream one answer to stdout; returns the final result and the whole text."""
-    final, pieces = None, []
-    for result in me.create_generator(
-        kit,
-        prompt,
+def request_options(args: argparse.Namespace) -> dict:
+    """create_generator's arguments from the command line."""
+    return dict(
         max_tokens=args.max_tokens,
         temp=args.temp,
         top_p=args.top_p,
@@ -236,13 +251,18 @@ def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], imag
         seed=args.seed,
         stop_strings=args.stop_strings,
         top_logprobs=args.top_logprobs,
-        prompt_progress_callback=progress_bar() if args.print_prompt_progress else None,
+        prompt_progress_callback=progress_bar() if args.print_prompt_progress and not args.parallel else None,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
         auto_speculative=args.auto_speculative,
-        images_b64=images_b64,
         **constraints(args),
-    ):
+    )
+
+
+def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], images_b64) -> tuple[me.GenerationResult, str]:
+    """Stream one answer to stdout; returns the final result and the whole text."""
+    final, pieces = None, []
+    for result in me.create_generator(kit, prompt, images_b64=images_b64, **request_options(args)):
         sys.stdout.write(result.text)
         sys.stdout.flush()
         pieces.append(result.text)
@@ -274,17 +294,55 @@ def chat(kit: me.ModelKit, args: argparse.Namespace) -> int:
         print_stats(final.stats, final.stop_condition)
 
 
+def parallel(kit: me.ModelKit, args: argparse.Namespace) -> int:
+    """Answer N prompts at once, each consumed by its own thread; print each
+    answer and the aggregate throughput."""
+    n = args.parallel
+    texts = [args.prompt] * n if args.prompt is not None else [PARALLEL_QUESTIONS[i % len(PARALLEL_QUESTIONS)] for i in range(n)]
+    prompts = [build_prompt(kit, args, t, []) for t in texts]
+    answers: list = [None] * n
+
+    def answer(i: int) -> None:
+        pieces, final = [], None
+        try:
+            for final in me.create_generator(kit, prompts[i], **request_options(args)):
+                pieces.append(final.text)
+            answers[i] = ("".join(pieces), final)
+        except Exception as exc:  # shown with the others
+            answers[i] = (f"error: {exc}", None)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=answer, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    total = 0
+    for i, (text, (out, final)) in enumerate(zip(texts, answers)):
+        print(f"[{i + 1}] > {text}\n{out.strip()}")
+        if final is not None:
+            total += final.stats.generated_tokens
+            s = final.stats
+            print(f"    ({s.generated_tokens} tokens, {s.generation_tps:.1f} tok/s, first token after {s.time_to_first_token:.2f} s; {decoding_line(s)})\n")
+    print(f"{n} requests, {total} tokens in {seconds:.2f} s: {total / seconds:.1f} tok/s aggregate", file=sys.stderr)
+    return 0 if all(a[1] is not None for a in answers) else 1
+
+
 def run(args: argparse.Namespace) -> int:
     if args.sharded or "MLX_RANK" in os.environ:  # rank 0 runs the demo, the other ranks serve it
         kit = me.load_sharded_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
         if isinstance(kit, me.Follower):
             return 0 if kit.serve().reason == "stopped" else 1
     else:
-        kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed)
+        kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed,
+                            max_parallel=max(args.parallel or 1, 4) if not args.images else None)
     if args.draft_model:
         me.load_draft_model(kit, resolve_model(args.draft_model))
     if args.chat:
         return chat(kit, args)
+    if args.parallel:
+        return parallel(kit, args)
     images_b64 = read_images(args.images) if args.images else None
     text = read_prompt(kit, args)
     prompt = build_prompt(kit, args, text, [])

@@ -14,7 +14,7 @@ import mlx.core as mx
 from . import loading, worker
 from .cache import CacheOptions
 from .images import validate_max_image_pixels
-from .model_kit import KitOptions, ModelKit
+from .model_kit import KitOptions, ModelKit, validate_max_parallel
 from .pipeline import Generation
 from .prompt_cache import PromptCacheOptions
 from .request import (
@@ -27,6 +27,7 @@ from .request import (
     validate_request_id,
 )
 from .results import GenerationResult
+from .scheduler import RequestStream, Scheduler
 from .sampling import validate_seed
 from .speculative.draft_model import check_draft_model, load_draft, unload_draft
 from .vision_model_kit import VisionModelKit
@@ -50,6 +51,7 @@ def load_model(
     prompt_cache_bytes: int | None = None,
     prompt_cache_dir: str | Path | None = None,
     prompt_cache_disk_bytes: int | None = None,
+    max_parallel: int | None = None,
 ) -> ModelKit:
     """Load a local model (a Hugging Face-layout directory, a .gguf file or a
     catalog name) into a kit.
@@ -60,11 +62,14 @@ def load_model(
     ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images.
     ``prompt_cache_bytes`` bounds the KV bytes of the cached sequences kept
     between requests; ``prompt_cache_dir`` adds a disk tier (docs/api.md,
-    "Prompt cache"). The kit's MLX work runs on its own engine thread
-    (docs/reliability.md)."""
+    "Prompt cache"). ``max_parallel`` (default 4; 1 for vision kits) is how
+    many generations the kit serves at once, decoded together in one batch
+    (docs/api.md, "Parallel requests"). The kit's MLX work runs on its own
+    engine thread (docs/reliability.md)."""
     cache_options = CacheOptions.validate(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     prompt_cache = PromptCacheOptions.validate(prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
-    kit_options = KitOptions(cache_options, vocab_only, trust_remote_code, compute_dtype, prompt_cache)
+    kit_options = KitOptions(cache_options, vocab_only, trust_remote_code, compute_dtype, prompt_cache,
+                             validate_max_parallel(max_parallel))
     thread = worker.acquire()
     try:
         kit = thread.call(_load_model, model_path, kit_options, seed, max_image_pixels)
@@ -202,9 +207,9 @@ def create_generator(
     naming it. The returned iterator yields one result per token (text may be
     empty while a possible stop string is held back) and always ends with one
     result carrying ``stop_condition`` and ``stats``. Closing it, or
-    ``stop_generation(kit, request_id)``, cancels. A kit runs one generation at a
-    time: starting a second while one is active raises
-    ``GenerationInProgressError``. Decoding modes are described in docs/decoding.md.
+    ``stop_generation(kit, request_id)``, cancels. A kit serves up to its
+    ``max_parallel`` generations at once, decoded together; creating one more
+    while that many are open raises ``GenerationInProgressError``. Decoding modes are described in docs/decoding.md.
     ``images_b64`` (vision kits, docs/vision.md): base64 images, one per image
     placeholder token in ``prompt_tokens``, decoded and checked here.
     ``json_schema`` / ``regex`` / ``grammar`` (Lark) constrain the output
@@ -218,11 +223,21 @@ def create_generator(
     options = SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("kit", "prompt_tokens")})
     validate_request_id(request_id)
     thread = _worker_of(kit)
-    return worker.WorkerIterator(thread, thread.call(_start, kit, prompt_tokens, options))
+    generation = thread.call(_start, kit, prompt_tokens, options)
+    if kit.max_parallel == 1:
+        return worker.WorkerIterator(thread, generation.alone())
+    return RequestStream(thread, _scheduler_of(kit, thread), generation, generation.request_id)
 
 
 def _start(kit: ModelKit, prompt_tokens, options: SimpleNamespace) -> Generation:
     """Validate (on the kit's engine thread) and create the generation."""
     request = validate_request(kit, prompt_tokens, options, options.request_id or uuid.uuid4().hex)
-    require_idle(kit)
     return Generation(kit, request)
+
+
+def _scheduler_of(kit: ModelKit, thread: worker.MLXWorker) -> Scheduler:
+    """The kit's scheduler, stepped by its engine thread (scheduler.py)."""
+    if kit._scheduler is None:
+        kit._scheduler = Scheduler(kit)
+        thread.job = kit._scheduler
+    return kit._scheduler

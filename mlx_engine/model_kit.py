@@ -7,12 +7,14 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import loading
-from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache
+from .batch_cache import RaggedBatch, can_batch
+from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache, common_prefix_length
 from .context import fit_context
 from .disk_cache import DiskCache, model_identity
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
@@ -30,6 +32,24 @@ class DraftModel:
     cache: SequenceCache
     num_params: int
     step_cost: float | None = None  # seconds per chained draft step, measured when first needed
+    spare: list[SequenceCache] = field(default_factory=list)  # more caches, for parallel requests
+    lent: list[SequenceCache] = field(default_factory=list)  # caches running requests draft with
+
+    def lend(self, prompt: list[int], make) -> SequenceCache:
+        """An idle draft cache for a request (the one sharing the longest prefix
+        with ``prompt``; a new one from ``make()`` when all are lent)."""
+        idle = [c for c in [self.cache, *self.spare] if not any(c is x for x in self.lent)]
+        cache = max(idle, key=lambda c: common_prefix_length(c.tokens, prompt)) if idle else make()
+        self.lent.append(cache)
+        return cache
+
+    def give_back(self, cache: SequenceCache) -> None:
+        self.lent = [c for c in self.lent if c is not cache]
+        if cache is not self.cache and not any(c is cache for c in self.spare):
+            self.spare = (self.spare + [cache])[-MAX_SPARE_DRAFT_CACHES:]
+
+
+MAX_SPARE_DRAFT_CACHES = 7
 
 
 @dataclass
@@ -45,32 +65,35 @@ class PromptPlan:
 @dataclass
 class Activity:
     """The kit's request bookkeeping, safe from any thread: the requests created
-    and not yet ended (``known``), the one running (``active``), and those asked
-    to stop. A request is registered when its generator is created and ended
-    when the generator finishes, fails or is closed, started or not."""
+    and not yet ended (``known``, at most the kit's ``max_parallel``), those
+    running (``active``), and those asked to stop. A request is registered when
+    its generator is created and ended when the generator finishes, fails or is
+    closed, started or not."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
-    active: str | None = None
+    active: set[str] = field(default_factory=set)
     known: set[str] = field(default_factory=set)
     cancelled: set[str] = field(default_factory=set)
 
-    def register(self, request_id: str) -> None:
+    def register(self, request_id: str, capacity: int = 1) -> None:
         with self.lock:
             if request_id in self.known:
                 raise ValueError(f"request_id {request_id!r} is already in use on this kit")
+            if len(self.known) >= capacity:
+                open_ = ", ".join(repr(r) for r in sorted(self.known))
+                raise GenerationInProgressError(
+                    f"this kit already has {len(self.known)} open generation(s) ({open_}), its max_parallel of "
+                    f"{capacity}; finish or close one first"
+                )
             self.known.add(request_id)
 
     def begin(self, request_id: str) -> None:
-        """Make ``request_id`` the running request (one at a time)."""
         with self.lock:
-            if self.active is not None:
-                raise GenerationInProgressError(f"generation {self.active!r} is still running on this kit")
-            self.active = request_id
+            self.active.add(request_id)
 
     def end(self, request_id: str) -> None:
         with self.lock:
-            if self.active == request_id:
-                self.active = None
+            self.active.discard(request_id)
             self.known.discard(request_id)
             self.cancelled.discard(request_id)
 
@@ -95,6 +118,19 @@ class KitOptions:
     trust_remote_code: bool = False
     compute_dtype: str | None = "auto"
     prompt_cache: PromptCacheOptions = PromptCacheOptions()
+    max_parallel: int | None = None  # None: DEFAULT_MAX_PARALLEL for text kits, 1 for vision kits
+
+
+DEFAULT_MAX_PARALLEL = 4
+
+
+def validate_max_parallel(value) -> int | None:
+    """``ValueError`` unless ``value`` is None or an integer from 1 to 64."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+        raise ValueError(f"max_parallel must be an integer from 1 to 64 (concurrent generations) or None, got {value!r}")
+    return value
 
 
 class ModelKit:
@@ -117,6 +153,7 @@ class ModelKit:
                 raise ValueError(f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}")
         self.cache = self.new_cache(self.model)
         self._fit_context()
+        self._init_batching(options.max_parallel)
         logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
 
     def _fit_context(self) -> None:
@@ -125,6 +162,28 @@ class ModelKit:
         trained = self.config.get("text_config", self.config).get("max_position_embeddings")
         trained = int(trained) if isinstance(trained, int) and trained > 0 else None
         self.context_length = fit_context(self.model, trained) if self.cache_options.auto_context else trained
+
+    def _init_batching(self, max_parallel: int | None) -> None:
+        """``max_parallel`` concurrent generations (see ``batch``)."""
+        self.max_parallel = DEFAULT_MAX_PARALLEL if max_parallel is None else max_parallel
+
+    @property
+    def batch(self) -> RaggedBatch | None:
+        """The rows of the running generations, decoded in one forward pass per
+        step; None when the kit serves one generation at a time or its caches
+        cannot be batched (batch_cache.py). Rebuilt, between requests, for a
+        model that was swapped."""
+        current = self._batch
+        if current is not None and (current.model is self.model or current.rows):
+            return current
+        cache = self.cache
+        batchable = self.max_parallel > 1 and self.model is not None and cache is not None and can_batch(cache)
+        self._batch = RaggedBatch(self.model, len(cache.layers)) if batchable else None
+        return self._batch
+
+    @batch.setter
+    def batch(self, value: RaggedBatch | None) -> None:
+        self._batch = value
 
     def _init_files(self, path: Path, options: KitOptions) -> None:
         """What every kit starts from: config, tokenizer and empty slots (one
@@ -145,6 +204,9 @@ class ModelKit:
         self.cost_model = None  # measured lazily by the speculative router
         self.num_params = 0
         self._activity = Activity()
+        self.max_parallel = 1  # concurrent generations (see _init_batching)
+        self._batch: RaggedBatch | None = None  # see ``batch``
+        self._scheduler = None  # scheduler.Scheduler, made with the first parallel request
 
     def check_architecture(self) -> None:
         """Refuse an architecture mlx-lm cannot build (VisionModelKit: mlx-vlm)."""
@@ -198,16 +260,21 @@ class ModelKit:
         """The request's prompt as the cache sees it (see PromptPlan)."""
         return PromptPlan(prompt, prompt)
 
-    def prefill_prompt(self, todo: list[int], on_chunk=None, chunk_size: int = PREFILL_CHUNK) -> None:
+    def prefill_prompt(self, cache: SequenceCache, todo: list[int], on_chunk=None,
+                       chunk_size: int = PREFILL_CHUNK) -> Iterator[None]:
         """Feed ``todo``, the part of the last planned prompt (all but its last
-        token) that the cache lacks."""
-        self.cache.prefill(todo, on_chunk, chunk_size)
+        token) that ``cache`` lacks, yielding after each chunk (the scheduler
+        lets the other requests take a step there)."""
+        for i in range(0, len(todo), chunk_size):
+            cache.prefill(todo[i : i + chunk_size], on_chunk, chunk_size)
+            yield
 
     def unload(self) -> None:
         if self.prompt_cache is not None:
             self.prompt_cache.flush()  # to the disk tier, when there is one
         self.model = None
         self.cache = None
+        self._batch = None
         self.draft = None
         self.cost_model = None
         mx.clear_cache()

@@ -27,7 +27,8 @@ from .request import Request
 from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, TopLogprob
 from .sampling import build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
-from .speculative.loop import Drafter, Step, decode
+from .cache import SequenceCache
+from .speculative.loop import TURN, Drafter, Launch, Step, decode, forward_alone
 from .stop_strings import TextStream
 from .structured import GrammarConstraint
 
@@ -35,22 +36,37 @@ logger = logging.getLogger(__name__)
 
 
 class Generation(Iterator[GenerationResult]):
-    """One request's stream of results. The request id is known to the kit from
-    creation until the stream ends or is closed, started or not, so a generator
-    that is dropped unstarted never leaves its id behind."""
+    """One request's run: results, ``TURN`` between prompt chunks and a
+    ``Launch`` for each forward pass its loop needs (scheduler.py runs them,
+    batched with other requests'). ``alone()`` runs the launches itself, for a
+    kit that serves one generation at a time. The request id is known to the
+    kit from creation until the run ends or is closed, started or not, so a
+    generator that is dropped unstarted never leaves its id behind."""
 
     def __init__(self, kit: ModelKit, request: Request):
         self._kit, self._request = kit, request
-        kit._activity.register(request.request_id)
-        self._gen: Iterator[GenerationResult] = run(kit, request)
+        kit._activity.register(request.request_id, kit.max_parallel)
+        self._gen: Iterator = run(kit, request)
         self._started = False
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
 
     def __iter__(self) -> Generation:
         return self
 
-    def __next__(self) -> GenerationResult:
+    def __next__(self):
         self._started = True  # from here on, run() ends the request itself
         return next(self._gen)
+
+    def throw(self, exc: BaseException):
+        """Raise ``exc`` where the request waits for its forward pass (which failed)."""
+        return self._gen.throw(exc)
+
+    def alone(self) -> Iterator[GenerationResult]:
+        """The results, running each launch on the request's own cache."""
+        return _Alone(self)
 
     def close(self) -> None:
         self._gen.close()
@@ -59,9 +75,35 @@ class Generation(Iterator[GenerationResult]):
             self._kit._activity.end(self._request.request_id)
 
 
+class _Alone(Iterator[GenerationResult]):
+    """A generation driven by its consumer, one launch at a time (max_parallel=1)."""
+
+    def __init__(self, generation: Generation):
+        self._generation = generation
+
+    def __next__(self) -> GenerationResult:
+        gen = self._generation
+        item = next(gen)
+        while isinstance(item, Launch) or item is TURN:
+            if item is TURN:
+                item = next(gen)
+                continue
+            try:
+                forward_alone(item)
+            except BaseException as exc:
+                item = gen.throw(exc)  # the request's own cleanup runs; the error reaches the caller
+                continue
+            item = next(gen)
+        return item
+
+    def close(self) -> None:
+        self._generation.close()
+
+
 class _Prepared(NamedTuple):
     prompt: list[int]  # the real ids (a vision kit's images expanded)
-    todo: list[int]  # the part of the prompt the main cache lacks (all but the last token)
+    cache: SequenceCache  # the prompt cache's entry this request decodes into
+    todo: list[int]  # the part of the prompt that cache lacks (all but the last token)
     drafter: Drafter | None
     draft_drafter: DraftModelDrafter | None  # the draft model inside ``drafter``, to prefill
 
@@ -70,22 +112,23 @@ class _Cancelled(Exception):
     pass
 
 
-def run(kit: ModelKit, req: Request) -> Iterator[GenerationResult]:
-    """Run a validated request on the kit (its engine thread)."""
+def run(kit: ModelKit, req: Request) -> Iterator:
+    """Run a validated request on the kit (on its engine thread)."""
     act = kit._activity
-    steps = None
+    steps = prepared = None
     model_work = False  # whether the caches may hold a half-recorded forward pass
     try:
         act.begin(req.request_id)
         stats = GenerationStats(prompt_tokens=len(req.prompt))
         t_start = time.perf_counter()
-        mx.reset_peak_memory()
+        if len(act.active) == 1:
+            mx.reset_peak_memory()  # not under another running request's feet
         if req.params.seed is not None:
             mx.random.seed(req.params.seed)
         prepared = _prepare(kit, req, stats)
         model_work = True
         try:
-            _process_prompt(kit, prepared, req.progress_cb, lambda: _stop_requested(kit, req.request_id))
+            yield from _process_prompt(kit, prepared, req.progress_cb, lambda: _stop_requested(kit, req.request_id))
         except _Cancelled:
             stats.total_time = time.perf_counter() - t_start
             yield _final(GenerationResult("", []), "user_cancelled", stats, req.stats_cb)
@@ -99,14 +142,24 @@ def run(kit: ModelKit, req: Request) -> Iterator[GenerationResult]:
         # half-recorded; start the next request from clean caches rather than
         # risk reusing a bad one. A failure before it leaves the caches as they were.
         if model_work:
-            _reset_caches(kit)
+            _reset_caches(kit, prepared)
         raise
     finally:
         if steps is not None:
             steps.close()
-        if kit.prompt_cache is not None:
-            kit.prompt_cache.settle()
+        if prepared is not None:
+            _release(kit, prepared)
         act.end(req.request_id)
+
+
+def _release(kit: ModelKit, prepared: _Prepared) -> None:
+    """Take the request's row out of the batch and return its caches."""
+    if kit.batch is not None and prepared.cache in kit.batch:
+        kit.batch.leave(prepared.cache)
+    if prepared.draft_drafter is not None:
+        kit.draft.give_back(prepared.draft_drafter.cache)
+    if kit.prompt_cache is not None:
+        kit.prompt_cache.release(prepared.cache)
 
 
 def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
@@ -116,27 +169,32 @@ def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
     prompt = plan.ids
     stats.prompt_tokens = len(prompt)
     entry, hit = kit.prompt_cache.select(plan.keys[:-1])  # the cached sequence sharing the longest prefix
-    stats.cached_tokens = entry.sync_to(plan.keys[:-1])
-    stats.cache_source = hit.source if stats.cached_tokens else "none"
-    stats.cache_entries = len(kit.prompt_cache.entries)
-    todo = prompt[stats.cached_tokens : -1]
-    decoding = req.plan.for_cache(kit.cache, len(todo))
-    t_setup = time.perf_counter()
-    drafter, draft_drafter = build_drafter(kit, decoding, prompt, stats)
-    stats.setup_time = time.perf_counter() - t_setup
-    return _Prepared(prompt, todo, drafter, draft_drafter)
+    try:
+        stats.cached_tokens = entry.sync_to(plan.keys[:-1])
+        stats.cache_source = hit.source if stats.cached_tokens else "none"
+        stats.cache_entries = len(kit.prompt_cache.entries)
+        todo = prompt[stats.cached_tokens : -1]
+        decoding = req.plan.for_cache(entry, len(todo))
+        t_setup = time.perf_counter()
+        drafter, draft_drafter = build_drafter(kit, decoding, prompt, stats)
+        stats.setup_time = time.perf_counter() - t_setup
+    except BaseException:
+        kit.prompt_cache.release(entry)
+        raise
+    return _Prepared(prompt, entry, todo, drafter, draft_drafter)
 
 
 def _process_prompt(
     kit: ModelKit, prepared: _Prepared, progress_cb: Callable | None, cancelled: Callable[[], bool]
-) -> None:
+) -> Iterator:
     """Prefill the main (and draft) caches with the prompt's uncached part,
     reporting progress from 0 to 100 over both models' work (the draft's weighted
-    by its size). Raises _Cancelled between chunks when asked to stop."""
+    by its size) and yielding ``TURN`` after each chunk. Raises _Cancelled
+    between chunks when asked to stop."""
     prompt, draft_drafter = prepared.prompt, prepared.draft_drafter
     draft_todo, draft_weight = 0, 0.0
     if draft_drafter is not None:
-        draft_todo = len(prompt) - 1 - common_prefix_length(draft_drafter.draft.cache.tokens, prompt[:-1])
+        draft_todo = len(prompt) - 1 - common_prefix_length(draft_drafter.cache.tokens, prompt[:-1])
         draft_weight = kit.draft.num_params / kit.num_params
     total = len(prepared.todo) + draft_weight * draft_todo
     done = 0.0
@@ -164,13 +222,15 @@ def _process_prompt(
 
     report(0.0)
     hidden = int(kit.config.get("text_config", kit.config).get("hidden_size", 4096) or 4096)
-    kit.prefill_prompt(prepared.todo, chunk_done(1.0), prefill_chunk(kit.vocab_size, hidden))
+    chunk = prefill_chunk(kit.vocab_size, hidden)
+    for _ in kit.prefill_prompt(prepared.cache, prepared.todo, chunk_done(1.0), chunk):
+        yield TURN
     if draft_drafter is not None:
         draft_drafter.prefill(prompt, chunk_done(draft_weight))
     report(100.0)
 
 
-def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats) -> Iterator[Step]:
+def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats) -> Iterator:
     """The one verify/accept/rewind loop for this request."""
 
     def on_fallback(reason: str) -> None:
@@ -180,7 +240,7 @@ def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationS
     constraint = None
     if req.grammar is not None:
         constraint = GrammarConstraint(kit, req.grammar, draft_forced=req.structured_drafting)
-    return decode(kit.cache, list(prepared.prompt), req.max_tokens, build_sampler(req.params),
+    return decode(prepared.cache, list(prepared.prompt), req.max_tokens, build_sampler(req.params),
                   build_logits_processors(req.params), req.params.repetition_context_size,
                   prepared.drafter, stats, on_fallback, constraint)
 
@@ -197,6 +257,9 @@ def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t
         return _finish(GenerationResult(text, tokens, tops), stop, stats, req.stats_cb, t_start, t_first, processed)
 
     for step in steps:
+        if isinstance(step, Launch):
+            yield step  # a forward pass, for the scheduler
+            continue
         t_first = t_first or time.perf_counter()
         if _stop_requested(kit, req.request_id):
             yield finish(stream.finish().text, [], None, "user_cancelled")
@@ -227,11 +290,14 @@ def _stop_requested(kit: ModelKit, request_id: str) -> bool:
     return kit._activity.is_cancelled(request_id) or worker.shutting_down.is_set()
 
 
-def _reset_caches(kit: ModelKit) -> None:
-    if kit.cache is not None:
-        kit.cache.reset()
-    if kit.draft is not None:
-        kit.draft.cache.reset()
+def _reset_caches(kit: ModelKit, prepared: _Prepared | None) -> None:
+    if prepared is None:
+        return
+    if kit.batch is not None and prepared.cache in kit.batch:
+        kit.batch.leave(prepared.cache)
+    prepared.cache.reset()
+    if prepared.draft_drafter is not None:
+        prepared.draft_drafter.cache.reset()
 
 
 def _top_logprobs(kit: ModelKit, logprobs: mx.array, n: int) -> list[TopLogprob]:

@@ -124,7 +124,8 @@ def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
     if kit.prompt_cache is None:
         return []
     n = len(prompt) - 1
-    return [e.tokens for e in kit.prompt_cache.entries[:-1] if common_prefix_length(e.tokens, prompt) < n]
+    pc = kit.prompt_cache
+    return [e.tokens for e in pc.entries if not pc._is_busy(e) and common_prefix_length(e.tokens, prompt) < n]
 
 
 def build_drafter(
@@ -143,7 +144,8 @@ def build_drafter(
         # Round costs drive the adaptive length, and the router's choice of mode.
         needs_costs = plan.draft_k is None or plan.kind == "auto"
         round_costs = costs.RoundCosts(kit_costs(kit), draft_step_cost(kit)) if needs_costs else None
-        draft = DraftModelDrafter(kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size)
+        cache = kit.draft.lend(prompt, lambda: kit.new_cache(kit.draft.model))
+        draft = DraftModelDrafter(kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size, cache=cache)
     if plan.kind == "draft_model":
         return draft, draft
     return AutoRouter(prompt, kit_costs(kit), stats, lookup, draft), draft

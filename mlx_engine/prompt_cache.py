@@ -134,6 +134,7 @@ class PromptCache:
         self.max_entries = max_entries
         self.disk = disk
         self.entries: list[SequenceCache] = [make()]  # least recently used first
+        self.busy: list[SequenceCache] = []  # entries a running request decodes into
         # One sequence, trimmed in place: for kits whose caches are mirrored on
         # other processes (a sharded kit's followers know only in-place trims).
         self.single_sequence = False
@@ -142,15 +143,20 @@ class PromptCache:
     def active(self) -> SequenceCache:
         return self.entries[-1]
 
+    def _is_busy(self, entry: SequenceCache) -> bool:
+        return any(e is entry for e in self.busy)
+
     def select(self, keys: list[int]) -> tuple[SequenceCache, CacheHit]:
         """The entry for a prompt whose cache keys (all but the last position)
-        are ``keys``, made the most recently used; evicts past the budget."""
-        best = max(reversed(self.entries), key=lambda e: common_prefix_length(e.tokens, keys))
+        are ``keys``, made the most recently used and busy until ``release``;
+        evicts past the budget. Entries busy with other requests are not
+        shared (their keys and values may be rows of the running batch)."""
+        idle = [e for e in self.entries if not self._is_busy(e)] or [self.make()]
+        best = max(reversed(idle), key=lambda e: common_prefix_length(e.tokens, keys))
         shared = common_prefix_length(best.tokens, keys)
         entry, source = self._entry_for(best, shared, keys)
-        if entry in self.entries:
-            self.entries.remove(entry)
-        self.entries.append(entry)
+        self.entries = [e for e in self.entries if e is not entry] + [entry]
+        self.busy.append(entry)
         self._evict()
         return entry, CacheHit(common_prefix_length(entry.tokens, keys), source if shared or source == "disk" else "none")
 
@@ -169,13 +175,16 @@ class PromptCache:
             return self.make(), "none"  # a new sequence: keep the others
         return best, "memory"  # trimmed in place (sync_to) where slicing is not possible
 
-    def settle(self) -> None:
-        """After a request: drop entries the active one now covers (their tokens
-        are a prefix of its own, e.g. the answer it replaced was regenerated
-        identically), then keep to the budget."""
-        active = self.active
-        known = active.tokens[: _known_length(active.tokens)]
-        self.entries = [e for e in self.entries[:-1] if not _is_prefix(e.tokens, known)] + [active]
+    def release(self, entry: SequenceCache) -> None:
+        """After a request: ``entry`` is idle again; drop the idle entries it now
+        covers (their tokens are a prefix of its own, e.g. the answer it
+        replaced was regenerated identically), then keep to the budget."""
+        self.busy = [e for e in self.busy if e is not entry]
+        known = entry.tokens[: _known_length(entry.tokens)]
+        self.entries = [
+            e for e in self.entries
+            if e is entry or self._is_busy(e) or not _is_prefix(e.tokens, known)
+        ]
         self._evict()
 
     def _evict(self) -> None:
@@ -184,7 +193,11 @@ class PromptCache:
         while len(self.entries) > 1 and (
             len(self.entries) > self.max_entries or self.memory_bytes() > self.budget_bytes
         ):
-            old = self.entries.pop(0)
+            idle = [e for e in self.entries[:-1] if not self._is_busy(e)]
+            if not idle:
+                return
+            old = idle[0]
+            self.entries = [e for e in self.entries if e is not old]
             if self.disk is not None and old.tokens:
                 self.disk.save(old)
             logger.info("prompt cache: evicted a %d-token entry", len(old.tokens))
@@ -195,10 +208,11 @@ class PromptCache:
     def replace_all(self, cache: SequenceCache) -> None:
         """Make ``cache`` the only entry (a kit whose model or cache was swapped)."""
         self.entries = [cache]
+        self.busy = []
 
     def clear(self) -> None:
-        """Forget every cached sequence (the disk tier is kept)."""
-        self.entries = [self.make()]
+        """Forget every idle cached sequence (the disk tier is kept)."""
+        self.entries = [e for e in self.entries if self._is_busy(e)] or [self.make()]
 
     def flush(self) -> None:
         """Write every entry to the disk tier (at unload, for persistence)."""

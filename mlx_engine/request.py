@@ -113,11 +113,11 @@ def require_model(kit: ModelKit) -> None:
 
 def require_idle(kit: ModelKit) -> None:
     """``GenerationInProgressError`` while a generation runs on ``kit``."""
-    active = kit._activity.active
-    if active is not None:
+    active = sorted(kit._activity.active)
+    if active:
+        names = ", ".join(repr(a) for a in active)
         raise GenerationInProgressError(
-            f"generation {active!r} is still running on this kit; finish or close it first "
-            "(a kit runs one generation at a time)"
+            f"generation {names} is still running on this kit; finish or close it first"
         )
 
 

@@ -110,6 +110,9 @@ class VisionModelKit(ModelKit):
     def __init__(self, model_path: str | Path, options: KitOptions = KitOptions(), max_image_pixels: int | None = None):
         if options.cache.kv_bits is not None:
             raise ValueError("kv_bits: a quantized KV cache is not supported for vision models yet")
+        if options.max_parallel not in (None, 1):
+            # The planned prompt (image positions, M-RoPE offsets) is per kit.
+            raise ValueError("max_parallel: a vision kit serves one generation at a time; pass 1 or None")
         self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
         self._init_files(loading.resolve_model_dir(model_path), options)
         self.eos_token_ids |= _config_eos_ids(self.config)
@@ -199,12 +202,16 @@ class VisionModelKit(ModelKit):
         self._plan = VisionPromptPlan(ids, keys, spans)
         return self._plan
 
-    def prefill_prompt(self, todo: list[int], on_chunk=None, chunk_size: int = PREFILL_CHUNK) -> None:
-        """Bring the cache to all but the last position of the last planned
+    def prefill_prompt(self, cache, todo: list[int], on_chunk=None, chunk_size: int = PREFILL_CHUNK):
+        """Bring ``cache`` to all but the last position of the last planned
         prompt, feeding input embeddings so image positions get their features.
-        ``todo`` are the real token ids of that part."""
+        ``todo`` are the real token ids of that part. All chunks run at once (a
+        vision kit runs one generation at a time)."""
+        self._prefill(cache, todo, on_chunk, chunk_size)
+        yield
+
+    def _prefill(self, cache, todo: list[int], on_chunk, chunk_size: int) -> None:
         plan = self._plan
-        cache = self.cache
         start = len(cache.tokens)
         if plan is None or cache.tokens != plan.keys[:start] or plan.ids[start:-1] != list(todo):
             raise RuntimeError("prefill_prompt does not follow plan_prompt for this cache")

@@ -72,12 +72,27 @@ class MLXWorker:
 
     def __init__(self) -> None:
         self._tasks: queue.SimpleQueue[_Task] = queue.SimpleQueue()
+        # The kit's scheduler (scheduler.py): stepped whenever it is busy, with
+        # the calls handed to the worker run between its steps.
+        self.job = None
         self._thread = threading.Thread(target=self._loop, name="mlx-engine-worker", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
-            self._tasks.get().run()
+            job = self.job
+            if job is None or not job.busy:
+                self._tasks.get().run()
+                continue
+            while True:  # the calls handed over meanwhile, without waiting
+                try:
+                    self._tasks.get_nowait().run()
+                except queue.Empty:
+                    break
+            try:
+                job.step()
+            except BaseException:  # pragma: no cover - a step reports to its requests itself
+                logger.exception("a scheduler step failed")
 
     @property
     def is_current(self) -> bool:
@@ -113,6 +128,7 @@ def acquire() -> MLXWorker:
 def release(worker: MLXWorker) -> None:
     """Return a worker whose kit is gone to the pool (never ends its thread)."""
     with _pool_lock:
+        worker.job = None
         if worker not in _idle:
             _idle.append(worker)
 

@@ -9,7 +9,12 @@ from mlx_engine.model_kit import DraftModel
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.draft_model import DraftModelDrafter
-from mlx_engine.speculative.loop import decode
+from mlx_engine.speculative.loop import decode as _decode, run_alone
+
+
+def decode(*args, **kwargs):
+    return run_alone(_decode(*args, **kwargs))
+
 
 TEXT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 

@@ -122,14 +122,22 @@ def test_close_and_stop_generation_cancel(kit):
     assert not me.stop_generation(kit, "req-1")
 
 
-def test_one_generation_at_a_time(kit):
+def test_at_most_max_parallel_open_generations(kit, llama_path):
     prompt = prompt_of(kit)
-    gen = me.create_generator(kit, prompt, max_tokens=5)
+    gens = [me.create_generator(kit, prompt, max_tokens=5) for _ in range(kit.max_parallel)]
+    next(gens[0])
+    with pytest.raises(GenerationInProgressError, match="max_parallel of 4"):
+        me.create_generator(kit, prompt, max_tokens=5)
+    for g in gens:
+        g.close()
+    assert generate_ids(kit, prompt, max_tokens=3)[1].stop_condition.stop_reason == "token_limit"
+    one = me.load_model(llama_path, max_parallel=1)
+    gen = me.create_generator(one, prompt, max_tokens=5)
     next(gen)
     with pytest.raises(GenerationInProgressError):
-        me.create_generator(kit, prompt, max_tokens=5)
+        me.create_generator(one, prompt, max_tokens=5)
     gen.close()
-    assert generate_ids(kit, prompt, max_tokens=3)[1].stop_condition.stop_reason == "token_limit"
+    assert generate_ids(one, prompt, max_tokens=3)[1].stop_condition.stop_reason == "token_limit"
 
 
 def test_seeded_sampling_is_reproducible(kit):

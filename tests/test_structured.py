@@ -11,7 +11,11 @@ from conftest import generate_ids, requires_default_model
 from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
 import mlx_engine as me
-from mlx_engine.speculative.loop import decode
+from mlx_engine.speculative.loop import decode as _decode, run_alone
+
+
+def decode(*args, **kwargs):
+    return run_alone(_decode(*args, **kwargs))
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.structured import GrammarConstraint, compile_constraint

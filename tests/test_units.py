@@ -13,7 +13,7 @@ from mlx_engine.cache import UNKNOWN, CacheOptions, SequenceCache, common_prefix
 from mlx_engine.plan import DecodingPlan, choose_plan
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
-from mlx_engine.speculative.loop import decode
+from mlx_engine.speculative.loop import decode, run_alone
 from mlx_engine.stop_strings import StopStringMatcher
 
 VOCAB = 50
@@ -105,7 +105,7 @@ class ScriptedDrafter:
 def run_loop(drafter, n=30, prompt=(3,)):
     cache = SequenceCache(markov())
     stats = GenerationStats()
-    steps = list(decode(cache, list(prompt), n, build_sampler(SamplingParams()), [], 20, drafter, stats))
+    steps = list(run_alone(decode(cache, list(prompt), n, build_sampler(SamplingParams()), [], 20, drafter, stats)))
     return [s.token for s in steps], [s.from_draft for s in steps], stats, cache
 
 

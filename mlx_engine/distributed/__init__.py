@@ -172,7 +172,7 @@ class ShardedModelKit(ModelKit):
         finish on its own: stop counting it, so that ``unload`` is allowed."""
         act = self._activity
         with act.lock:
-            act.active = None
+            act.active.clear()
             act.known.clear()
             act.cancelled.clear()
 

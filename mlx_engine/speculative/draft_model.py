@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
+from ..cache import SequenceCache
 from ..model_kit import DraftModel, ModelKit, param_count, prepare_weights, smoke_test
 from . import costs
 from .loop import DrafterUnavailable
@@ -134,8 +135,10 @@ class DraftModelDrafter:
         round_costs: costs.RoundCosts | None = None,
         prior_acceptance: float = 0.6,
         vocab_size: int | None = None,
+        cache: SequenceCache | None = None,
     ):
         self.draft = draft
+        self.cache = cache if cache is not None or draft is None else draft.cache  # this request's draft cache
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance)
         self._unresolved: tuple[int, mx.array] | None = None
@@ -154,7 +157,7 @@ class DraftModelDrafter:
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
         """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
-        cache = self.draft.cache
+        cache = self.cache
         keep = cache.sync_to(prompt[:-1])
         todo = prompt[keep:-1]
         cache.prefill(todo, on_chunk)
@@ -165,7 +168,7 @@ class DraftModelDrafter:
         k = self.num_tokens(limit)
         if k <= 0:
             return []
-        cache = self.draft.cache
+        cache = self.cache
         keep = min(cache.sync_to(history), len(history) - 1)
         self._catch_up = len(history) - keep
         if not cache.rewind_to(keep):
@@ -192,7 +195,7 @@ class DraftModelDrafter:
         """Name the draft ids fed lazily last round (evaluated by now)."""
         if self._unresolved is not None:
             start, drafts = self._unresolved
-            self.draft.cache.resolve(start, drafts.tolist()[:-1])
+            self.cache.resolve(start, drafts.tolist()[:-1])
             self._unresolved = None
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:

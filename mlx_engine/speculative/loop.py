@@ -30,6 +30,49 @@ class Step(NamedTuple):
     completes_grammar: bool = False  # the request's grammar allows nothing after this token
 
 
+class _Turn:
+    def __repr__(self) -> str:
+        return "TURN"
+
+
+#: Yielded by a request between prompt chunks: the other requests take a step.
+TURN = _Turn()
+
+
+class Launch:
+    """A row's request for a forward pass, yielded by ``decode``: ``known`` ids
+    then ``lazy`` ones (not evaluated yet) after what ``cache`` holds. The
+    scheduler runs every row's launch of a step as one batched forward pass,
+    calls ``finish(logits, start)`` (start: position of the first lazy id) and
+    stores the queued round in ``round`` before resuming the row."""
+
+    __slots__ = ("cache", "known", "lazy", "finish", "round")
+
+    def __init__(self, cache: SequenceCache, known: list[int], lazy: mx.array | None, finish: Callable):
+        self.cache, self.known, self.lazy, self.finish = cache, known, lazy, finish
+        self.round: _Round | None = None
+
+
+def forward_alone(launch: Launch) -> None:
+    """Run a launch on its own cache (a row outside any batch)."""
+    if launch.lazy is not None:
+        logits, start = launch.cache.feed_lazy(launch.known, launch.lazy)
+    else:
+        logits = launch.cache.feed(launch.known)
+        start = len(launch.cache)
+    launch.round = launch.finish(logits, start)
+
+
+def run_alone(items: Iterator) -> Iterator:
+    """``decode``'s steps (or a request's results) with each launch run on its
+    own cache as it comes: one sequence, no scheduler."""
+    for item in items:
+        if isinstance(item, Launch):
+            forward_alone(item)
+        elif item is not TURN:
+            yield item
+
+
 class DrafterUnavailable(Exception):
     """Raised by a drafter that can no longer draft for this request (for example
     its cache cannot be rewound); the loop continues with plain decoding."""
@@ -135,17 +178,21 @@ def decode(
     stats: GenerationStats,
     on_fallback: Callable[[str], None] | None = None,
     constraint: GrammarConstraint | None = None,
-) -> Iterator[Step]:
+) -> Iterator[Step | Launch]:
     """Yield up to ``max_new`` tokens following ``history`` (whose last token the
     cache does not hold yet). With ``drafter=None`` this is plain decoding; with a
     ``constraint`` every position is sampled under the grammar's mask.
 
-    Each round is queued on MLX before the previous round's tokens are handed
-    out, so the caller's work (detokenizing, stop strings) overlaps the model, as
-    in mlx-lm's ``generate_step``. ``cache.tokens`` always has one entry per cached
-    position: the id, or UNKNOWN for an id of a queued round that is not read yet.
-    The caller may therefore stop at any point: the next request's prefix match
-    stops at the first UNKNOWN and recomputes from there."""
+    Between tokens it yields a ``Launch`` for each verify round: the caller (the
+    scheduler) runs the forward passes of every request's launches together and
+    resumes it. One request is a batch of one; nothing else differs.
+
+    Each round is launched before the previous round's tokens are handed out,
+    so the caller's work (detokenizing, stop strings, other rows) overlaps the
+    model, as in mlx-lm's ``generate_step``. ``cache.tokens`` always has one entry
+    per cached position: the id, or UNKNOWN for an id of a queued round that is
+    not read yet. The caller may therefore stop at any point: the next request's
+    prefix match stops at the first UNKNOWN and recomputes from there."""
     loop = _Loop(cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback, constraint)
     return loop.run()
 
@@ -163,15 +210,14 @@ class _Loop:
         self.produced = 0
         self.last_read: float | None = None
 
-    def run(self) -> Iterator[Step]:
+    def run(self) -> Iterator[Step | Launch]:
         cache = self.cache
-        pending = self.launch()
+        rnd = yield from self.launch()
         while True:
-            rnd = pending
             ahead = self.drafter is None and not self.processors and self.constraint is None
             ahead = ahead and self.produced + 1 < self.max_new
             if ahead:
-                pending = self.launch_plain_from(rnd.tokens)
+                pending = yield from self.launch_plain_from(rnd.tokens)
             sampled = rnd.tokens.tolist()
             sampled_lp = rnd.chosen.tolist()
             now = time.perf_counter()
@@ -184,11 +230,12 @@ class _Loop:
             self.history.extend(emitted)
             self.produced += len(emitted)
             if self.produced < self.max_new and not ahead and not complete:
-                pending = self.launch()
+                pending = yield from self.launch()
             for i, tok in enumerate(emitted):
                 yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n, complete and i == len(emitted) - 1)
             if self.produced >= self.max_new or complete:
                 return
+            rnd = pending
 
     def grammar_cut(self, emitted: list[int], accepted: int) -> tuple[list[int], bool]:
         """Advance the grammar; nothing follows a complete grammar (not even an
@@ -215,27 +262,41 @@ class _Loop:
                 self.on_fallback(str(exc))
             return []
 
-    def launch(self) -> _Round:
-        cache, history, limit = self.cache, self.history, self.max_new - self.produced - 1
+    def launch(self) -> Iterator[Launch]:
+        """Yield this round's launch and return its queued round."""
+        history, limit = self.history, self.max_new - self.produced - 1
         if self.constraint is not None:
-            return _launch_constrained(cache, history, limit, self.propose, self.constraint, self.sampler,
-                                       self.processors, self.context_window)
+            launch = _launch_constrained(self.cache, history, limit, self.propose, self.constraint, self.sampler,
+                                         self.processors, self.context_window)
+        else:
+            launch = self._launch_free(history, limit)
+        yield launch
+        return launch.round
+
+    def _launch_free(self, history: list[int], limit: int) -> Launch:
         drafts = self.propose(limit)
+        sample = self.sampler
         if isinstance(drafts, mx.array):
             if drafts.size and not self.processors:
-                logits, start = cache.feed_lazy([history[-1]], drafts)
-                return _queue(drafts, start, *sample_rows(logits, [], [], self.sampler, [], self.context_window))
+                return Launch(self.cache, [history[-1]], drafts,
+                              lambda logits, start: _queue(drafts, start, *sample_rows(logits, [], [], sample, [], 0)))
             drafts = drafts.tolist()  # processors need each position's exact context
-        logits = cache.feed([history[-1]] + drafts)
-        rows = sample_rows(logits, history, drafts, self.sampler, self.processors, self.context_window)
-        return _queue(drafts, len(cache), *rows)
 
-    def launch_plain_from(self, token: mx.array) -> _Round:
+        def finish(logits: mx.array, start: int) -> _Round:
+            rows = sample_rows(logits, history, drafts, sample, self.processors, self.context_window)
+            return _queue(drafts, start, *rows)
+
+        return Launch(self.cache, [history[-1]] + drafts, None, finish)
+
+    def launch_plain_from(self, token: mx.array) -> Iterator[Launch]:
         # Plain decoding without logits processors: build the next step from the
         # token before it is known (as mlx-lm's generate_step does), so graph
         # construction overlaps the running step.
-        logits, start = self.cache.feed_lazy([], token)
-        return _queue([], start, *sample_rows(logits, [], [], self.sampler, [], self.context_window))
+        sample = self.sampler
+        launch = Launch(self.cache, [], token,
+                        lambda logits, start: _queue([], start, *sample_rows(logits, [], [], sample, [], 0)))
+        yield launch
+        return launch.round
 
 
 def _accept(cache: SequenceCache, rnd: _Round, sampled: list[int], drafter, tracker, seconds) -> int:
@@ -261,7 +322,7 @@ def _accept(cache: SequenceCache, rnd: _Round, sampled: list[int], drafter, trac
     return n
 
 
-def _launch_constrained(cache, history, limit, propose, constraint, sampler, processors, context_window) -> _Round:
+def _launch_constrained(cache, history, limit, propose, constraint, sampler, processors, context_window) -> Launch:
     """A verify round under a grammar: the tokens it forces are drafted for free
     (when the cache can rewind them), otherwise the drafter's drafts are cut at
     the first token the grammar forbids; every position gets its grammar mask."""
@@ -272,8 +333,11 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
     if isinstance(drafts, mx.array):
         drafts = drafts.tolist()
     drafts = constraint.allowed_prefix(list(drafts))
-    logits = cache.feed([history[-1]] + drafts)
-    mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
-    masks = constraint.masks(drafts)
-    rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks)
-    return _queue(drafts, len(cache), *rows, forced=bool(forced))
+
+    def finish(logits: mx.array, start: int) -> _Round:
+        mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
+        masks = constraint.masks(drafts)
+        rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks)
+        return _queue(drafts, start, *rows, forced=bool(forced))
+
+    return Launch(cache, [history[-1]] + drafts, None, finish)

@@ -1,0 +1,148 @@
+"""Concurrency benchmark: ``python -m bench.concurrency [--reps 3]``.
+
+SmolLM2-135M-Instruct (float32 on the CPU, greedy) serving 1, 2, 4 and 8
+requests at once on one kit, each consumed by its own thread, in three modes:
+plain, prompt lookup and auto. Two prompt sets from ``bench.chat``: "mixed"
+(all chat workloads, cycled) and "copy" (the edit and quote workloads, where
+lookup pays). Reported per streams x mode: aggregate throughput (all tokens of
+all requests over the wall time from the first request to the last result),
+its paired ratio to one plain stream and to plain at the same concurrency, and
+whether each request's output equals its solo plain output. A second part
+measures the time to first token of a request admitted while three others
+decode, against the same request alone. Writes ``<out>/concurrency.md`` and
+``<out>/concurrency.json``.
+"""
+
+from __future__ import annotations
+
+import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+
+import json  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from .chat import chat_prompts  # noqa: E402
+from .run import _median, machine_info  # noqa: E402
+from .stats import bench_args, format_paired, paired_ratio, write_report  # noqa: E402
+
+STREAMS = (1, 2, 4, 8)
+MODES = {"plain": {}, "lookup": {"prompt_lookup_num_tokens": 8}, "auto": {"auto_speculative": True}}
+COPY = ("edit-rename", "edit-param", "quote-doc", "continue-list")
+
+
+def prompt_sets(kit: me.ModelKit) -> dict[str, list[list[int]]]:
+    texts = {name: text for name, (_, text) in chat_prompts().items()}
+    ids = {n: me.apply_chat_template(kit, [{"role": "user", "content": t}]) for n, t in texts.items()}
+    return {"mixed": list(ids.values()), "copy": [ids[n] for n in COPY]}
+
+
+def run_streams(kit, prompts: list[list[int]], max_tokens: int, mode: dict) -> tuple[float, list[list[int]]]:
+    """All ``prompts`` at once; returns (aggregate tok/s, each request's ids)."""
+    outs: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        ids = []
+        for r in me.create_generator(kit, prompts[i], max_tokens=max_tokens, **mode):
+            ids += [t.id for t in r.tokens]
+        outs[i] = ids
+
+    kit.prompt_cache.clear()  # every run starts cold
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    return sum(len(o) for o in outs) / seconds, outs
+
+
+def first_token_seconds(kit, prompt: list[int], max_tokens: int, others: list[list[int]]) -> float:
+    """Seconds from creating a request to its first token, with ``others``
+    already decoding (each past its fifth token)."""
+    kit.prompt_cache.clear()
+    running = [me.create_generator(kit, p, max_tokens=max_tokens) for p in others]
+    for g in running:
+        n = 0
+        while n < 5:
+            n += len(next(g).tokens)
+    start = time.perf_counter()
+    gen = me.create_generator(kit, prompt, max_tokens=4)
+    while not next(gen).tokens:
+        pass
+    seconds = time.perf_counter() - start
+    gen.close()
+    for g in running:
+        g.close()
+    return seconds
+
+
+def measure(kit, sets, reps: int, max_tokens: int) -> tuple[dict, dict]:
+    """Interleaved rounds: every (set, streams, mode) once per round."""
+    rates: dict = {}
+    outputs: dict = {}
+    for rnd in range(reps + 1):  # round 0 warms up
+        for set_name, prompts in sets.items():
+            for n in STREAMS:
+                chosen = [prompts[i % len(prompts)] for i in range(n)]
+                for mode_name, mode in MODES.items():
+                    rate, outs = run_streams(kit, chosen, max_tokens, mode)
+                    if rnd:
+                        rates.setdefault((set_name, n, mode_name), []).append(rate)
+                        outputs.setdefault((set_name, n, mode_name), outs)
+    return rates, outputs
+
+
+def exactness(kit, sets, outputs, max_tokens: int) -> dict:
+    """For each run: how many requests equal their prompt's solo plain output."""
+    solo: dict = {}
+    for prompts in sets.values():
+        for p in prompts:
+            key = tuple(p)
+            if key not in solo:
+                solo[key] = [t.id for r in me.create_generator(kit, p, max_tokens=max_tokens) for t in r.tokens]
+    same = {}
+    for (set_name, n, mode_name), outs in outputs.items():
+        chosen = [sets[set_name][i % len(sets[set_name])] for i in range(n)]
+        same[(set_name, n, mode_name)] = sum(o == solo[tuple(p)] for o, p in zip(outs, chosen))
+    return same
+
+
+def render(rates, same, ttft, reps: int, max_tokens: int) -> list[str]:
+    lines = [f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens per request, "
+             f"{reps} interleaved rounds; ratios paired per round (95% bootstrap interval).", "",
+             "| prompts | streams | mode | aggregate tok/s | vs 1 plain stream | vs plain, same streams | equal to solo |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for (set_name, n, mode_name), rs in rates.items():
+        one = paired_ratio(rs, rates[(set_name, 1, "plain")])
+        same_n = paired_ratio(rs, rates[(set_name, n, "plain")])
+        lines.append(f"| {set_name} | {n} | {mode_name} | {_median(rs):.1f} | {format_paired(one.ratio, one.low, one.high)} | "
+                     f"{format_paired(same_n.ratio, same_n.low, same_n.high)} | {same[(set_name, n, mode_name)]}/{n} |")
+    alone, admitted = ttft
+    lines += ["", "| time to first token | median s |", "|---|---:|",
+              f"| alone | {_median(alone):.3f} |", f"| admitted while 3 others decode | {_median(admitted):.3f} |",
+              f"| ratio | {_median(admitted) / _median(alone):.2f} |"]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args("python -m bench.concurrency", __doc__.split("\n\n")[0], 3, 128, argv)
+    kit = me.load_model(me.DEFAULT_MODEL, max_parallel=max(STREAMS))
+    sets = prompt_sets(kit)
+    rates, outputs = measure(kit, sets, args.reps, args.max_tokens)
+    same = exactness(kit, sets, outputs, args.max_tokens)
+    mixed = sets["mixed"]
+    alone = [first_token_seconds(kit, mixed[0], args.max_tokens, []) for _ in range(args.reps + 1)][1:]
+    admitted = [first_token_seconds(kit, mixed[0], args.max_tokens, mixed[1:4]) for _ in range(args.reps + 1)][1:]
+    lines = render(rates, same, (alone, admitted), args.reps, args.max_tokens)
+    lines += ["", f"Machine: {machine_info()}"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "concurrency.json").write_text(json.dumps({
+        "rates": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in rates.items()},
+        "equal_to_solo": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in same.items()},
+        "ttft_alone": alone, "ttft_admitted": admitted}, indent=1))
+    return write_report(lines, args.out, "concurrency.md")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""Parallel requests on one kit: continuous batching, speculation per request."""
+
+import threading
+
+import mlx.core as mx
+import pytest
+from conftest import assert_same_or_near_tie, generate_ids
+
+import mlx_engine as me
+from mlx_engine import CallbackError
+from mlx_engine.batch_cache import RaggedBatch
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nimport sys\n",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\n",
+]
+MODES = [
+    {"speculative_decoding_toggle": False},
+    {"prompt_lookup_num_tokens": 4},
+    {"speculative_decoding_toggle": True},
+    {"auto_speculative": True},
+]
+
+
+@pytest.fixture
+def pkit(llama_path, draft_path):
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, draft_path)
+    return kit
+
+
+def solo(kit, prompt, **kw):
+    """The request's output on a kit of its own, serving one request at a time."""
+    ids, final = generate_ids(kit, prompt, **kw)
+    return ids
+
+
+def drain(gen) -> tuple[list[int], object]:
+    ids, last = [], None
+    for r in gen:
+        ids += [t.id for t in r.tokens]
+        last = r
+    return ids, last
+
+
+def test_batched_rows_match_their_own_passes_and_rewind_alone(kit):
+    """Rows of different lengths and input widths get the logits a pass over
+    each alone gives; a row is rewound by shortening its token list."""
+    prompts = [me.tokenize(kit, t) for t in TEXTS[:3]]
+    inputs = [[5, 6, 7], [8], [9, 10]]
+    alone, rows = [], []
+    for p, extra in zip(prompts, inputs):
+        c = kit.new_cache(kit.model)
+        c.prefill(p)
+        alone.append((c, c.feed(extra)))
+        r = kit.new_cache(kit.model)
+        r.prefill(p)
+        rows.append(r)
+    batch = RaggedBatch(kit.model, len(rows[0].layers))
+    for r in rows:
+        batch.join(r)
+    out = batch.feed([(r, x, None) for r, x in zip(rows, inputs)])
+    for (logits, _), (_, want) in zip(out, alone):
+        assert logits.shape == want.shape
+        assert mx.allclose(logits, want, atol=1e-4).item()
+    del rows[0].tokens[-2:]  # row 0 rejected two drafts; the others keep theirs
+    alone[0][0].rewind_to(len(alone[0][0].tokens) - 2)
+    out = batch.feed([(rows[0], [11], None), (rows[2], [12], None)])  # row 1 rides along
+    assert mx.allclose(out[0][0], alone[0][0].feed([11]), atol=1e-4).item()
+    assert mx.allclose(out[1][0], alone[2][0].feed([12]), atol=1e-4).item()
+    for r in list(rows):
+        batch.leave(r)
+    assert not batch.rows
+    assert mx.allclose(rows[1].feed([13]), alone[1][0].feed([13]), atol=1e-4).item()
+
+
+def test_concurrent_requests_equal_their_solo_outputs_in_every_mode(llama_path, draft_path, pkit):
+    one = me.load_model(llama_path, max_parallel=1)
+    me.load_draft_model(one, draft_path)
+    jobs = [(me.tokenize(pkit, t), mode, n) for t, mode, n in zip(TEXTS, MODES, (24, 9, 17, 30))]
+    want = [solo(one, p, max_tokens=n, **mode) for p, mode, n in jobs]
+    gens = [me.create_generator(pkit, p, max_tokens=n, **mode) for p, mode, n in jobs]
+    got = [[] for _ in gens]
+    finals = [None] * len(gens)
+    while any(f is None for f in finals):  # round-robin: every request is open at once
+        for i, g in enumerate(gens):
+            if finals[i] is None:
+                r = next(g)
+                got[i] += [t.id for t in r.tokens]
+                if r.stop_condition is not None:
+                    finals[i] = r
+    for (p, mode, n), w, ids, final in zip(jobs, want, got, finals):
+        assert_same_or_near_tie(pkit, p, w, ids)
+        assert final.stats.generated_tokens == len(ids) <= n
+    assert [f.stats.decoding_mode for f in finals[:3]] == ["plain", "prompt_lookup", "draft_model"]
+
+
+def test_threads_consume_streams_concurrently_one_cancelled_halfway(pkit, llama_path):
+    one = me.load_model(llama_path, max_parallel=1)
+    prompts = [me.tokenize(pkit, t) for t in TEXTS]
+    want = [solo(one, p, max_tokens=20) for p in prompts]
+    got, errors = [None] * 4, []
+
+    def consume(i):
+        try:
+            gen = me.create_generator(pkit, prompts[i], max_tokens=20, request_id=f"r{i}")
+            ids = []
+            for r in gen:
+                ids += [t.id for t in r.tokens]
+                if i == 0 and len(ids) == 10:
+                    assert me.stop_generation(pkit, "r0")
+            got[i] = (ids, r.stop_condition.stop_reason)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert got[0][1] == "user_cancelled" and got[0][0] == want[0][: len(got[0][0])]
+    for i in range(1, 4):
+        assert got[i][1] == "token_limit"
+        assert_same_or_near_tie(pkit, prompts[i], want[i], got[i][0])
+
+
+def test_admitted_while_others_decode(pkit, llama_path):
+    one = me.load_model(llama_path, max_parallel=1)
+    prompts = [me.tokenize(pkit, t) for t in TEXTS]
+    want = [solo(one, p, max_tokens=16) for p in prompts]
+    first = [me.create_generator(pkit, p, max_tokens=16) for p in prompts[:3]]
+    heads = [[t.id for _ in range(5) for t in next(g).tokens] for g in first]
+    late = me.create_generator(pkit, prompts[3], max_tokens=16)  # joins three running rows
+    outs = [h + drain(g)[0] for h, g in zip(heads, first)] + [drain(late)[0]]
+    for p, w, ids in zip(prompts, want, outs):
+        assert_same_or_near_tie(pkit, p, w, ids)
+
+
+def test_a_failing_or_cancelled_request_leaves_the_others_alone(pkit, llama_path):
+    one = me.load_model(llama_path, max_parallel=1)
+    prompts = [me.tokenize(pkit, t) for t in TEXTS]
+    want = [solo(one, p, max_tokens=14) for p in prompts]
+
+    def boom(_):
+        raise RuntimeError("host bug")
+
+    good = [me.create_generator(pkit, prompts[i], max_tokens=14) for i in (0, 1)]
+    heads = [[t.id for t in next(g).tokens] for g in good]
+    bad_progress = me.create_generator(pkit, prompts[2], max_tokens=14, prompt_progress_callback=boom)
+    with pytest.raises(CallbackError, match="host bug"):
+        drain(bad_progress)
+    with pytest.raises(ValueError, match="top_p"):
+        me.create_generator(pkit, prompts[3], max_tokens=14, top_p=7)
+    bad_stats = me.create_generator(pkit, prompts[3], max_tokens=14, stats_callback=boom)
+    closed = me.create_generator(pkit, prompts[2], max_tokens=14)
+    next(closed)
+    closed.close()  # cancelled mid-round
+    with pytest.raises(CallbackError, match="stats_callback"):
+        drain(bad_stats)
+    for i, (h, g) in enumerate(zip(heads, good)):
+        assert_same_or_near_tie(pkit, prompts[i], want[i], h + drain(g)[0])
+    assert not pkit._activity.known and not pkit._activity.active
+    assert not pkit.batch.rows
+    assert_same_or_near_tie(pkit, prompts[2], want[2], solo(pkit, prompts[2], max_tokens=14))
+
+
+def test_each_request_reuses_a_cached_prefix(pkit):
+    base = me.tokenize(pkit, TEXTS[1])
+    ids = solo(pkit, base, max_tokens=6)
+    gens = [me.create_generator(pkit, base + ids + me.tokenize(pkit, t), max_tokens=4) for t in ("x", "y")]
+    finals = [drain(g)[1] for g in gens]
+    assert max(f.stats.cached_tokens for f in finals) >= len(base)
+    assert all(f.stats.cache_source in ("memory", "branch", "none") for f in finals)
+
+
+def test_max_parallel_is_checked(llama_path):
+    for bad in (0, 65, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="max_parallel"):
+            me.load_model(llama_path, max_parallel=bad)
+    assert me.load_model(llama_path).max_parallel == 4
+
+
+def test_a_stream_left_unread_is_paused_and_resumes(pkit, llama_path, monkeypatch):
+    from mlx_engine import scheduler
+
+    monkeypatch.setattr(scheduler, "MAX_BACKLOG", 4)
+    one = me.load_model(llama_path, max_parallel=1)
+    prompts = [me.tokenize(pkit, t) for t in TEXTS[:2]]
+    want = [solo(one, p, max_tokens=30) for p in prompts]
+    slow = me.create_generator(pkit, prompts[0], max_tokens=30)
+    first = next(slow)  # admitted; then left unread while another request runs
+    fast = drain(me.create_generator(pkit, prompts[1], max_tokens=30))[0]
+    assert slow._live.out.qsize() <= 4
+    rest = drain(slow)[0]
+    assert_same_or_near_tie(pkit, prompts[0], want[0], [t.id for t in first.tokens] + rest)
+    assert_same_or_near_tie(pkit, prompts[1], want[1], fast)
