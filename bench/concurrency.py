@@ -6,8 +6,9 @@ plain, prompt lookup and auto. Two prompt sets from ``bench.chat``: "mixed"
 (all chat workloads, cycled) and "copy" (the edit and quote workloads, where
 lookup pays). Reported per streams x mode: aggregate throughput (all tokens of
 all requests over the wall time from the first request to the last result),
-its paired ratio to one plain stream and to plain at the same concurrency, and
-whether each request's output equals its solo plain output. A second part
+its paired ratio to one stream serving the same requests one after another
+(plain decoding) and to plain at the same concurrency, and whether each
+request's output equals its solo plain output. A second part
 measures the time to first token of a request admitted while three others
 decode, against the same request alone. Writes ``<out>/concurrency.md`` and
 ``<out>/concurrency.json``.
@@ -36,8 +37,10 @@ def prompt_sets(kit: me.ModelKit) -> dict[str, list[list[int]]]:
     return {"mixed": list(ids.values()), "copy": [ids[n] for n in COPY]}
 
 
-def run_streams(kit, prompts: list[list[int]], max_tokens: int, mode: dict) -> tuple[float, list[list[int]]]:
-    """All ``prompts`` at once; returns (aggregate tok/s, each request's ids)."""
+def run_streams(kit, prompts: list[list[int]], max_tokens: int, mode: dict,
+                one_stream: bool = False) -> tuple[float, list[list[int]]]:
+    """All ``prompts`` at once (or one after another with ``one_stream``);
+    returns (aggregate tok/s, each request's ids)."""
     outs: list = [None] * len(prompts)
 
     def one(i: int) -> None:
@@ -48,11 +51,15 @@ def run_streams(kit, prompts: list[list[int]], max_tokens: int, mode: dict) -> t
 
     kit.prompt_cache.clear()  # every run starts cold
     start = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    if one_stream:
+        for i in range(len(prompts)):
+            one(i)
+    else:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     seconds = time.perf_counter() - start
     return sum(len(o) for o in outs) / seconds, outs
 
@@ -78,18 +85,21 @@ def first_token_seconds(kit, prompt: list[int], max_tokens: int, others: list[li
 
 
 def measure(kit, sets, reps: int, max_tokens: int) -> tuple[dict, dict]:
-    """Interleaved rounds: every (set, streams, mode) once per round."""
+    """Interleaved rounds (after a short warm-up): per (set, streams), the same
+    requests served by one stream in turn, then at once in every mode."""
+    run_streams(kit, sets["mixed"][:2], 8, {})
     rates: dict = {}
     outputs: dict = {}
-    for rnd in range(reps + 1):  # round 0 warms up
+    for _ in range(reps):
         for set_name, prompts in sets.items():
             for n in STREAMS:
                 chosen = [prompts[i % len(prompts)] for i in range(n)]
+                rate, _ = run_streams(kit, chosen, max_tokens, {}, one_stream=True)
+                rates.setdefault((set_name, n, "one stream"), []).append(rate)
                 for mode_name, mode in MODES.items():
                     rate, outs = run_streams(kit, chosen, max_tokens, mode)
-                    if rnd:
-                        rates.setdefault((set_name, n, mode_name), []).append(rate)
-                        outputs.setdefault((set_name, n, mode_name), outs)
+                    rates.setdefault((set_name, n, mode_name), []).append(rate)
+                    outputs.setdefault((set_name, n, mode_name), outs)
     return rates, outputs
 
 
@@ -111,13 +121,16 @@ def exactness(kit, sets, outputs, max_tokens: int) -> dict:
 def render(rates, same, ttft, reps: int, max_tokens: int) -> list[str]:
     lines = [f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens per request, "
              f"{reps} interleaved rounds; ratios paired per round (95% bootstrap interval).", "",
-             "| prompts | streams | mode | aggregate tok/s | vs 1 plain stream | vs plain, same streams | equal to solo |",
+             "| prompts | streams | mode | aggregate tok/s | vs one stream in turn | vs plain, same streams | equal to solo |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for (set_name, n, mode_name), rs in rates.items():
-        one = paired_ratio(rs, rates[(set_name, 1, "plain")])
-        same_n = paired_ratio(rs, rates[(set_name, n, "plain")])
+        if mode_name == "one stream":
+            lines.append(f"| {set_name} | {n} | one stream, plain, in turn | {_median(rs):.1f} | 1.00 | | |")
+            continue
+        one = paired_ratio(rs, rates[(set_name, n, "one stream")])
+        plain = paired_ratio(rs, rates[(set_name, n, "plain")])
         lines.append(f"| {set_name} | {n} | {mode_name} | {_median(rs):.1f} | {format_paired(one.ratio, one.low, one.high)} | "
-                     f"{format_paired(same_n.ratio, same_n.low, same_n.high)} | {same[(set_name, n, mode_name)]}/{n} |")
+                     f"{format_paired(plain.ratio, plain.low, plain.high)} | {same[(set_name, n, mode_name)]}/{n} |")
     alone, admitted = ttft
     lines += ["", "| time to first token | median s |", "|---|---:|",
               f"| alone | {_median(alone):.3f} |", f"| admitted while 3 others decode | {_median(admitted):.3f} |",
@@ -126,7 +139,7 @@ def render(rates, same, ttft, reps: int, max_tokens: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args("python -m bench.concurrency", __doc__.split("\n\n")[0], 3, 128, argv)
+    args = bench_args("python -m bench.concurrency", __doc__.split("\n\n")[0], 2, 96, argv)
     kit = me.load_model(me.DEFAULT_MODEL, max_parallel=max(STREAMS))
     sets = prompt_sets(kit)
     rates, outputs = measure(kit, sets, args.reps, args.max_tokens)

@@ -34,6 +34,7 @@ class DraftModel:
     step_cost: float | None = None  # seconds per chained draft step, measured when first needed
     spare: list[SequenceCache] = field(default_factory=list)  # more caches, for parallel requests
     lent: list[SequenceCache] = field(default_factory=list)  # caches running requests draft with
+    batch: RaggedBatch | None = None  # rows of the lent caches while parallel requests draft
 
     def lend(self, prompt: list[int], make) -> SequenceCache:
         """An idle draft cache for a request (the one sharing the longest prefix
@@ -43,7 +44,16 @@ class DraftModel:
         self.lent.append(cache)
         return cache
 
+    def batch_for_drafting(self) -> RaggedBatch | None:
+        """The batch the draft passes of parallel requests share (None when the
+        draft model's caches cannot be batched)."""
+        if self.batch is None and can_batch(self.cache):
+            self.batch = RaggedBatch(self.model, len(self.cache.layers))
+        return self.batch
+
     def give_back(self, cache: SequenceCache) -> None:
+        if self.batch is not None and cache in self.batch:
+            self.batch.leave(cache)
         self.lent = [c for c in self.lent if c is not cache]
         if cache is not self.cache and not any(c is cache for c in self.spare):
             self.spare = (self.spare + [cache])[-MAX_SPARE_DRAFT_CACHES:]

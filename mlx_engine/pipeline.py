@@ -297,7 +297,10 @@ def _reset_caches(kit: ModelKit, prepared: _Prepared | None) -> None:
         kit.batch.leave(prepared.cache)
     prepared.cache.reset()
     if prepared.draft_drafter is not None:
-        prepared.draft_drafter.cache.reset()
+        draft_cache = prepared.draft_drafter.cache
+        if kit.draft.batch is not None and draft_cache in kit.draft.batch:
+            kit.draft.batch.leave(draft_cache)
+        draft_cache.reset()
 
 
 def _top_logprobs(kit: ModelKit, logprobs: mx.array, n: int) -> list[TopLogprob]:

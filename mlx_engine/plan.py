@@ -145,7 +145,8 @@ def build_drafter(
         needs_costs = plan.draft_k is None or plan.kind == "auto"
         round_costs = costs.RoundCosts(kit_costs(kit), draft_step_cost(kit)) if needs_costs else None
         cache = kit.draft.lend(prompt, lambda: kit.new_cache(kit.draft.model))
-        draft = DraftModelDrafter(kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size, cache=cache)
+        draft = DraftModelDrafter(kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size, cache=cache,
+                                  batched=kit.max_parallel > 1)
     if plan.kind == "draft_model":
         return draft, draft
     return AutoRouter(prompt, kit_costs(kit), stats, lookup, draft), draft

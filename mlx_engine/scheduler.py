@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import queue
 import sys
+import weakref
 from typing import Iterator
 
 from . import worker
 from .batch_cache import RaggedBatch, can_batch
 from .results import GenerationResult
-from .speculative.loop import TURN, Launch, forward_alone
+from .speculative.loop import TURN, Launch, forward_alone, resolve_pending
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,14 @@ class Scheduler:
     """The kit's running generations and the batch their rows decode in."""
 
     def __init__(self, kit):
-        self.kit = kit
+        # Weak: the worker holds its scheduler, and a kit must stay collectable
+        # (its worker then returns to the pool).
+        self._kit = weakref.ref(kit)
         self.live: list[_Live] = []
+
+    @property
+    def kit(self):
+        return self._kit()
 
     @property
     def busy(self) -> bool:
@@ -123,6 +130,7 @@ class Scheduler:
             else:
                 alone.append((live, launch))
         try:
+            resolve_pending([launch for _, launch in launches])  # draft passes, batched too
             if together:
                 for _, launch in together:
                     if launch.cache not in batch:
@@ -146,6 +154,11 @@ class Scheduler:
             for cache in batch.rows:
                 cache.reset()
             self.kit.batch = None  # rebuilt empty for the next request
+        draft = self.kit.draft
+        if draft is not None and draft.batch is not None:
+            for cache in draft.batch.rows:
+                cache.reset()
+            draft.batch = None
         for live in list(self.live):
             if live in lives or id(live.cache) in rows:
                 self.live.remove(live)

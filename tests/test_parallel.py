@@ -197,3 +197,34 @@ def test_a_stream_left_unread_is_paused_and_resumes(pkit, llama_path, monkeypatc
     rest = drain(slow)[0]
     assert_same_or_near_tie(pkit, prompts[0], want[0], [t.id for t in first.tokens] + rest)
     assert_same_or_near_tie(pkit, prompts[1], want[1], fast)
+
+
+def test_draft_model_rows_draft_in_one_batch(pkit, llama_path, draft_path):
+    one = me.load_model(llama_path, max_parallel=1)
+    me.load_draft_model(one, draft_path)
+    prompts = [me.tokenize(pkit, t) for t in TEXTS[:3]]
+    want = [solo(one, p, max_tokens=20, num_draft_tokens=3) for p in prompts]
+    gens = [me.create_generator(pkit, p, max_tokens=20, num_draft_tokens=3) for p in prompts]
+    heads = [[t.id for t in next(g).tokens] for g in gens]
+    heads = [h + [t.id for t in next(g).tokens] for h, g in zip(heads, gens)]
+    rows = pkit._worker.call(lambda: len(pkit.draft.batch.rows))
+    assert rows == 3  # every request's draft cache is a row of the draft model's batch
+    outs = [h + drain(g)[0] for h, g in zip(heads, gens)]
+    for p, w, ids in zip(prompts, want, outs):
+        assert_same_or_near_tie(pkit, p, w, ids)
+    assert not pkit._worker.call(lambda: pkit.draft.batch.rows)
+
+
+def test_a_dropped_kit_is_collected_and_its_engine_thread_reused(llama_path):
+    import gc
+    import weakref
+
+    from mlx_engine import worker
+
+    kit = me.load_model(llama_path)
+    drain(me.create_generator(kit, me.tokenize(kit, TEXTS[0]), max_tokens=3))  # the scheduler is attached
+    thread, ref = kit._worker, weakref.ref(kit)
+    del kit
+    gc.collect()
+    assert ref() is None
+    assert thread in worker._idle and thread.job is None

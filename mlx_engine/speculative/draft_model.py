@@ -17,7 +17,7 @@ from ..errors import IncompatibleDraftModelError, ModelLoadError
 from ..cache import SequenceCache
 from ..model_kit import DraftModel, ModelKit, param_count, prepare_weights, smoke_test
 from . import costs
-from .loop import DrafterUnavailable
+from .loop import DrafterUnavailable, PendingDrafts
 from .policy import DraftLengthPolicy
 
 logger = logging.getLogger(__name__)
@@ -136,8 +136,10 @@ class DraftModelDrafter:
         prior_acceptance: float = 0.6,
         vocab_size: int | None = None,
         cache: SequenceCache | None = None,
+        batched: bool = False,
     ):
         self.draft = draft
+        self.batched = batched  # drafts with the other requests' (DraftJob) on a kit serving several
         self.cache = cache if cache is not None or draft is None else draft.cache  # this request's draft cache
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance)
@@ -175,10 +177,21 @@ class DraftModelDrafter:
             raise DrafterUnavailable("the draft model's cache cannot be rewound")
         if reason := cache.rewind_limit_reason(len(history) - keep + k):
             raise DrafterUnavailable(f"draft model: {reason}")
-        # Chain the k draft steps lazily, each queued as soon as it is built, and
-        # hand them over unevaluated: the main model's verify pass is built on
-        # them and one evaluation runs both (no sync per token or per model).
-        y = mx.argmax(cache.feed(history[keep:])[-1][: self.vocab_size])
+        if self.batched:
+            return DraftJob(self, history[keep:], k)
+        return self.chain(history[keep:], k)
+
+    def chain(self, feed: list[int], k: int) -> mx.array:
+        """Feed ``feed`` and chain k-1 more draft steps on this request's own cache.
+
+        The steps are chained lazily, each queued as soon as it is built, and
+        handed over unevaluated: the main model's verify pass is built on them
+        and one evaluation runs both (no sync per token or per model)."""
+        cache = self.cache
+        batch = self.draft.batch
+        if batch is not None and cache in batch:
+            batch.leave(cache)
+        y = mx.argmax(cache.feed(feed)[-1][: self.vocab_size])
         mx.async_eval(y)
         ys = [y]
         start = len(cache)
@@ -200,3 +213,46 @@ class DraftModelDrafter:
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         self.policy.observe(drafted, accepted, seconds, catch_up=self._catch_up)
+
+
+class DraftJob(PendingDrafts):
+    """One request's draft steps of a scheduler step: ``feed`` (the ids its draft
+    cache lacks) then k-1 chained steps, run with the other requests' as rows
+    of the draft model's batch (``run_together``)."""
+
+    def __init__(self, drafter: DraftModelDrafter, feed: list[int], k: int):
+        self.drafter, self.feed, self.k = drafter, feed, k
+        self.drafts: mx.array | None = None
+
+    def materialize(self) -> mx.array:
+        if self.drafts is None:
+            self.drafts = self.drafter.chain(self.feed, self.k)
+        return self.drafts
+
+    @staticmethod
+    def run_together(jobs: list[DraftJob]) -> None:
+        """Every job's steps as batched draft passes: one pass for the feeds,
+        then one per further draft position (rows that need no more ride along)."""
+        draft = jobs[0].drafter.draft
+        batch = draft.batch_for_drafting()
+        if batch is None:
+            for job in jobs:
+                job.materialize()
+            return
+        vocab = jobs[0].drafter.vocab_size
+        for job in jobs:
+            if job.drafter.cache not in batch:
+                batch.join(job.drafter.cache)
+        out = batch.feed([(j.drafter.cache, j.feed, None) for j in jobs])
+        chains = [[mx.argmax(logits[-1][:vocab])] for logits, _ in out]
+        mx.async_eval([c[-1] for c in chains])
+        starts = [len(j.drafter.cache) for j in jobs]
+        for step in range(1, max(j.k for j in jobs)):
+            active = [i for i, j in enumerate(jobs) if j.k > step]
+            out = batch.feed([(jobs[i].drafter.cache, [], chains[i][-1]) for i in active])
+            for i, (logits, _) in zip(active, out):
+                chains[i].append(mx.argmax(logits[-1][:vocab]))
+            mx.async_eval([chains[i][-1] for i in active])
+        for job, chain, start in zip(jobs, chains, starts):
+            job.drafts = mx.stack(chain)
+            job.drafter._unresolved = (start, job.drafts)  # all but the last draft were fed

@@ -53,8 +53,40 @@ class Launch:
         self.round: _Round | None = None
 
 
+class PendingDrafts:
+    """Drafts a drafter computes together with the other requests' drafts of the
+    same step (the scheduler runs ``run_together`` before the verify pass, which
+    then reads ``drafts``, still lazy); ``materialize`` computes them alone."""
+
+    k: int
+    drafts: mx.array | None = None
+
+    @property
+    def size(self) -> int:
+        return self.k
+
+    def materialize(self) -> mx.array:
+        raise NotImplementedError
+
+    @staticmethod
+    def run_together(pending: list[PendingDrafts]) -> None:
+        raise NotImplementedError
+
+
+def resolve_pending(launches: list[Launch]) -> None:
+    """Compute the launches' pending drafts together and hand each its ids."""
+    pending = [l.lazy for l in launches if isinstance(l.lazy, PendingDrafts)]
+    if pending:
+        type(pending[0]).run_together(pending)
+        for launch in launches:
+            if isinstance(launch.lazy, PendingDrafts):
+                launch.lazy = launch.lazy.drafts
+
+
 def forward_alone(launch: Launch) -> None:
     """Run a launch on its own cache (a row outside any batch)."""
+    if isinstance(launch.lazy, PendingDrafts):
+        launch.lazy = launch.lazy.materialize()
     if launch.lazy is not None:
         logits, start = launch.cache.feed_lazy(launch.known, launch.lazy)
     else:
@@ -255,7 +287,8 @@ class _Loop:
             # Checked before drafting: a lazily drafted round cannot be undone.
             if reason := self.cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
                 raise DrafterUnavailable(reason)
-            return self.drafter.propose(self.history, limit)[:limit]
+            drafts = self.drafter.propose(self.history, limit)
+            return drafts if isinstance(drafts, PendingDrafts) else drafts[:limit]
         except DrafterUnavailable as exc:
             self.drafter = None
             if self.on_fallback is not None:
@@ -276,10 +309,15 @@ class _Loop:
     def _launch_free(self, history: list[int], limit: int) -> Launch:
         drafts = self.propose(limit)
         sample = self.sampler
-        if isinstance(drafts, mx.array):
+        if isinstance(drafts, PendingDrafts) and self.processors:
+            drafts = drafts.materialize()
+        if isinstance(drafts, (mx.array, PendingDrafts)):
             if drafts.size and not self.processors:
-                return Launch(self.cache, [history[-1]], drafts,
-                              lambda logits, start: _queue(drafts, start, *sample_rows(logits, [], [], sample, [], 0)))
+                launch = Launch(self.cache, [history[-1]], drafts, None)
+                # The launch's lazy ids are the drafts (pending ones are computed first).
+                launch.finish = lambda logits, start: _queue(launch.lazy, start,
+                                                             *sample_rows(logits, [], [], sample, [], 0))
+                return launch
             drafts = drafts.tolist()  # processors need each position's exact context
 
         def finish(logits: mx.array, start: int) -> _Round:
@@ -330,6 +368,8 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
     if limit > 0 and not cache.rewind_limit_reason(min(limit, MAX_DRAFT) + 1):
         forced = constraint.forced(min(limit, MAX_DRAFT))
     drafts = forced or propose(limit)
+    if isinstance(drafts, PendingDrafts):
+        drafts = drafts.materialize()
     if isinstance(drafts, mx.array):
         drafts = drafts.tolist()
     drafts = constraint.allowed_prefix(list(drafts))
