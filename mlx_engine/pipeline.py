@@ -25,7 +25,7 @@ from .model_kit import ModelKit
 from .plan import build_drafter
 from .request import Request
 from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, TopLogprob
-from .sampling import build_logits_processors, build_sampler
+from .sampling import Sampler, build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
 from .speculative.loop import Drafter, Step, decode
 from .stop_strings import TextStream
@@ -80,8 +80,9 @@ def run(kit: ModelKit, req: Request) -> Iterator[GenerationResult]:
         stats = GenerationStats(prompt_tokens=len(req.prompt))
         t_start = time.perf_counter()
         mx.reset_peak_memory()
-        if req.params.seed is not None:
-            mx.random.seed(req.params.seed)
+        # The sampler carries its own key (sampling.build_sampler): the request's
+        # seed, or one drawn from MLX's global stream here, once per request.
+        sampler = build_sampler(req.params)
         prepared = _prepare(kit, req, stats)
         model_work = True
         try:
@@ -90,7 +91,7 @@ def run(kit: ModelKit, req: Request) -> Iterator[GenerationResult]:
             stats.total_time = time.perf_counter() - t_start
             yield _final(GenerationResult("", []), "user_cancelled", stats, req.stats_cb)
             return
-        steps = _decode(kit, req, prepared, stats)
+        steps = _decode(kit, req, prepared, stats, sampler)
         yield from _results(kit, req, steps, stats, t_start, len(prepared.todo))
     except CallbackError:
         raise  # raised between prompt chunks or at the end: caches are consistent
@@ -170,7 +171,9 @@ def _process_prompt(
     report(100.0)
 
 
-def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats) -> Iterator[Step]:
+def _decode(
+    kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats, sampler: Sampler
+) -> Iterator[Step]:
     """The one verify/accept/rewind loop for this request."""
 
     def on_fallback(reason: str) -> None:
@@ -180,7 +183,7 @@ def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationS
     constraint = None
     if req.grammar is not None:
         constraint = GrammarConstraint(kit, req.grammar, draft_forced=req.structured_drafting)
-    return decode(kit.cache, list(prepared.prompt), req.max_tokens, build_sampler(req.params),
+    return decode(kit.cache, list(prepared.prompt), req.max_tokens, sampler,
                   build_logits_processors(req.params), req.params.repetition_context_size,
                   prepared.drafter, stats, on_fallback, constraint)
 

@@ -61,10 +61,14 @@ def sample_rows(
     processors: list[LogitsProcessor],
     context_window: int,
     masks: mx.array | None = None,
+    *,
+    position: int,
 ) -> tuple[mx.array, mx.array]:
     """Sample the target's token at each of the k+1 positions. Logits processors
     see the exact context of each position (history plus the drafts before it);
-    ``masks`` (k+1, vocab) then removes the tokens a grammar forbids there."""
+    ``masks`` (k+1, vocab) then removes the tokens a grammar forbids there.
+    ``position`` is the absolute sequence position (prompt included) of row 0's
+    token; row i samples position + i with that position's own randomness."""
     if processors:
         rows = []
         for i in range(logits.shape[0]):
@@ -77,7 +81,7 @@ def sample_rows(
     if masks is not None:
         logits = apply_mask(logits, masks)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs), logprobs
+    return sampler(logprobs, range(position, position + logprobs.shape[0])), logprobs
 
 
 class _Round(NamedTuple):
@@ -224,10 +228,12 @@ class _Loop:
         if isinstance(drafts, mx.array):
             if drafts.size and not self.processors:
                 logits, start = cache.feed_lazy([history[-1]], drafts)
-                return _queue(drafts, start, *sample_rows(logits, [], [], self.sampler, [], self.context_window))
+                rows = sample_rows(logits, [], [], self.sampler, [], self.context_window, position=len(history))
+                return _queue(drafts, start, *rows)
             drafts = drafts.tolist()  # processors need each position's exact context
         logits = cache.feed([history[-1]] + drafts)
-        rows = sample_rows(logits, history, drafts, self.sampler, self.processors, self.context_window)
+        rows = sample_rows(logits, history, drafts, self.sampler, self.processors, self.context_window,
+                           position=len(history))
         return _queue(drafts, len(cache), *rows)
 
     def launch_plain_from(self, token: mx.array) -> _Round:
@@ -235,7 +241,10 @@ class _Loop:
         # token before it is known (as mlx-lm's generate_step does), so graph
         # construction overlaps the running step.
         logits, start = self.cache.feed_lazy([], token)
-        return _queue([], start, *sample_rows(logits, [], [], self.sampler, [], self.context_window))
+        # ``token`` sits at len(history) (not appended yet); this step samples the next position.
+        position = len(self.history) + 1
+        rows = sample_rows(logits, [], [], self.sampler, [], self.context_window, position=position)
+        return _queue([], start, *rows)
 
 
 def _accept(cache: SequenceCache, rnd: _Round, sampled: list[int], drafter, tracker, seconds) -> int:
@@ -275,5 +284,5 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
     logits = cache.feed([history[-1]] + drafts)
     mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
     masks = constraint.masks(drafts)
-    rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks)
+    rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks, position=len(history))
     return _queue(drafts, len(cache), *rows, forced=bool(forced))
