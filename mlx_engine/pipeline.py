@@ -18,16 +18,15 @@ from typing import Callable, Iterator, NamedTuple
 import mlx.core as mx
 
 from . import worker
-from .cache import common_prefix_length
+from .cache import SequenceCache, common_prefix_length
 from .context import prefill_chunk
 from .errors import CallbackError
 from .model_kit import ModelKit
 from .plan import build_drafter
 from .request import Request
 from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, TopLogprob
-from .sampling import build_logits_processors, build_sampler
+from .sampling import Sampler, build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
-from .cache import SequenceCache
 from .speculative.loop import TURN, Drafter, Launch, Step, decode, forward_alone
 from .stop_strings import TextStream
 from .structured import GrammarConstraint
@@ -123,8 +122,9 @@ def run(kit: ModelKit, req: Request) -> Iterator:
         t_start = time.perf_counter()
         if len(act.active) == 1:
             mx.reset_peak_memory()  # not under another running request's feet
-        if req.params.seed is not None:
-            mx.random.seed(req.params.seed)
+        # The sampler carries its own key (sampling.build_sampler): the request's
+        # seed, or one drawn from MLX's global stream here, once per request.
+        sampler = build_sampler(req.params)
         prepared = _prepare(kit, req, stats)
         model_work = True
         try:
@@ -133,7 +133,7 @@ def run(kit: ModelKit, req: Request) -> Iterator:
             stats.total_time = time.perf_counter() - t_start
             yield _final(GenerationResult("", []), "user_cancelled", stats, req.stats_cb)
             return
-        steps = _decode(kit, req, prepared, stats)
+        steps = _decode(kit, req, prepared, stats, sampler)
         yield from _results(kit, req, steps, stats, t_start, len(prepared.todo))
     except CallbackError:
         raise  # raised between prompt chunks or at the end: caches are consistent
@@ -230,7 +230,7 @@ def _process_prompt(
     report(100.0)
 
 
-def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats) -> Iterator:
+def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats, sampler: Sampler) -> Iterator:
     """The one verify/accept/rewind loop for this request."""
 
     def on_fallback(reason: str) -> None:
@@ -240,7 +240,7 @@ def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationS
     constraint = None
     if req.grammar is not None:
         constraint = GrammarConstraint(kit, req.grammar, draft_forced=req.structured_drafting)
-    return decode(prepared.cache, list(prepared.prompt), req.max_tokens, build_sampler(req.params),
+    return decode(prepared.cache, list(prepared.prompt), req.max_tokens, sampler,
                   build_logits_processors(req.params), req.params.repetition_context_size,
                   prepared.drafter, stats, on_fallback, constraint)
 

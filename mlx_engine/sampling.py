@@ -1,19 +1,28 @@
-"""Sampling parameters: validation and the mlx-lm sampler / logits processors."""
+"""Sampling parameters: validation, the position-keyed sampler and mlx-lm's logits processors.
+
+The sampler is *position-keyed*: the randomness that picks the token at sequence
+position i comes from a key derived from the request's seed and i alone, never
+from a shared random stream. Sample-and-match in the verify loop therefore draws
+exactly the token plain decoding would draw at every position, whatever was drafted
+and however the rounds were cut (docs/decoding.md#seeds).
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # MLX seeds with an unsigned 64-bit integer
 
-Sampler = Callable[[mx.array], mx.array]
+Sampler = Callable[[mx.array, Sequence[int]], mx.array]
+"""``sampler(logprobs, positions)``: ``logprobs`` (n, vocab), ``positions`` the n
+absolute sequence positions the rows are sampled for; returns (n,) token ids."""
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
@@ -106,17 +115,97 @@ def validate_sampling(
     )
 
 
-def build_sampler(params: SamplingParams) -> Sampler:
-    """A sampler over log-probabilities of shape (..., vocab); works on a batch of
-    positions at once, which the verify step relies on."""
-    return make_sampler(
-        temp=params.temp,
-        top_p=params.top_p or 0.0,
-        min_p=params.min_p or 0.0,
-        min_tokens_to_keep=params.min_tokens_to_keep or 1,
-        top_k=params.top_k or 0,
-    )
+_MASK64 = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment
 
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers that spreads every
+    input bit over the whole output."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_keys(seed: int, positions: Sequence[int]) -> mx.array:
+    """MLX random keys, (n, 2) uint32, one per position. The key of position p is
+    output p of a SplitMix64 stream started at ``mix(seed)`` (counter-based), so it
+    depends on ``seed`` and ``p`` only; MLX's threefry then expands it to noise."""
+    base = _mix64(seed & _MASK64)
+    keys = []
+    for p in positions:
+        k = _mix64((base + (int(p) + 1) * _GOLDEN) & _MASK64)
+        keys.append((k >> 32, k & 0xFFFFFFFF))  # mx.random.key's layout: high word first
+    return mx.array(keys, dtype=mx.uint32).reshape(len(keys), 2)
+
+
+def gumbel_noise(seed: int, positions: Sequence[int], vocab: int) -> mx.array:
+    """Standard Gumbel noise, (n, vocab) float32: row i drawn from the key of
+    ``positions[i]``, so a row is the same whether drawn alone or in a batch."""
+    keys = position_keys(seed, positions)
+    return mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))(keys)
+
+
+def draw_seed() -> int:
+    """A 64-bit seed from MLX's global random stream, for a request without one:
+    ``mx.random.seed`` (or ``load_model(seed=)``) still makes a run reproducible."""
+    parts = mx.random.randint(0, 1 << 16, (4,)).tolist()  # 16-bit draws are exact
+    return parts[0] << 48 | parts[1] << 32 | parts[2] << 16 | parts[3]
+
+
+Filter = Callable[[mx.array], mx.array]
+
+
+def sampling_filters(params: SamplingParams) -> list[Filter]:
+    """mlx-lm's filters, under the conditions and in the order ``make_sampler``
+    applies them (top-p, min-p, top-k), so the set of tokens that can be sampled
+    is mlx-lm's."""
+    top_p, min_p, top_k = params.top_p or 0.0, params.min_p or 0.0, params.top_k or 0
+    keep = params.min_tokens_to_keep or 1
+    filters: list[Filter] = []
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, min_p, keep))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    return filters
+
+
+class PositionalSampler:
+    """Samples row i of ``logprobs`` for sequence position ``positions[i]`` by
+    Gumbel-max: ``argmax(filtered / temp + g)`` with ``g`` Gumbel noise keyed by
+    (seed, position) is an exact sample of ``softmax(filtered / temp)``. The
+    sampler carries its own seed; it never touches MLX's global random state."""
+
+    def __init__(self, temp: float, filters: Sequence[Filter], seed: int):
+        if temp <= 0:
+            raise ValueError(f"temp must be > 0 for sampling, got {temp}")
+        self.temp, self.filters, self.seed = temp, tuple(filters), seed
+
+    def __call__(self, logprobs: mx.array, positions: Sequence[int]) -> mx.array:
+        if logprobs.ndim != 2 or logprobs.shape[0] != len(positions):
+            raise ValueError(f"logprobs {logprobs.shape} need one row per position ({len(positions)} positions)")
+        for f in self.filters:
+            logprobs = f(logprobs)
+        noise = gumbel_noise(self.seed, positions, logprobs.shape[-1])
+        return mx.argmax(logprobs.astype(mx.float32) * (1.0 / self.temp) + noise, axis=-1)
+
+
+def greedy_sampler(logprobs: mx.array, positions: Sequence[int] = ()) -> mx.array:
+    """Temperature 0: the most likely token at each row (positions are not needed)."""
+    return mx.argmax(logprobs, axis=-1)
+
+
+def build_sampler(params: SamplingParams, seed: int | None = None) -> Sampler:
+    """The request's sampler over log-probabilities (n, vocab), one row per
+    position. Greedy for ``temp`` 0; otherwise position-keyed by ``seed``, else
+    ``params.seed``, else a seed drawn with ``draw_seed``."""
+    if params.greedy:
+        return greedy_sampler
+    if seed is None:
+        seed = params.seed if params.seed is not None else draw_seed()
+    return PositionalSampler(params.temp, sampling_filters(params), seed)
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
     if params.repetition_penalty is None or params.repetition_penalty == 1.0:

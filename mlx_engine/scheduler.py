@@ -64,7 +64,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return any(r.out.qsize() < MAX_BACKLOG for r in self.live)
+        return any(not r.paused for r in self.live)
 
     def admit(self, gen: Iterator, request_id: str) -> _Live:
         live = _Live(gen, request_id)
@@ -85,8 +85,7 @@ class Scheduler:
         """Advance every running generation to its next launch, then run the launches."""
         launches: list[tuple[_Live, Launch]] = []
         for live in list(self.live):
-            if live.out.qsize() >= MAX_BACKLOG:
-                live.paused = True
+            if live.paused:
                 continue
             launch = self._advance(live)
             if launch is not None:
@@ -112,6 +111,9 @@ class Scheduler:
             if item is TURN:
                 return None
             live.out.put(item)
+            if live.out.qsize() >= MAX_BACKLOG:
+                live.paused = True  # until its consumer catches up (RequestStream.__next__ wakes us)
+                return None
 
     def _finish(self, live: _Live, last) -> None:
         self.live.remove(live)

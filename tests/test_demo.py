@@ -30,6 +30,8 @@ def test_speculative_flags_parse():
         ["--num-draft-tokens", "3"],
         ["--max-tokens", "0"],
         ["--regex", "a", "--json-schema", "s.json"],
+        ["--parallel", "0"],
+        ["--parallel", "2", "--chat"],
     ],
 )
 def test_conflicting_flags_are_rejected(argv):
@@ -97,6 +99,15 @@ def test_decoding_line_names_the_first_decision_after_a_switch():
     assert demo.decoding_line(s) == (
         "Decoding: auto:prompt_lookup; started as plain - prompt 40 tokens: prompt too short or sparse for lookup")
     assert demo.decoding_line(me.GenerationStats(decoding_mode="plain")) == "Decoding: plain"
+
+
+@requires_default_model
+def test_demo_parallel_answers_every_question_with_the_default_model():
+    out = run_demo(["--parallel", "3", "--max-tokens", "24"])
+    assert out.returncode == 0, out.stderr
+    assert [f"[{i}] > " in out.stdout for i in (1, 2, 3)] == [True] * 3
+    assert "Paris" in out.stdout.split("[2] > ")[0]
+    assert "3 requests," in out.stderr and "tok/s aggregate" in out.stderr
 
 
 @requires_default_model

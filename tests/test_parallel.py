@@ -171,6 +171,8 @@ def test_each_request_reuses_a_cached_prefix(pkit):
     base = me.tokenize(pkit, TEXTS[1])
     ids = solo(pkit, base, max_tokens=6)
     gens = [me.create_generator(pkit, base + ids + me.tokenize(pkit, t), max_tokens=4) for t in ("x", "y")]
+    for g in gens:
+        next(g)  # both admitted: the second cannot share the first's busy sequence
     finals = [drain(g)[1] for g in gens]
     assert max(f.stats.cached_tokens for f in finals) >= len(base)
     assert all(f.stats.cache_source in ("memory", "branch", "none") for f in finals)
@@ -228,3 +230,14 @@ def test_a_dropped_kit_is_collected_and_its_engine_thread_reused(llama_path):
     gc.collect()
     assert ref() is None
     assert thread in worker._idle and thread.job is None
+
+
+def test_seeded_sampled_requests_in_parallel_give_their_solo_text(pkit, llama_path, draft_path):
+    one = me.load_model(llama_path, max_parallel=1)
+    me.load_draft_model(one, draft_path)
+    kw = dict(max_tokens=16, temp=0.8, top_p=0.95)
+    jobs = [(me.tokenize(pkit, t), mode, seed) for t, mode, seed in zip(TEXTS, MODES, (1, 2, 3, 4))]
+    want = [solo(one, p, seed=seed, **mode, **kw) for p, mode, seed in jobs]
+    gens = [me.create_generator(pkit, p, seed=seed, **mode, **kw) for p, mode, seed in jobs]
+    heads = [[t.id for t in next(g).tokens] for g in gens]  # all four admitted before any finishes
+    assert [h + drain(g)[0] for h, g in zip(heads, gens)] == want

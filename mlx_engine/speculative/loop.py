@@ -136,10 +136,14 @@ def sample_rows(
     processors: list[LogitsProcessor],
     context_window: int,
     masks: mx.array | None = None,
+    *,
+    position: int,
 ) -> tuple[mx.array, mx.array]:
     """Sample the target's token at each of the k+1 positions. Logits processors
     see the exact context of each position (history plus the drafts before it);
-    ``masks`` (k+1, vocab) then removes the tokens a grammar forbids there."""
+    ``masks`` (k+1, vocab) then removes the tokens a grammar forbids there.
+    ``position`` is the absolute sequence position (prompt included) of row 0's
+    token; row i samples position + i with that position's own randomness."""
     if processors:
         rows = []
         for i in range(logits.shape[0]):
@@ -152,7 +156,7 @@ def sample_rows(
     if masks is not None:
         logits = apply_mask(logits, masks)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs), logprobs
+    return sampler(logprobs, range(position, position + logprobs.shape[0])), logprobs
 
 
 class _Round(NamedTuple):
@@ -308,7 +312,7 @@ class _Loop:
 
     def _launch_free(self, history: list[int], limit: int) -> Launch:
         drafts = self.propose(limit)
-        sample = self.sampler
+        sample, position = self.sampler, len(history)  # row 0 samples the token after history
         if isinstance(drafts, PendingDrafts) and self.processors:
             drafts = drafts.materialize()
         if isinstance(drafts, (mx.array, PendingDrafts)):
@@ -316,12 +320,14 @@ class _Loop:
                 launch = Launch(self.cache, [history[-1]], drafts, None)
                 # The launch's lazy ids are the drafts (pending ones are computed first).
                 launch.finish = lambda logits, start: _queue(launch.lazy, start,
-                                                             *sample_rows(logits, [], [], sample, [], 0))
+                                                             *sample_rows(logits, [], [], sample, [], 0,
+                                                                          position=position))
                 return launch
             drafts = drafts.tolist()  # processors need each position's exact context
 
         def finish(logits: mx.array, start: int) -> _Round:
-            rows = sample_rows(logits, history, drafts, sample, self.processors, self.context_window)
+            rows = sample_rows(logits, history, drafts, sample, self.processors, self.context_window,
+                               position=position)
             return _queue(drafts, start, *rows)
 
         return Launch(self.cache, [history[-1]] + drafts, None, finish)
@@ -330,9 +336,10 @@ class _Loop:
         # Plain decoding without logits processors: build the next step from the
         # token before it is known (as mlx-lm's generate_step does), so graph
         # construction overlaps the running step.
-        sample = self.sampler
-        launch = Launch(self.cache, [], token,
-                        lambda logits, start: _queue([], start, *sample_rows(logits, [], [], sample, [], 0)))
+        # ``token`` sits at len(history) (not appended yet); this step samples the next position.
+        sample, position = self.sampler, len(self.history) + 1
+        launch = Launch(self.cache, [], token, lambda logits, start: _queue(
+            [], start, *sample_rows(logits, [], [], sample, [], 0, position=position)))
         yield launch
         return launch.round
 
@@ -373,11 +380,13 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
     if isinstance(drafts, mx.array):
         drafts = drafts.tolist()
     drafts = constraint.allowed_prefix(list(drafts))
+    position = len(history)
 
     def finish(logits: mx.array, start: int) -> _Round:
         mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
         masks = constraint.masks(drafts)
-        rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks)
+        rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks,
+                           position=position)
         return _queue(drafts, start, *rows, forced=bool(forced))
 
     return Launch(cache, [history[-1]] + drafts, None, finish)
