@@ -33,6 +33,8 @@ from .structured import GrammarConstraint
 
 logger = logging.getLogger(__name__)
 
+INTERLEAVED_PREFILL_CHUNK = 256  # prompt tokens per step while other requests decode
+
 
 class Generation(Iterator[GenerationResult]):
     """One request's run: results, ``TURN`` between prompt chunks and a
@@ -223,6 +225,10 @@ def _process_prompt(
     report(0.0)
     hidden = int(kit.config.get("text_config", kit.config).get("hidden_size", 4096) or 4096)
     chunk = prefill_chunk(kit.vocab_size, hidden)
+    if len(kit._activity.active) > 1:
+        # Other requests decode between our chunks: smaller chunks keep their
+        # stalls short, at a small cost in prefill speed.
+        chunk = min(chunk, INTERLEAVED_PREFILL_CHUNK)
     for _ in kit.prefill_prompt(prepared.cache, prepared.todo, chunk_done(1.0), chunk):
         yield TURN
     if draft_drafter is not None:

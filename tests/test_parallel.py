@@ -241,3 +241,22 @@ def test_seeded_sampled_requests_in_parallel_give_their_solo_text(pkit, llama_pa
     gens = [me.create_generator(pkit, p, seed=seed, **mode, **kw) for p, mode, seed in jobs]
     heads = [[t.id for t in next(g).tokens] for g in gens]  # all four admitted before any finishes
     assert [h + drain(g)[0] for h, g in zip(heads, gens)] == want
+
+
+def test_a_long_prompt_prefills_between_the_others_steps(pkit, llama_path, monkeypatch):
+    from mlx_engine import scheduler
+
+    monkeypatch.setattr(scheduler, "MAX_BACKLOG", 2)  # the running request stays open (paused) meanwhile
+    one = me.load_model(llama_path, max_parallel=1)
+    short = me.tokenize(pkit, TEXTS[0])
+    long = me.tokenize(pkit, TEXTS[3] * 24)
+    assert len(long) > 600
+    want = [solo(one, p, max_tokens=12) for p in (short, long)]
+    running = me.create_generator(pkit, short, max_tokens=12)
+    head = [t.id for t in next(running).tokens]
+    seen = []
+    late = me.create_generator(pkit, long, max_tokens=12, prompt_progress_callback=seen.append)
+    late_ids = drain(late)[0]
+    assert len([p for p in seen if 0 < p < 100]) >= 2  # chunks of 256 while another request is open
+    assert_same_or_near_tie(pkit, short, want[0], head + drain(running)[0])
+    assert_same_or_near_tie(pkit, long, want[1], late_ids)
