@@ -81,7 +81,9 @@ class MLXWorker:
     def _loop(self) -> None:
         while True:
             job = self.job
-            if job is None or not job.busy:
+            # No steps once the process is exiting: the worker must park, idle,
+            # before the interpreter finalizes (see _park_workers_at_exit).
+            if job is None or not job.busy or shutting_down.is_set():
                 self._tasks.get().run()
                 continue
             while True:  # the calls handed over meanwhile, without waiting
