@@ -1,4 +1,4 @@
-"""Concurrency benchmark: ``python -m bench.concurrency [--reps 3]``.
+"""Concurrency benchmark: ``python -m bench.concurrency [--reps 2] [--streams 1 2 4 8]``.
 
 SmolLM2-135M-Instruct (float32 on the CPU, greedy) serving 1, 2, 4 and 8
 requests at once on one kit, each consumed by its own thread, in three modes:
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 
+import argparse  # noqa: E402
 import json  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -84,7 +85,7 @@ def first_token_seconds(kit, prompt: list[int], max_tokens: int, others: list[li
     return seconds
 
 
-def measure(kit, sets, reps: int, max_tokens: int) -> tuple[dict, dict]:
+def measure(kit, sets, reps: int, max_tokens: int, streams: tuple[int, ...] = STREAMS) -> tuple[dict, dict]:
     """Interleaved rounds (after a short warm-up): per (set, streams), the same
     requests served by one stream in turn, then at once in every mode."""
     run_streams(kit, sets["mixed"][:2], 8, {})
@@ -92,7 +93,7 @@ def measure(kit, sets, reps: int, max_tokens: int) -> tuple[dict, dict]:
     outputs: dict = {}
     for _ in range(reps):
         for set_name, prompts in sets.items():
-            for n in STREAMS:
+            for n in streams:
                 chosen = [prompts[i % len(prompts)] for i in range(n)]
                 rate, _ = run_streams(kit, chosen, max_tokens, {}, one_stream=True)
                 rates.setdefault((set_name, n, "one stream"), []).append(rate)
@@ -139,10 +140,14 @@ def render(rates, same, ttft, reps: int, max_tokens: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args("python -m bench.concurrency", __doc__.split("\n\n")[0], 2, 96, argv)
-    kit = me.load_model(me.DEFAULT_MODEL, max_parallel=max(STREAMS))
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--streams", type=int, nargs="+", default=list(STREAMS), help="concurrency levels")
+    known, rest = pre.parse_known_args(argv)
+    args = bench_args("python -m bench.concurrency", __doc__.split("\n\n")[0], 2, 96, rest)
+    streams = tuple(sorted(set(known.streams) | {1}))
+    kit = me.load_model(me.DEFAULT_MODEL, max_parallel=max(max(streams), 4))
     sets = prompt_sets(kit)
-    rates, outputs = measure(kit, sets, args.reps, args.max_tokens)
+    rates, outputs = measure(kit, sets, args.reps, args.max_tokens, streams)
     same = exactness(kit, sets, outputs, args.max_tokens)
     mixed = sets["mixed"]
     alone = [first_token_seconds(kit, mixed[0], args.max_tokens, []) for _ in range(args.reps + 1)][1:]
