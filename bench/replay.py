@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -130,12 +131,12 @@ class FollowTheLeader:
         pass
 
 
-def _parse_line(item: str) -> tuple[int, tuple[float, float]]:
-    """'128=0.55+0.12k' -> (128, (0.55, 0.12))."""
+def _parse_line(item: str) -> tuple[int | str, tuple[float, float]]:
+    """'128=0.55+0.12k' -> (128, (0.55, 0.12)); with --lookup the key is 'toy' or 'chat'."""
     try:
         ctx, rest = item.split("=")
         jump, slope = rest.rstrip("k").split("+")
-        return int(ctx), (float(jump), float(slope))
+        return (int(ctx) if ctx.isdigit() else ctx), (float(jump), float(slope))
     except ValueError:
         raise SystemExit(f"--cost-lines: cannot read {item!r}; expected CTX=JUMP+SLOPEk, e.g. 128=0.55+0.12k")
 
@@ -151,8 +152,98 @@ class Fixed:
         pass
 
 
+# -- prompt lookup and the router ------------------------------------------------
+def record_traces(path: Path, tokens: int, chat: bool, toy_model: Path) -> dict:
+    """Greedy outputs of the bench workloads (the toy model's ``bench.run``
+    workloads, and with ``chat`` SmolLM2's ``bench.chat`` ones; ``tokens`` long,
+    replayed as far as each benchmark generates: 128 and 200), saved as JSON:
+    ``name -> {"prompt": [...], "output": [...]}``. Greedy output does not
+    depend on the decoding mode, so prompt lookup makes them faster."""
+    traces: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
+
+    def add(kit: me.ModelKit, name: str, prompt: list[int]) -> None:
+        if name in traces:
+            return
+        out = [t.id for r in me.create_generator(kit, prompt, max_tokens=tokens, temp=0.0,
+                                                  prompt_lookup_num_tokens=8) for t in r.tokens]
+        traces[name] = {"prompt": prompt, "output": out}
+        path.write_text(json.dumps(traces))
+
+    kit = me.load_model(toy_model)
+    tokenize = lambda s: kit.tokenizer.encode(s)  # noqa: E731
+    for w in W.build_workloads(tokenize, lambda p, n: greedy(kit, p, n), lengths=(128, 512, 1024),
+                               multi_turn_lengths=(512,)):
+        add(kit, f"toy/{w.name}", w.prompt)
+    if chat:
+        from . import chat as C
+
+        kit = me.load_model(me.DEFAULT_MODEL)
+        for w in C.build(kit):
+            add(kit, f"chat/{w.name}", w.prompt)
+    return traces
+
+
+def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: list[float]) -> tuple[float, int]:
+    """Run ``drafter`` (a PromptLookupDrafter or an AutoRouter without a draft
+    model) over a greedy output: each round it proposes, the drafts matching the
+    output are accepted, and the round costs ``round_cost[k]`` undrafted rounds.
+    Returns tokens per undrafted-round time (1.0: plain decoding) and rounds."""
+    history, t, spent, rounds = list(prompt), 0, 0.0, 0
+    count = len(output)
+    while t < count:
+        limit = count - t - 1
+        drafts = list(drafter.propose(history, limit))[:limit] if limit > 0 else []
+        n = 0
+        while n < len(drafts) and drafts[n] == output[t + n]:
+            n += 1
+        drafter.observe(len(drafts), n, None)
+        spent += round_cost[len(drafts)]
+        history.extend(output[t : t + n + 1])
+        t += n + 1
+        rounds += 1
+    return t / spent, rounds
+
+
+def lookup_main(args: argparse.Namespace) -> None:
+    """Price fixed-length prompt lookup and the router (no draft model) on traces."""
+    from mlx_engine.results import GenerationStats
+    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+    from mlx_engine.speculative.router import AutoRouter
+
+    traces = record_traces(args.traces, 200, args.chat, args.model)
+    lines = dict(_parse_line(item) for item in args.cost_lines.split(",")) if args.cost_lines else {}
+    ks = (4, 8, 16, costs.MAX_DRAFT) if costs.MAX_DRAFT > 16 else (4, 8, 16)
+    names = [f"lookup k={k}" for k in ks] + ["auto"]
+    print("| workload | " + " | ".join(names) + " | best | auto / best |")
+    print("|---|" + "---:|" * (len(names) + 2))
+    logs: dict[str, list[float]] = {n: [] for n in [*names, "best", "auto / best"]}
+    for name, tr in traces.items():
+        if args.only and not any(o in name for o in args.only.split(",")):
+            continue
+        jump, slope = lines.get("chat" if name.startswith("chat/") else "toy", (0.2, 0.1))
+        line = (1.0,) + tuple(1.0 + jump + slope * k for k in range(1, costs.MAX_DRAFT + 1))
+        cm = costs.CostModel(line)
+        prompt, output = tr["prompt"], tr["output"][: 200 if name.startswith("chat/") else args.tokens]
+        row = {}
+        for k in ks:
+            row[f"lookup k={k}"] = replay_drafter(prompt, output, PromptLookupDrafter(k), list(line))[0]
+        router = AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(args.auto_max))
+        row["auto"], _ = replay_drafter(prompt, output, router, list(line))
+        row["best"] = max([1.0] + [row[f"lookup k={k}"] for k in ks])
+        row["auto / best"] = row["auto"] / row["best"]
+        for n, v in row.items():
+            logs[n].append(math.log(v))
+        print(f"| {name} | " + " | ".join(f"{v:.2f}" for v in row.values()) + f" | <!-- {router.stats.decoding_mode} {len(router.stats.mode_switches)} -->")
+    print("| geomean | " + " | ".join(f"{math.exp(sum(v) / len(v)):.3f}" for v in logs.values()) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lookup", action="store_true", help="replay prompt lookup and the router (no draft model)")
+    p.add_argument("--chat", action="store_true", help="with --lookup: also SmolLM2's bench.chat workloads")
+    p.add_argument("--traces", type=Path, default=Path("bench/results/raw/lookup_traces.json"))
+    p.add_argument("--only", help="with --lookup: comma-separated substrings of workload names")
+    p.add_argument("--auto-max", type=int, default=8, help="with --lookup: the router's longest lookup draft")
     p.add_argument("--model", type=Path, default=Path(DEFAULT_MODEL))
     p.add_argument("--draft", type=Path, default=Path(DEFAULT_DRAFT))
     p.add_argument("--tokens", type=int, default=128, help="generated tokens replayed per workload")
@@ -162,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
                         "context CTX (128 or 1024) instead of measuring; e.g. '128=0.55+0.12k,1024=0.45+0.16k', "
                         "the lines timed rounds fitted on the development machine. Deterministic.")
     args = p.parse_args(argv)
+    if args.lookup:
+        args.traces.parent.mkdir(parents=True, exist_ok=True)
+        return lookup_main(args)
     lines = dict(_parse_line(item) for item in args.cost_lines.split(",")) if args.cost_lines else None
 
     kit = me.load_model(args.model)

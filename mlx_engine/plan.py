@@ -22,7 +22,8 @@ from .speculative.prompt_lookup import PromptLookupDrafter
 from .speculative.router import AutoRouter
 
 DEFAULT_PROMPT_LOOKUP_TOKENS = 8
-MAX_DRAFT_TOKENS = costs.MAX_DRAFT
+MAX_DRAFT_TOKENS = costs.MAX_MODEL_DRAFT
+MAX_LOOKUP_TOKENS = costs.MAX_DRAFT
 
 Kind = Literal["plain", "draft_model", "prompt_lookup", "auto"]
 
@@ -59,9 +60,10 @@ class DecodingPlan:
 
 
 def _check_lengths(num_draft_tokens, lookup_tokens, ngrams) -> None:
-    for name, value in (("num_draft_tokens", num_draft_tokens), ("prompt_lookup_num_tokens", lookup_tokens)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT_TOKENS):
-            raise ValueError(f"{name} must be an integer from 1 to {MAX_DRAFT_TOKENS} or None, got {value!r}")
+    for name, value, most in (("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS),
+                              ("prompt_lookup_num_tokens", lookup_tokens, MAX_LOOKUP_TOKENS)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+            raise ValueError(f"{name} must be an integer from 1 to {most} or None, got {value!r}")
     names = ("prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "prompt_lookup_num_candidates")
     for name, value in zip(names, ngrams):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -85,7 +87,8 @@ def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngram
         raise ValueError("num_draft_tokens needs a loaded draft model that this request uses")
     use_draft = has_draft and toggle is not False
     if auto:
-        return DecodingPlan("auto", use_draft, num_draft_tokens, lookup_tokens or DEFAULT_PROMPT_LOOKUP_TOKENS, ngrams)
+        # The router's lookup length adapts each round, up to the longest draft.
+        return DecodingPlan("auto", use_draft, num_draft_tokens, lookup_tokens or MAX_LOOKUP_TOKENS, ngrams)
     if lookup_tokens is not None:
         if toggle is True or num_draft_tokens is not None:
             raise ValueError(

@@ -400,4 +400,78 @@ def test_router_shadow_drafts_use_lookup_memory():
     router = AutoRouter([50, 51], flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8, memory=memory))
     assert router.mode == "plain"
     assert router.propose([50, 51, 52], 8) == []  # plain rounds draft nothing themselves
-    assert router._shadows == [(3, [53, 54, 55, 56, 57, 58])]
+    assert router._shadows == [(3, [53, 54, 55, 56, 57, 58], 0)]  # (position, drafts, positions scored)
+
+
+def test_finder_prefers_the_candidate_whose_context_matches_longest():
+    # The suffix 3-gram [8, 5, 1] occurs twice before: after [6, 6] (continued by
+    # 2) and, more recently, after [7, 7] (continued by 3). The history ends
+    # [6, 6, 8, 5, 1]: the earlier occurrence shares more context and wins.
+    tokens = [6, 6, 8, 5, 1, 2, 0, 7, 7, 8, 5, 1, 3, 0, 6, 6, 8, 5, 1]
+    assert lookup(tokens, k=1) == [2]
+    # Without a longer context match the most recent candidate still wins.
+    assert lookup([8, 5, 1, 2, 0, 6, 5, 1, 3, 0, 4, 5, 1], k=1) == [3]
+    # With one candidate allowed, only the most recent is looked at.
+    assert lookup(tokens, k=1, cands=1) == [3]
+
+
+def test_acceptance_model_takes_evidence_position_by_position():
+    whole, pieces = AcceptanceModel(decay=0.9), AcceptanceModel(decay=0.9)
+    whole.observe(8, 3)  # three accepted, the fourth rejected
+    pieces.observe_positions(0, 2, False, new=True)  # two decided so far, both accepted
+    pieces.observe_positions(2, 1, True)  # then one more accepted and one rejected
+    assert pieces.tries == pytest.approx(whole.tries) and pieces.hits == pytest.approx(whole.hits)
+
+
+def test_router_without_a_draft_switches_to_lookup_within_a_few_rounds_of_copying():
+    """Shadow drafts count from their first decided token: a copy that starts in
+    the answer moves plain decoding to lookup after shadow_rounds rounds, not after
+    the shadows' full length."""
+    passage = list(range(500, 540))
+    history = list(range(1000, 1100)) + passage  # short prompt: plain first
+    stats = GenerationStats()
+    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(32))
+    assert router.mode == "plain"
+    history += passage[:3]  # the answer starts copying the passage
+    rounds = 0
+    while router.mode == "plain":
+        assert router.propose(history, 32) == []
+        router.observe(0, 0)
+        history.append(passage[len(history) - 140])
+        rounds += 1
+    assert rounds <= router.s.shadow_rounds + 1 and router.mode == "prompt_lookup"
+    # Lookup then drafts beyond the old cap of 8 tokens, copying the passage.
+    drafts = router.propose(history, 32)
+    assert len(drafts) > 8 and drafts == passage[len(history) - 140 :][: len(drafts)]
+
+
+def test_router_lookup_length_shrinks_after_a_rejection():
+    history = list(range(50)) * 8
+    router = AutoRouter(history, flat_costs(1.2), GenerationStats(), PromptLookupDrafter(32))
+    router._enter("prompt_lookup", "test")
+    for _ in range(3):
+        router.propose(history, 32)
+        router.observe(router.lookup_k, router.lookup_k)  # all accepted: drafts grow
+    assert router.lookup_k > 8
+    router.observe(router.lookup_k, 1)  # one accepted, then a rejection
+    router.propose(history, 32)
+    assert router.lookup_k <= 2 * 2 + 2
+
+
+def test_longer_lookup_drafts_stay_exact(llama_path):
+    kit = me.load_model(llama_path)
+    prompt = list(range(10, 60)) * 6
+    plain, _ = generate_ids(kit, prompt, max_tokens=80)
+    for kwargs in ({"prompt_lookup_num_tokens": 32}, {"auto_speculative": True}):
+        ids, final = generate_ids(kit, prompt, max_tokens=80, **kwargs)
+        assert_same_or_near_tie(kit, prompt, plain, ids)
+
+
+def test_lookup_accepts_up_to_32_tokens_and_the_draft_model_16(llama_path, draft_path):
+    kit = me.load_model(llama_path)
+    me.create_generator(kit, [1, 2, 3], max_tokens=1, prompt_lookup_num_tokens=32)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        me.create_generator(kit, [1, 2, 3], max_tokens=1, prompt_lookup_num_tokens=33)
+    me.load_draft_model(kit, draft_path)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        me.create_generator(kit, [1, 2, 3], max_tokens=1, num_draft_tokens=17)

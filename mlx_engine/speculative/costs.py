@@ -19,8 +19,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 logger = logging.getLogger(__name__)
 
-MAX_DRAFT = 16
-_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17)
+#: The longest draft any drafter proposes (prompt lookup, on near-perfect copies).
+MAX_DRAFT = 32
+#: The longest draft-model draft: each draft token costs a draft-model step.
+MAX_MODEL_DRAFT = 16
+_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33)
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,18 @@ class AcceptanceModel:
             self.tries[i] += 1
             self.hits[i] += i < accepted
 
+    def observe_positions(self, first: int, hits: int, missed: bool, new: bool = False) -> None:
+        """Evidence decided a few positions at a time (a shadow draft scored as
+        the output arrives): positions ``first .. first+hits-1`` accepted and, if
+        ``missed``, the next one rejected. ``new``: the first evidence of a draft
+        (older evidence decays once per draft, as in ``observe``)."""
+        if new:
+            self.tries = [t * self.decay for t in self.tries]
+            self.hits = [h * self.decay for h in self.hits]
+        for i in range(first, min(first + hits + missed, len(self.tries))):
+            self.tries[i] += 1
+            self.hits[i] += i < first + hits
+
     @property
     def rate(self) -> float:
         """Accepted / drafted over everything observed (the prior when nothing is)."""
@@ -196,8 +211,9 @@ class RoundCosts:
         self.weight = weight  # of the measurement, in rounds
         self.decay = decay  # per observation of the same kind: how fast evidence turns over
         self.age = age  # every round: the undrafted time must be re-timed now and then
-        # The measurement's straight line, in units of the undrafted step.
-        ks = range(1, MAX_DRAFT + 1)
+        # The measurement's straight line, in units of the undrafted step (over
+        # the draft model's lengths, which it was chosen for).
+        ks = range(1, MAX_MODEL_DRAFT + 1)
         ys = [self.prior[k] / self.prior[0] - 1.0 for k in ks]
         k_mean, y_mean = sum(ks) / len(ks), sum(ys) / len(ys)
         self._prior_slope = sum((k - k_mean) * (y - y_mean) for k, y in zip(ks, ys)) / sum((k - k_mean) ** 2 for k in ks)
@@ -226,7 +242,7 @@ class RoundCosts:
         t0 = self.undrafted()
         wy, wky = ws / t0 - w, wks / t0 - wk  # y = s / T(0) - 1
         k_mean, y_mean = wk / w, wy / w
-        spread = self.weight * (MAX_DRAFT / 4) ** 2
+        spread = self.weight * (MAX_MODEL_DRAFT / 4) ** 2
         slope = max(0.0, (wky - w * k_mean * y_mean + spread * self._prior_slope) / (wkk - w * k_mean**2 + spread))
         return max(0.0, y_mean - slope * k_mean), slope
 

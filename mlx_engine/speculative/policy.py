@@ -49,7 +49,7 @@ class DraftLengthPolicy:
             return min(4, limit)
         if self._time_undrafted_now():
             return 0
-        max_k = min(limit, costs.MAX_DRAFT)
+        max_k = min(limit, costs.MAX_MODEL_DRAFT)
         if self._rejected_at is not None:
             max_k = min(max_k, 2 * self._rejected_at + 2)
         k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k)

@@ -33,9 +33,11 @@ class NGramIndex:
     def lookup(self, num_tokens: int, num_candidates: int = 4, suffix: list[int] | None = None) -> list[int]:
         """Draft up to ``num_tokens`` tokens continuing the indexed history: the
         continuation of the longest suffix n-gram that occurred before. Among the
-        ``num_candidates`` most recent matches, the longest continuation wins
-        (ties go to the most recent). With ``suffix``, continue that sequence's
-        suffix from this index's tokens instead (another text: lookup memory)."""
+        ``num_candidates`` most recent matches, the one whose preceding context
+        agrees longest with the history's suffix wins, then the longest
+        continuation, then the most recent. With ``suffix``, continue that
+        sequence's suffix from this index's tokens instead (another text: lookup
+        memory)."""
         toks = self.tokens
         end = len(toks)
         query = toks if suffix is None else suffix
@@ -46,19 +48,34 @@ class NGramIndex:
             if not positions:
                 continue
             best: list[int] = []
+            best_key = (-1, -1)
             seen = 0
             for pos in reversed(positions):
                 if pos >= end:
                     continue  # the suffix itself
                 cont = _until_separator(toks[pos : pos + num_tokens])
-                if len(cont) > len(best):
-                    best = cont
+                key = (_context_match(toks, pos - n, query, len(query) - n), len(cont))
+                if cont and key > best_key:
+                    best, best_key = cont, key
                 seen += 1
-                if seen >= num_candidates or len(best) == num_tokens:
+                if seen >= num_candidates:
                     break
             if best:
                 return best
         return []
+
+
+#: How far back candidates' contexts are compared (tokens beyond the n-gram).
+CONTEXT_WINDOW = 32
+
+
+def _context_match(toks: list[int], i: int, query: list[int], j: int) -> int:
+    """How many tokens before ``toks[i]`` equal those before ``query[j]``
+    (up to ``CONTEXT_WINDOW``): the same passage seen again matches far back."""
+    n = 0
+    while n < CONTEXT_WINDOW and i - n > 0 and j - n > 0 and toks[i - n - 1] == query[j - n - 1]:
+        n += 1
+    return n
 
 
 SEPARATOR = -2  # between the sequences of a lookup memory; never a token id

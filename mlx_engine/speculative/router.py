@@ -38,6 +38,7 @@ class RouterSettings:
     probe_draft_tokens: int = 4
     commit_acceptance: float = 0.30
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
+    shadow_rounds: int = 3  # shadow drafts scored (from their first token) before plain may switch to lookup
     switch_margin: float = 1.1  # how much better shadow lookup must look to switch to it
 
 
@@ -70,6 +71,7 @@ class AutoRouter:
         # and one that does not deliver is not made again in this request.
         self._replaced_draft_speedup: float | None = None
         self._lookup_retired = False
+        self._rejected_at: int | None = None
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
         if draft is not None:
@@ -95,7 +97,7 @@ class AutoRouter:
         # mode runs, scored against the tokens that followed. Free evidence.
         self.shadow = costs.AcceptanceModel(prior=0.5)
         self.shadow_scored = 0
-        self._shadows: list[tuple[int, list[int]]] = []
+        self._shadows: list[tuple[int, list[int], int]] = []  # (position, drafts, positions scored)
 
     def _enter(self, mode: str, why: str) -> None:
         previous = getattr(self, "mode", None)
@@ -112,6 +114,11 @@ class AutoRouter:
     # -- drafter interface -------------------------------------------------
     def propose(self, history: list[int], limit: int) -> Drafts:
         if self.mode in ("probe", "prompt_lookup"):
+            if self.mode == "prompt_lookup":
+                # Each round the length with the best expected speed-up (at least
+                # one token: leaving lookup is _watch_lookup's decision).
+                max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
+                self.lookup_k = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, max_k, min_k=1)[0]
             self.lookup.num_tokens = self.lookup_k
             return self.lookup.propose(history, limit)
         self.lookup.index.extend(history)  # keep the index current for a later probe
@@ -127,6 +134,10 @@ class AutoRouter:
             self.lookup_costs.observe(drafted, seconds)
         if self.draft is not None and self.mode != "draft_model" and drafted == 0:
             self.draft.round_costs.observe(0, seconds)
+        if drafted:
+            # As for the draft model (policy.py): after a rejection the next draft
+            # is at most 2·(a+1)+2 long; the burst that just ended says little there.
+            self._rejected_at = accepted + 1 if accepted < drafted else None
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -150,35 +161,44 @@ class AutoRouter:
             self._consider_lookup()
 
     def _shadow_lookup(self, history: list[int]) -> None:
-        """Score earlier shadow proposals as soon as the output decides them, then
-        make one for this round (an index lookup: microseconds)."""
+        """Score earlier shadow proposals position by position as the output
+        decides them (a shadow of 8 tokens that keeps matching counts from its
+        first token on, not 8 rounds later), then make one for this round (an
+        index lookup: microseconds)."""
         open_ = []
-        for pos, drafts in self._shadows:
+        for pos, drafts, done in self._shadows:
             actual = history[pos : pos + len(drafts)]
-            n = 0
+            n = done
             while n < len(actual) and actual[n] == drafts[n]:
                 n += 1
-            if n < len(actual) or len(actual) == len(drafts):
-                self.shadow.observe(len(drafts), n)
-                self.shadow_scored += 1
+            missed = n < len(actual)
+            if n > done or missed:
+                self.shadow.observe_positions(done, n - done, missed, new=done == 0)
+                self.shadow_scored += done == 0
+            if missed or n == len(drafts):
+                self.shadow.drafted += len(drafts)
+                self.shadow.accepted += n
             else:
-                open_.append((pos, drafts))
+                open_.append((pos, drafts, n))
         self._shadows = open_
         # What lookup would draft now, lookup memory included (the kit's other
         # conversations), so a short prompt whose answer was cached elsewhere
         # can still move the router to lookup.
         if drafts := self.lookup.peek(history, self.max_lookup):
-            self._shadows.append((len(history), drafts))
+            self._shadows.append((len(history), drafts, 0))
 
     def _consider_lookup(self) -> None:
         """Switch to prompt lookup when its shadow record promises clearly more
         than the running mode."""
-        if self.shadow_scored < self.s.watch_rounds or (self.mode == "draft_model" and self._lookup_retired):
+        # From plain decoding a switch gains more than from the draft model, and
+        # the draft model's switches were tuned with watch_rounds: keep them so.
+        needed = self.s.watch_rounds if self.mode == "draft_model" else self.s.shadow_rounds
+        if self.shadow_scored < needed or (self.mode == "draft_model" and self._lookup_retired):
             return
         lookup_rounds: costs.RoundCosts | list[float] = self.lookup_costs
         current = 1.0
         if self.mode == "draft_model":
-            current = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs)[1]
+            current = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs, costs.MAX_MODEL_DRAFT)[1]
             # Lookup's own line comes from the short-context measurement or a few
             # probe rounds; the draft's rounds, timed here and now, less the draft
             # model's work, keep it from being priced under what its rounds cost
