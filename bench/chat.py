@@ -29,9 +29,12 @@ from .workloads import Workload  # noqa: E402
 
 logger = logging.getLogger("bench")
 
-SYSTEM_NAMES = ("mlx-lm", "engine-plain", "engine-lookup", "engine-auto-nodraft")
+SYSTEM_NAMES = ("mlx-lm", "engine-plain", "engine-lookup")
 AUTO_NO_DRAFT = S.System("engine-auto-nodraft", "engine", {"auto_speculative": True},
                          "engine, auto_speculative=True (no draft model: plain or lookup)")
+LOOKUP_32 = S.System("engine-lookup-32", "engine", {"prompt_lookup_num_tokens": 32, "speculative_decoding_toggle": False},
+                     "engine, prompt lookup (32 tokens)")
+EXTRA_SYSTEMS = (LOOKUP_32, AUTO_NO_DRAFT)
 
 DOCUMENT = (
     "The Python Software Foundation (PSF) is a non-profit organisation devoted to the Python programming "
@@ -56,8 +59,10 @@ LIST_START = "1. Mercury\n2. Venus\n3. Earth\n4. Mars"
 def chat_prompts() -> dict[str, tuple[str, str]]:
     """``name -> (kind, user message)`` for each workload."""
     indent_src = textwrap.dedent(inspect.getsource(textwrap.indent))
+    dedent_src = textwrap.dedent(inspect.getsource(textwrap.dedent))
     quote_src = textwrap.dedent(inspect.getsource(shlex.quote))
     return {
+        "echo-code": ("echo", f"Repeat this function exactly as it is.\n\n```python\n{dedent_src}```"),
         "edit-rename": ("edit", "Rename the function `indent` to `indent_lines` and return the whole function, "
                                 f"unchanged otherwise.\n\n```python\n{indent_src}```"),
         "edit-param": ("edit", "Add a parameter `safe_chars=''` to this function: characters in it are also "
@@ -91,15 +96,17 @@ def exactness(kit: me.ModelKit, prompt: list[int], ref: list[int], other: list[i
 
 def analyse(kit, systems, workloads, runs) -> tuple[list[dict], dict]:
     rows = []
+    names = [s.name for s in systems]
+    peers = [p for p in ("mlx-lm", "engine-plain") if p in names]
     for w in workloads:
-        ref = runs[w.name]["mlx-lm"][0].tokens
+        ref = runs[w.name][peers[0]][0].tokens
         for s in systems:
             rs = runs[w.name][s.name]
             tps = [r.gen_tps for r in rs]
             row = {"workload": w.name, "system": s.name, "prompt_tokens": len(w.prompt),
                    "new_tokens": len(rs[0].tokens), "gen_tps": _median(tps), "ttft": _median([r.ttft for r in rs]),
                    "exact": exactness(kit, w.prompt, ref, rs[0].tokens)}
-            for peer in ("mlx-lm", "engine-plain"):
+            for peer in peers:
                 pr = paired_ratio(tps, [r.gen_tps for r in runs[w.name][peer]])
                 row[f"vs_{peer}"] = {"ratio": pr.ratio, "low": pr.low, "high": pr.high, "verdict": pr.verdict}
             stats = rs[0].engine_stats or {}
@@ -107,37 +114,59 @@ def analyse(kit, systems, workloads, runs) -> tuple[list[dict], dict]:
             row["accepted_per_round"] = stats.get("mean_accepted_per_round")
             rows.append(row)
     summary = {s.name: {peer: geomean([r[f"vs_{peer}"]["ratio"] for r in rows if r["system"] == s.name])
-                        for peer in ("mlx-lm", "engine-plain")} for s in systems}
+                        for peer in peers} for s in systems}
     return rows, summary
 
 
-def render(rows: list[dict], summary: dict, reps: int, max_tokens: int) -> str:
+def render(rows: list[dict], summary: dict, reps: int, max_tokens: int, ref: str = "mlx-lm") -> str:
     def ratio(d):
-        return format_paired(d["ratio"], d["low"], d["high"])
+        return format_paired(d["ratio"], d["low"], d["high"]) if d else "–"
 
     lines = [f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured rounds; "
              "ratios are paired per round (95% bootstrap interval).", "",
-             "| workload | system | prompt | new | gen tok/s | vs mlx-lm | vs engine-plain | mode | acc/round | output vs mlx-lm |",
+             f"| workload | system | prompt | new | gen tok/s | vs mlx-lm | vs engine-plain | mode | acc/round | output vs {ref} |",
              "|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
         acc = f"{r['accepted_per_round']:.2f}" if r.get("accepted_per_round") else ""
         lines.append(f"| {r['workload']} | {r['system']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['gen_tps']:.1f} | "
-                     f"{ratio(r['vs_mlx-lm'])} | {ratio(r['vs_engine-plain'])} | {r['mode'] or ''} | {acc} | {r['exact']} |")
+                     f"{ratio(r.get('vs_mlx-lm'))} | {ratio(r.get('vs_engine-plain'))} | {r['mode'] or ''} | {acc} | {r['exact']} |")
     lines += ["", "| system | geomean vs mlx-lm | geomean vs engine-plain |", "|---|---:|---:|"]
-    lines += [f"| {name} | {v['mlx-lm']:.2f} | {v['engine-plain']:.2f} |" for name, v in summary.items()]
+    lines += [f"| {name} | {v.get('mlx-lm', float('nan')):.2f} | {v.get('engine-plain', float('nan')):.2f} |"
+              for name, v in summary.items()]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
+    """bench_args's options, plus subsets of systems and workloads."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = {"--systems": None, "--workloads": None}
+    for name in extra:
+        if name in argv:
+            i = argv.index(name)
+            extra[name] = argv[i + 1]
+            del argv[i : i + 2]
     args = bench_args("python -m bench.chat", __doc__.split("\n\n")[0], 5, 200, argv)
+    args.systems, args.workloads = extra["--systems"], extra["--workloads"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kit = me.load_model(me.DEFAULT_MODEL)
-    systems = [s for s in S.SYSTEMS if s.name in SYSTEM_NAMES] + [AUTO_NO_DRAFT]
-    workloads = build(kit)
+    systems = [s for s in S.SYSTEMS if s.name in SYSTEM_NAMES] + list(EXTRA_SYSTEMS)
+    if args.systems:
+        wanted = args.systems.split(",")
+        if unknown := set(wanted) - {s.name for s in systems}:
+            raise SystemExit(f"unknown systems {sorted(unknown)}; known: {[s.name for s in systems]}")
+        systems = [s for s in systems if s.name in wanted]
+    workloads = [w for w in build(kit) if not args.workloads or w.name in args.workloads.split(",")]
     plan = Plan(lengths=(), multi_turn_lengths=(), max_tokens=args.max_tokens, reps=args.reps, warmup=1)
     runs, measured = measure(S.Models(kit, None, kit.eos_token_ids), systems, workloads, plan)
     rows, summary = analyse(kit, systems, workloads, runs)
-    text = render(rows, summary, measured, args.max_tokens)
+    text = render(rows, summary, measured, args.max_tokens, "mlx-lm" if "mlx-lm" in runs[workloads[0].name] else "engine-plain")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chat.md").write_text(text)
     (args.out / "chat.json").write_text(json.dumps({"machine": machine_info(), "rows": rows, "summary": summary}, indent=1))

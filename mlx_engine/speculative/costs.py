@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 MAX_DRAFT = 32
 #: The longest draft-model draft: each draft token costs a draft-model step.
 MAX_MODEL_DRAFT = 16
-_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33)
+_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25)  # wider ones extrapolated (they cost most to time)
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,13 @@ class CostModel:
         return self.seconds[n - 1] / self.seconds[0]
 
     def summary(self) -> str:
-        return ", ".join(f"v{n}={self.relative(n):.2f}" for n in (2, 4, 8, 16))
+        return ", ".join(f"v{n}={self.relative(n):.2f}" for n in (2, 4, 8, 16, 32))
 
 
 def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int = 5) -> CostModel:
     """Time forward passes of several widths on a scratch cache."""
     cache = make_prompt_cache(model)
-    rng = mx.random.randint(0, vocab_size, (context + 32,), key=mx.random.key(0))
+    rng = mx.random.randint(0, vocab_size, (context + max(_SIZES),), key=mx.random.key(0))
     mx.eval(model(rng[:context][None], cache=cache))
     samples: dict[int, list[float]] = {n: [] for n in _SIZES}
     # One untimed pass over every width first (the first calls of a shape are
@@ -62,23 +62,33 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
             for c in cache:
                 c.trim(n)
     timings = {n: sorted(xs)[len(xs) // 2] for n, xs in samples.items()}
-    # Interpolate the sizes not measured.
-    known = sorted(timings)
-    seconds = []
-    for n in range(1, MAX_DRAFT + 2):
-        lo = max(k for k in known if k <= n)
-        hi = min(k for k in known if k >= n)
-        if lo == hi:
-            seconds.append(timings[lo])
-        else:
-            w = (n - lo) / (hi - lo)
-            seconds.append(timings[lo] * (1 - w) + timings[hi] * w)
+    seconds = _interpolate(timings, MAX_DRAFT + 1)
     # Cost is non-decreasing in width; timing noise should not say otherwise.
     for i in range(1, len(seconds)):
         seconds[i] = max(seconds[i], seconds[i - 1])
     cm = CostModel(tuple(seconds))
     logger.info("measured forward costs: step=%.2f ms, %s", cm.step() * 1e3, cm.summary())
     return cm
+
+
+def _interpolate(timings: dict[int, float], widest: int) -> list[float]:
+    """Seconds for widths 1..widest from the measured ones: linear between them,
+    and along the last two measured widths' line beyond the widest."""
+    known = sorted(timings)
+    seconds = []
+    for n in range(1, widest + 1):
+        lower = [k for k in known if k <= n]
+        upper = [k for k in known if k >= n]
+        lo = lower[-1]
+        hi = upper[0] if upper else known[-1]
+        if not upper:
+            lo = known[-2] if len(known) > 1 else hi
+        if lo == hi:
+            seconds.append(timings[lo])
+        else:
+            w = (n - lo) / (hi - lo)
+            seconds.append(timings[lo] * (1 - w) + timings[hi] * w)
+    return seconds
 
 
 def measure_chained_step(model: nn.Module, vocab_size: int, chain: int = 4, context: int = 128, repeats: int = 5) -> float:
