@@ -19,6 +19,13 @@ model's decay; see docs/decoding.md. Two references frame it: the best fixed
 length in hindsight and the oracle (every round's length chosen knowing the
 accept lengths), and one learner, ``FollowTheLeader``, shows what learning a
 fixed length online costs even with full information.
+
+``--lookup`` does the same for prompt lookup and the router without a draft
+model: the greedy outputs of the toy pair's workloads (and, with ``--chat``,
+SmolLM2's ``bench.chat`` workloads) are recorded once to ``--traces``; then
+fixed lookup lengths and the engine's own ``AutoRouter`` are replayed on them
+(every proposal checked against the recorded output), priced with round costs
+``1 + JUMP + SLOPE*k`` (``--cost-lines toy=...,chat=...``).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ def greedy(kit: me.ModelKit, prompt: list[int], n: int) -> list[int]:
             for t in r.tokens]
 
 
-def accept_lengths(draft: mx.array, sequence: list[int], start: int, count: int, max_k: int = costs.MAX_DRAFT) -> list[int]:
+def accept_lengths(draft: mx.array, sequence: list[int], start: int, count: int, max_k: int = costs.MAX_MODEL_DRAFT) -> list[int]:
     """For each position t in [start, start + count): how many of the draft's
     greedy tokens from ``sequence[:t]`` equal ``sequence[t:]`` (up to max_k)."""
     cache = make_prompt_cache(draft)
@@ -73,7 +80,7 @@ def replay(lengths: list[int], round_cost: list[float], policy) -> float:
     while t < len(lengths):
         if hasattr(policy, "reveal"):
             policy.reveal(lengths, t)
-        k = policy.num_tokens(costs.MAX_DRAFT)
+        k = policy.num_tokens(costs.MAX_MODEL_DRAFT)
         accepted = min(k, lengths[t])
         tokens += accepted + 1
         spent += round_cost[k]
@@ -212,7 +219,7 @@ def lookup_main(args: argparse.Namespace) -> None:
 
     traces = record_traces(args.traces, 200, args.chat, args.model)
     lines = dict(_parse_line(item) for item in args.cost_lines.split(",")) if args.cost_lines else {}
-    ks = (4, 8, 16, costs.MAX_DRAFT) if costs.MAX_DRAFT > 16 else (4, 8, 16)
+    ks = (4, 8, 16, costs.MAX_DRAFT)
     names = [f"lookup k={k}" for k in ks] + ["auto"]
     print("| workload | " + " | ".join(names) + " | best | auto / best |")
     print("|---|" + "---:|" * (len(names) + 2))
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chat", action="store_true", help="with --lookup: also SmolLM2's bench.chat workloads")
     p.add_argument("--traces", type=Path, default=Path("bench/results/raw/lookup_traces.json"))
     p.add_argument("--only", help="with --lookup: comma-separated substrings of workload names")
-    p.add_argument("--auto-max", type=int, default=8, help="with --lookup: the router's longest lookup draft")
+    p.add_argument("--auto-max", type=int, default=costs.MAX_DRAFT, help="with --lookup: the router's longest lookup draft")
     p.add_argument("--model", type=Path, default=Path(DEFAULT_MODEL))
     p.add_argument("--draft", type=Path, default=Path(DEFAULT_DRAFT))
     p.add_argument("--tokens", type=int, default=128, help="generated tokens replayed per workload")
@@ -276,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|" + "---:|" * (len(policies) + len(extra)))
     logs = {name: [] for name in [*policies, *extra]}
     for w in workloads:
-        sequence = w.prompt + greedy(kit, w.prompt, args.tokens + costs.MAX_DRAFT)
+        sequence = w.prompt + greedy(kit, w.prompt, args.tokens + costs.MAX_MODEL_DRAFT)
         lengths = accept_lengths(kit.draft.model, sequence, len(w.prompt), args.tokens)
         context = 1024 if len(w.prompt) > 768 else 128
         if lines is not None:
@@ -290,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
             rounds = costs.RoundCosts(cm, draft_step / cm.step())
         round_cost = [t / rounds.prior[0] for t in rounds.prior]
         row = {name: replay(lengths, round_cost, make(rounds)) for name, make in policies.items()}
-        fixed = {k: replay(lengths, round_cost, Fixed(k)) for k in range(costs.MAX_DRAFT + 1)}
+        fixed = {k: replay(lengths, round_cost, Fixed(k)) for k in range(costs.MAX_MODEL_DRAFT + 1)}
         best_k = max(fixed, key=fixed.get)
         row["best fixed k"], row["oracle"] = fixed[best_k], oracle(lengths, round_cost)
         for name, v in row.items():

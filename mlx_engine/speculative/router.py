@@ -212,8 +212,8 @@ class AutoRouter:
             self._replaced_draft_speedup = current if self.mode == "draft_model" else None
             self._enter(
                 "prompt_lookup",
-                f"lookup would have had {shadow.rate:.0%} of {shadow.drafted} shadow drafts accepted: "
-                f"expected speed-up x{speedup:.2f} at k={k} against x{current:.2f}",
+                f"{self.shadow_scored} shadow drafts scored, lookup would have had {shadow.conditional()[0]:.0%} of "
+                f"their first tokens accepted: expected speed-up x{speedup:.2f} at k={k} against x{current:.2f}",
             )
             self.lookup_k = k
             self.lookup_acceptance = shadow
