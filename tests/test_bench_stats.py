@@ -50,3 +50,33 @@ def test_same_runs_give_the_same_report():
 def test_unpaired_input_is_refused():
     with pytest.raises(ValueError, match="one value per round"):
         paired_ratio([1.0, 2.0], [1.0])
+
+
+def test_replay_prices_lookup_and_the_router_on_a_recorded_output():
+    """bench.replay --lookup: every proposal is checked against the recorded
+    output, so the replayed tokens are the output, and a copied passage pays."""
+    from bench.replay import replay_drafter
+    from mlx_engine.results import GenerationStats
+    from mlx_engine.speculative import costs
+    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+    from mlx_engine.speculative.router import AutoRouter
+
+    passage = list(range(100, 160))
+    prompt = list(range(1000, 1050)) + passage
+    output = passage + list(range(2000, 2020))  # a copy, then fresh text
+    line = [1.0] + [1.2 + 0.1 * k for k in range(1, costs.MAX_DRAFT + 1)]
+    plain = replay_drafter(prompt, output, _NoDrafts(), line)
+    assert plain == (1.0, len(output))
+    fixed, rounds = replay_drafter(prompt, output, PromptLookupDrafter(8), line)
+    assert fixed > 1.5 and rounds < len(output)
+    router = AutoRouter(prompt, costs.CostModel(tuple(line)), GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT))
+    auto, _ = replay_drafter(prompt, output, router, line)
+    assert auto > 1.5 and router.stats.decoding_mode == "auto:prompt_lookup"
+
+
+class _NoDrafts:
+    def propose(self, history, limit):
+        return []
+
+    def observe(self, drafted, accepted, seconds=None):
+        pass
