@@ -194,7 +194,9 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
     """Run ``drafter`` (a PromptLookupDrafter or an AutoRouter without a draft
     model) over a greedy output: each round it proposes, the drafts matching the
     output are accepted, and the round costs ``round_cost[k]`` undrafted rounds.
-    Returns tokens per undrafted-round time (1.0: plain decoding) and rounds."""
+    Each round's time is reported to the drafter, as the engine's loop does,
+    so the router learns the round costs from a prior that may differ. Returns
+    tokens per undrafted-round time (1.0: plain decoding) and rounds."""
     history, t, spent, rounds = list(prompt), 0, 0.0, 0
     count = len(output)
     while t < count:
@@ -203,7 +205,7 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
         n = 0
         while n < len(drafts) and drafts[n] == output[t + n]:
             n += 1
-        drafter.observe(len(drafts), n, None)
+        drafter.observe(len(drafts), n, round_cost[len(drafts)])  # timed, in undrafted-round units
         spent += round_cost[len(drafts)]
         history.extend(output[t : t + n + 1])
         t += n + 1
@@ -219,6 +221,7 @@ def lookup_main(args: argparse.Namespace) -> None:
 
     traces = record_traces(args.traces, 200, args.chat, args.model)
     lines = dict(_parse_line(item) for item in args.cost_lines.split(",")) if args.cost_lines else {}
+    priors = dict(_parse_line(item) for item in args.prior_lines.split(",")) if args.prior_lines else lines
     ks = (4, 8, 16, costs.MAX_DRAFT)
     names = [f"lookup k={k}" for k in ks] + ["auto"]
     print("| workload | " + " | ".join(names) + " | best | auto / best |")
@@ -229,7 +232,8 @@ def lookup_main(args: argparse.Namespace) -> None:
             continue
         jump, slope = lines.get("chat" if name.startswith("chat/") else "toy", (0.2, 0.1))
         line = (1.0,) + tuple(1.0 + jump + slope * k for k in range(1, costs.MAX_DRAFT + 1))
-        cm = costs.CostModel(line)
+        jump, slope = priors.get("chat" if name.startswith("chat/") else "toy", (jump, slope))
+        cm = costs.CostModel((1.0,) + tuple(1.0 + jump + slope * k for k in range(1, costs.MAX_DRAFT + 1)))
         prompt, output = tr["prompt"], tr["output"][: 200 if name.startswith("chat/") else args.tokens]
         row = {}
         for k in ks:
@@ -250,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chat", action="store_true", help="with --lookup: also SmolLM2's bench.chat workloads")
     p.add_argument("--traces", type=Path, default=Path("bench/results/raw/lookup_traces.json"))
     p.add_argument("--only", help="with --lookup: comma-separated substrings of workload names")
+    p.add_argument("--prior-lines", metavar="toy=JUMP+SLOPEk,chat=...",
+                   help="with --lookup: the verify-cost measurement the router starts from (default: --cost-lines); "
+                        "it learns the --cost-lines rounds as they are timed, as the engine does")
     p.add_argument("--auto-max", type=int, default=costs.MAX_DRAFT, help="with --lookup: the router's longest lookup draft")
     p.add_argument("--model", type=Path, default=Path(DEFAULT_MODEL))
     p.add_argument("--draft", type=Path, default=Path(DEFAULT_DRAFT))

@@ -250,7 +250,9 @@ class _Loop:
         cache = self.cache
         rnd = yield from self.launch()
         while True:
-            ahead = self.drafter is None and not self.processors and self.constraint is None
+            # A drafter with plain_ahead set (the router in plain decoding) drafts nothing next round.
+            plain = self.drafter is None or getattr(self.drafter, "plain_ahead", False)
+            ahead = plain and not self.processors and self.constraint is None
             ahead = ahead and self.produced + 1 < self.max_new
             if ahead:
                 pending = yield from self.launch_plain_from(rnd.tokens)

@@ -72,6 +72,9 @@ class AutoRouter:
         self._replaced_draft_speedup: float | None = None
         self._lookup_retired = False
         self._rejected_at: int | None = None
+        self._history: list[int] | None = None  # the loop's history (the list it extends)
+        self._proposed = False  # propose ran for the round being observed
+        self._lookup_exits = 0  # times lookup was left because no length paid
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
         if draft is not None:
@@ -112,13 +115,20 @@ class AutoRouter:
         logger.debug("router: %s (%s)", mode, why)
 
     # -- drafter interface -------------------------------------------------
+    @property
+    def plain_ahead(self) -> bool:
+        """True in plain decoding: the loop may then queue each round before the
+        previous one is read, as plain decoding does without a router (it skips
+        ``propose``; ``observe`` makes the round's shadow draft instead). Without
+        this, plain rounds under the router cost a few percent more than plain
+        decoding's."""
+        return self.mode == "plain"
+
     def propose(self, history: list[int], limit: int) -> Drafts:
-        if self.mode in ("probe", "prompt_lookup"):
-            if self.mode == "prompt_lookup":
-                # Each round the length with the best expected speed-up (at least
-                # one token: leaving lookup is _watch_lookup's decision).
-                max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
-                self.lookup_k = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, max_k, min_k=1)[0]
+        self._history, self._proposed = history, True
+        if self.mode == "prompt_lookup":
+            return self._lookup_round(history, limit)
+        if self.mode == "probe":
             self.lookup.num_tokens = self.lookup_k
             return self.lookup.propose(history, limit)
         self.lookup.index.extend(history)  # keep the index current for a later probe
@@ -127,7 +137,21 @@ class AutoRouter:
             return self.draft.propose(history, limit)
         return []
 
+    def _lookup_round(self, history: list[int], limit: int) -> list[int]:
+        """Each round the length with the best expected speed-up (at least one
+        token: leaving lookup is _watch_lookup's decision), within the rejection
+        bound."""
+        max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
+        self.lookup_k = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, max_k, min_k=1)[0]
+        self.lookup.num_tokens = self.lookup_k
+        return self.lookup.propose(history, limit)
+
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        if self.mode == "plain" and not self._proposed and self._history is not None:
+            # A round the loop queued ahead: the history it continued is the
+            # loop's list as it stands now (this round's token not appended yet).
+            self._shadow_lookup(self._history)
+        self._proposed = False
         # Round times teach the cost of the mode that ran; an undrafted round
         # costs the same whichever mode would have drafted.
         if self.mode in ("probe", "prompt_lookup") or drafted == 0:
@@ -192,7 +216,7 @@ class AutoRouter:
         than the running mode."""
         # From plain decoding a switch gains more than from the draft model, and
         # the draft model's switches were tuned with watch_rounds: keep them so.
-        needed = self.s.watch_rounds if self.mode == "draft_model" else self.s.shadow_rounds
+        needed = self.s.watch_rounds if self.mode == "draft_model" else self.s.shadow_rounds << min(self._lookup_exits, 5)
         if self.shadow_scored < needed or (self.mode == "draft_model" and self._lookup_retired):
             return
         lookup_rounds: costs.RoundCosts | list[float] = self.lookup_costs
@@ -243,6 +267,10 @@ class AutoRouter:
             return
         k, speedup, rate = self._lookup_speedup()
         if k == 0:
+            # Each time lookup did not pay, a switch back needs twice the shadow
+            # evidence: on text that copies in snatches (a summary) shadows keep
+            # promising a little, and every round trip costs watch_rounds rounds.
+            self._lookup_exits += 1
             self._enter(self._fallback_mode(), f"lookup acceptance fell to {rate:.0%}; no draft length pays")
             return
         if (replaced := self._replaced_draft_speedup) is not None:
