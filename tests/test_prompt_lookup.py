@@ -475,3 +475,28 @@ def test_lookup_accepts_up_to_32_tokens_and_the_draft_model_16(llama_path, draft
     me.load_draft_model(kit, draft_path)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         me.create_generator(kit, [1, 2, 3], max_tokens=1, num_draft_tokens=17)
+
+
+def test_router_plain_rounds_are_queued_ahead_and_still_make_shadow_drafts():
+    """In plain decoding the loop queues rounds ahead without calling propose
+    (plain_ahead); observe then makes the shadow drafts, so the switch to lookup
+    comes as it would with a propose per round."""
+    passage = list(range(500, 540))
+    history = list(range(1000, 1100)) + passage + passage[:3]
+    router = AutoRouter(history, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32))
+    assert router.plain_ahead
+    assert router.propose(history, 32) == []  # the first round is launched normally
+    rounds = 0
+    while router.mode == "plain":
+        router.observe(0, 0)  # a round queued ahead: no propose before it
+        history.append(passage[len(history) - 140])
+        rounds += 1
+    assert rounds <= router.s.shadow_rounds + 2
+    assert router.mode == "prompt_lookup" and not router.plain_ahead
+
+
+def test_auto_with_plain_rounds_queued_ahead_is_exact(kit):
+    prompt = me.tokenize(kit, "The quick brown fox jumps over the lazy dog. " * 3)
+    plain, _ = generate_ids(kit, prompt, max_tokens=40)
+    ids, final = generate_ids(kit, prompt, max_tokens=40, auto_speculative=True)
+    assert_same_or_near_tie(kit, prompt, plain, ids)
