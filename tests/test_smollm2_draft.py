@@ -62,9 +62,10 @@ def test_demo_draft_flag_picks_the_catalog_draft():
 def test_training_batches_score_answers_and_copy_windows():
     from training.train_smollm2_draft import make_batch, pca_embedding
 
-    examples = [{"prompt": list(range(1, 11)), "answer": list(range(100, 140))}]
-    args = argparse.Namespace(batch=4, seq=128, copy_frac=0.5, negatives=8)
-    x, idx, cand, y = make_batch(examples, random.Random(0), args, np.arange(10))
+    soft = {"top_ids": [[t, 7000] for t in range(100, 140)], "top_lp": [[-0.1, -2.5]] * 40}
+    examples = [{"prompt": list(range(1, 11)), "answer": list(range(100, 140)), **soft}]
+    args = argparse.Namespace(batch=4, seq=128, copy_frac=0.5, negatives=8, top_k=2, soft=0.5)
+    x, idx, cand, y, soft_idx, soft_p, soft_w = make_batch(examples, random.Random(0), args, np.arange(10))
     cand, y, flat = np.array(cand), np.array(y), np.array(x).reshape(-1)
     assert x.shape == (4, 128)
     targets = cand[y]
@@ -73,5 +74,9 @@ def test_training_batches_score_answers_and_copy_windows():
     inputs = flat[np.array(idx)]
     inside = (inputs >= 100) & (inputs < 139)  # within an answer: the next answer token is the target
     assert inside.any() and np.all(inputs[inside] + 1 == targets[inside])
+    w = np.array(soft_w)
+    assert 0 < (w > 0).sum() < len(w)  # answer rows carry soft targets, copy windows do not
+    assert np.all(cand[np.array(soft_idx)][w > 0, 0] == targets[w > 0])  # the top soft id is the greedy token
+    assert np.allclose(np.array(soft_p).sum(1), 1.0)
     emb = pca_embedding(np.random.default_rng(0).normal(size=(50, 12)).astype(np.float32), 4)
     assert emb.shape == (50, 4) and abs(float(np.sqrt((emb**2).sum(1)).mean()) - 1.0) < 0.5

@@ -60,10 +60,30 @@ def prompt_ids(kit: me.ModelKit, max_prompt: int) -> list[tuple[int, list[int]]]
     return out
 
 
+def answer_batch(kit: me.ModelKit, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
+    """Greedy answers (ending with the stop token when one came) with the
+    target's top ``--top-k`` log-probabilities at every answer position."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(kit.model, stop_tokens=[[t] for t in kit.eos_token_ids], max_tokens=args.max_new,
+                         completion_batch_size=args.batch, prefill_batch_size=8)
+    uids = gen.insert(prompts, [args.max_new] * len(prompts))
+    out = {u: {"answer": [], "top_ids": [], "top_lp": []} for u in uids}
+    while responses := gen.next_generated():
+        lp = mx.stack([r.logprobs for r in responses])
+        ids = mx.argpartition(-lp, args.top_k - 1, axis=-1)[:, : args.top_k]
+        vals = mx.take_along_axis(lp, ids, axis=-1)
+        for r, i, v in zip(responses, ids.tolist(), vals.tolist()):
+            o = out[r.uid]
+            o["answer"].append(int(r.token))
+            o["top_ids"].append(i)
+            o["top_lp"].append([round(x, 3) for x in v])
+    gen.close()
+    return [out[u] for u in uids]
+
+
 def generate(args: argparse.Namespace) -> None:
     """Append the target's greedy answers to shards until every prompt is answered or time is up."""
-    from mlx_lm.generate import batch_generate
-
     data = args.work / "data"
     data.mkdir(parents=True, exist_ok=True)
     done = {ex["index"] for f in sorted(data.glob("shard-*.json")) for ex in json.loads(f.read_text())}
@@ -71,14 +91,13 @@ def generate(args: argparse.Namespace) -> None:
     todo = [(i, p) for i, p in prompt_ids(kit, args.max_prompt) if i not in done]
     logger.info("generate: %d prompts to answer (%d done)", len(todo), len(done))
     start, tokens = time.time(), 0
-    per_call = args.batch * 3  # continuous batching refills finished rows from the same call
+    per_call = args.batch * 2  # continuous batching refills finished rows from the same call
     for b in range(0, len(todo), per_call):
         if time.time() - start > args.minutes * 60:
             break
         chunk = todo[b:b + per_call]
-        res = batch_generate(kit.model, kit.tokenizer, [p for _, p in chunk], max_tokens=args.max_new,
-                             return_token_ids=True, completion_batch_size=args.batch, prefill_batch_size=8)
-        shard = [{"index": i, "prompt": p, "answer": list(map(int, a))} for (i, p), a in zip(chunk, res.token_ids)]
+        answers = answer_batch(kit, [p for _, p in chunk], args)
+        shard = [{"index": i, "prompt": p, **a} for (i, p), a in zip(chunk, answers)]
         (data / f"shard-{len(done) + b:06d}.json").write_text(json.dumps(shard))
         tokens += sum(len(s["answer"]) for s in shard)
         el = time.time() - start
@@ -128,38 +147,65 @@ def frequent_tokens(examples: list[dict], n: int) -> np.ndarray:
     return np.argsort(-counts)[:n]
 
 
+def _row(ex: dict, rng: random.Random, args: argparse.Namespace) -> tuple[list[int], list[int], list]:
+    """Tokens, loss mask and soft targets (top ids, log-probabilities, or None)
+    of one training row, each aligned with the token it predicts."""
+    if rng.random() < args.copy_frac and len(ex["answer"]) >= 16:
+        a = ex["answer"][: args.seq // 2]
+        return a + a, [0] * len(a) + [1] * len(a), [None] * (2 * len(a))
+    n = len(ex["answer"])
+    soft = list(zip(ex["top_ids"], ex["top_lp"])) if "top_ids" in ex else [None] * n
+    return ex["prompt"] + ex["answer"], [0] * len(ex["prompt"]) + [1] * n, [None] * len(ex["prompt"]) + soft
+
+
 def make_batch(examples: list[dict], rng: random.Random, args: argparse.Namespace, frequent: np.ndarray):
-    """Inputs, the flat indices of scored positions, the candidate output rows and
-    the targets' places among them. Rows are answers (the prompt as context) or
-    copy windows (an answer, then the same answer again; scored on the repeat)."""
-    rows, masks, seq = [], [], args.seq
+    """Inputs, the flat indices of scored positions, the candidate output rows,
+    the targets' places among them, and soft targets (places, probabilities and
+    a weight per scored position: 0 where the row has none). Rows are answers
+    (the prompt as context) or copy windows (an answer, then the same answer
+    again; scored on the repeat, hard targets only)."""
+    rows, masks, softs, seq, k = [], [], [], args.seq, args.top_k
     for _ in range(args.batch):
-        ex = rng.choice(examples)
-        if rng.random() < args.copy_frac and len(ex["answer"]) >= 16:
-            a = ex["answer"][: seq // 2]
-            toks, mask = a + a, [0] * len(a) + [1] * len(a)
-        else:
-            toks = ex["prompt"] + ex["answer"]
-            mask = [0] * len(ex["prompt"]) + [1] * len(ex["answer"])
-        toks, mask = toks[-(seq + 1):], mask[-(seq + 1):]
+        toks, mask, soft = _row(rng.choice(examples), rng, args)
+        toks, mask, soft = toks[-(seq + 1):], mask[-(seq + 1):], soft[-(seq + 1):]
         rows.append(toks + [0] * (seq + 1 - len(toks)))
         masks.append(mask[1:] + [0] * (seq + 1 - len(mask)))
+        softs += [sf for m, sf in zip(mask[1:], soft[1:]) if m]
     arr, m = np.array(rows, dtype=np.int32), np.array(masks, dtype=bool).reshape(-1)
     idx = np.nonzero(m)[0].astype(np.int32)
     y = arr[:, 1:].reshape(-1)[idx]
+    soft_ids = np.array([sf[0][:k] if sf else [0] * k for sf in softs], dtype=np.int64).reshape(-1, k)
+    soft_lp = np.array([sf[1][:k] if sf else [0.0] * k for sf in softs], dtype=np.float32).reshape(-1, k)
+    soft_w = np.array([1.0 if sf else 0.0 for sf in softs], dtype=np.float32)
     noise = np.array([rng.randrange(DRAFT_CONFIG["vocab_size"]) for _ in range(args.negatives)], dtype=np.int64)
-    cand = np.unique(np.concatenate([frequent, y, noise]))
-    return mx.array(arr[:, :-1]), mx.array(idx), mx.array(cand.astype(np.int32)), mx.array(np.searchsorted(cand, y).astype(np.int32))
+    cand = np.unique(np.concatenate([frequent, y, soft_ids.reshape(-1), noise]))
+    p = np.exp(soft_lp - soft_lp.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    return (mx.array(arr[:, :-1]), mx.array(idx), mx.array(cand.astype(np.int32)),
+            mx.array(np.searchsorted(cand, y).astype(np.int32)),
+            mx.array(np.searchsorted(cand, soft_ids).astype(np.int32)), mx.array(p), mx.array(soft_w * args.soft))
 
 
-def loss_fn(model, x, idx, cand, y):
+def loss_fn(model, x, idx, cand, y, soft_idx, soft_p, soft_w):
     """Cross-entropy on the scored positions over candidate output rows (the
-    frequent tokens, the batch's targets and random negatives): the 49152-row
-    output layer and its softmax dominate a small draft's training step."""
+    frequent tokens, the targets, the target model's top tokens and random
+    negatives: the 49152-row output layer and its softmax dominate a small
+    draft's training step), mixed per position with the cross-entropy against
+    the target model's top-k distribution where it is known."""
     h = model.model(x)
     h = h.reshape(-1, h.shape[-1])[idx]
-    logits = h @ model.model.embed_tokens.weight[cand].T
-    return nn.losses.cross_entropy(logits, y, reduction="mean")
+    logq = nn.log_softmax(h @ model.model.embed_tokens.weight[cand].T, axis=-1)
+    hard = -mx.take_along_axis(logq, y[:, None], axis=-1)[:, 0]
+    soft = -(soft_p * mx.take_along_axis(logq, soft_idx, axis=-1)).sum(axis=-1)
+    return ((1 - soft_w) * hard + soft_w * soft).mean()
+
+
+def lr_at(args: argparse.Namespace, step: int, done: float) -> float:
+    """Linear warm-up over steps, then a cosine decay to 10% over the wall-clock
+    budget (the number of steps depends on the machine's load)."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 
 def train(args: argparse.Namespace) -> None:
@@ -172,9 +218,7 @@ def train(args: argparse.Namespace) -> None:
         model.set_dtype(mx.float32)
         step = json.loads((args.out / "training.json").read_text()).get("steps", 0)
     logger.info("draft: %.2fM parameters", sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6)
-    sched = optim.join_schedules([optim.linear_schedule(1e-5, args.lr, args.warmup),
-                                  optim.cosine_decay(args.lr, args.total_steps, args.lr * 0.1)], [args.warmup])
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.01)
     step_fn = nn.value_and_grad(model, loss_fn)
     rng, start, last_save, seen, ema = random.Random(args.seed), time.time(), time.time(), 0, None
     examples, loaded_at = load_examples(args.work), time.time()
@@ -183,12 +227,13 @@ def train(args: argparse.Namespace) -> None:
         if time.time() - loaded_at > 300:
             examples, loaded_at = load_examples(args.work), time.time()
             frequent = frequent_tokens(examples, args.frequent)
-        x, idx, cand, y = make_batch(examples, rng, args, frequent)
-        loss, grads = step_fn(model, x, idx, cand, y)
+        opt.learning_rate = lr_at(args, step, (time.time() - start) / (args.minutes * 60))
+        batch = make_batch(examples, rng, args, frequent)
+        loss, grads = step_fn(model, *batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state, loss)
-        step, seen = step + 1, seen + y.size
+        step, seen = step + 1, seen + batch[3].size
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 10 == 0:
             el = time.time() - start
@@ -204,7 +249,7 @@ def train(args: argparse.Namespace) -> None:
 def _meta(args, step, seen, start, ema, n_examples) -> dict:
     return {"steps": step, "loss_tokens_this_run": seen, "minutes_this_run": round((time.time() - start) / 60, 1),
             "loss_ema": ema, "examples": n_examples, "batch": args.batch, "seq": args.seq, "lr": args.lr,
-            "copy_frac": args.copy_frac, "frequent": args.frequent, "negatives": args.negatives, "total_steps": args.total_steps}
+            "copy_frac": args.copy_frac, "frequent": args.frequent, "negatives": args.negatives, "soft": args.soft, "top_k": args.top_k, "total_steps": args.total_steps}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -216,10 +261,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=384)
     p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=8, help="target log-probabilities kept per answer token")
+    p.add_argument("--soft", type=float, default=0.7, help="weight of the soft (top-k) loss against the hard one")
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--total-steps", type=int, default=3000)
+    p.add_argument("--total-steps", type=int, default=100_000, help="stop after this many steps at most")
     p.add_argument("--copy-frac", type=float, default=0.1)
     p.add_argument("--frequent", type=int, default=4096, help="frequent answer tokens scored every step")
     p.add_argument("--negatives", type=int, default=1024, help="random output rows scored every step")
