@@ -39,7 +39,8 @@ def chat_agreement(kit: me.ModelKit, draft, n_prompts: int, max_new: int) -> dic
     from .train_smollm2_draft import HELDOUT_EVERY
 
     prompts = [me.apply_chat_template(kit, [{"role": "user", "content": t}])
-               for i, t in enumerate(chat_prompts()) if i % HELDOUT_EVERY == 0][:n_prompts]
+               for i, t in enumerate(chat_prompts()) if i % HELDOUT_EVERY == 0]
+    prompts = [p for p in prompts if len(p) <= 256][:n_prompts]
     res = batch_generate(kit.model, kit.tokenizer, prompts, max_tokens=max_new, return_token_ids=True,
                          completion_batch_size=len(prompts))
     hits = total = 0
@@ -51,15 +52,22 @@ def chat_agreement(kit: me.ModelKit, draft, n_prompts: int, max_new: int) -> dic
     return {"prompts": len(prompts), "answer_tokens": total, "agreement": hits / max(total, 1)}
 
 
-def text_agreement(kit: me.ModelKit, draft, windows: int, length: int) -> dict:
-    """Teacher-forced agreement with the target's argmax on held-out stdlib files."""
-    hits = total = 0
-    for name in HELDOUT_FILES[:windows]:
-        toks = me.tokenize(kit, (Path(stdlib_root()) / name).read_text(encoding="utf-8"))[:length]
-        t, d = argmax_all(kit.model, toks), argmax_all(draft, toks)
-        hits += sum(int(x == y) for x, y in zip(t, d))
-        total += len(toks)
-    return {"windows": windows, "tokens": total, "agreement": hits / max(total, 1)}
+def text_agreement(kit: me.ModelKit, draft, length: int = 512) -> dict:
+    """Teacher-forced agreement with the target's argmax on text the draft never
+    saw: held-out stdlib files (code) and two of this repository's docs (English)."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    sources = {"code": [Path(stdlib_root()) / n for n in HELDOUT_FILES[:3]],
+               "english": [docs / "architecture.md", docs / "performance.md"]}
+    out = {}
+    for kind, paths in sources.items():
+        hits = total = 0
+        for path in paths:
+            toks = me.tokenize(kit, path.read_text(encoding="utf-8"))[:length]
+            t, d = argmax_all(kit.model, toks), argmax_all(draft, toks)
+            hits += sum(int(x == y) for x, y in zip(t, d))
+            total += len(toks)
+        out[kind] = {"files": [p.name for p in paths], "tokens": total, "agreement": hits / max(total, 1)}
+    return out
 
 
 def copy_accuracy(draft, vocab: int, n: int = 64, seed: int = 0) -> float:
@@ -103,7 +111,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     out = {"compatible": report.compatible, "draft_params_m": kit.draft.num_params / 1e6,
            "step_cost": step_costs(kit, draft),
            "agreement_heldout_chat": chat_agreement(kit, draft, args.eval_prompts, args.max_new),
-           "agreement_heldout_text": text_agreement(kit, draft, 4, 512),
+           "agreement_heldout_text": text_agreement(kit, draft),
            "copy_accuracy_random_run": copy_accuracy(draft, kit.vocab_size)}
     logger.info("eval: %s", json.dumps(out))
     (Path(args.out) / "eval.json").write_text(json.dumps(out, indent=1) + "\n")
