@@ -460,7 +460,7 @@ def render_docs(report: dict, results_md: str, out_dir: Path, docs_path: Path) -
         "",
         "```",
         "python -m bench.run            # full run (SmolLM2-135M-Instruct and its draft; budgeted to ~13 min of measuring)",
-        "python -m bench.run --quick    # under 3 minutes",
+        "python -m bench.run --quick    # a few minutes (measuring is budgeted to 140 s)",
         "python -m bench.run --tiny --quick --no-docs   # random tiny models, to try the harness",
         "```",
         "",
@@ -573,7 +573,7 @@ def _nan_to_none(o: Any) -> Any:
 # -- CLI --------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer workloads, 64 tokens, 2 reps (< 3 min)")
+    p.add_argument("--quick", action="store_true", help="fewer workloads, 64 tokens, 2 reps (measuring budgeted to 140 s)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results directory")
     p.add_argument("--model", default=DEFAULT_MODEL, help="a model directory, .gguf file or catalog name")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (directory or catalog name); '' for none")

@@ -3,11 +3,13 @@
 Three subcommands, each resumable and usable on a partial run:
 
 - ``generate``: the target answers chat prompts (``training/smollm2_prompts.py``)
-  greedily in batches (mlx-lm ``batch_generate``); each batch is appended to
-  ``<work>/data/shard-*.json`` as prompt and answer token ids. Greedy answers are
-  exactly what a draft must predict: each answer token is the target's argmax.
-- ``train``: trains a small llama on those sequences (loss on answer tokens, plus
-  a share of *copy windows*: an answer followed by itself, to encourage copying),
+  greedily in batches (mlx-lm ``BatchGenerator``); each batch is appended to
+  ``<work>/data/shard-*.json`` as prompt and answer token ids, with the target's
+  top-k log-probabilities at every answer token. Greedy answers are exactly what a
+  draft must predict: each answer token is the target's argmax.
+- ``train``: trains a small llama on those sequences (loss on answer tokens against
+  the greedy token and the target's top-k distribution, plus a share of *copy
+  windows*: an answer followed by itself, to encourage copying),
   re-reading the shards as they grow. The tied embedding starts as the target's
   embedding projected on its top principal directions, so the output layer
   starts from the target's geometry. Checkpoints (Hugging Face layout, float16,
@@ -258,12 +260,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("models/logs/smollm2-draft"), help="generated data and logs")
     p.add_argument("--out", type=Path, default=Path("models/smollm2-135m-draft"))
     p.add_argument("--minutes", type=float, default=60.0)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="rows per training step; answers generated at once")
     p.add_argument("--seq", type=int, default=384)
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8, help="target log-probabilities kept per answer token")
     p.add_argument("--soft", type=float, default=0.7, help="weight of the soft (top-k) loss against the hard one")
-    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--total-steps", type=int, default=100_000, help="stop after this many steps at most")
