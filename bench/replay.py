@@ -27,7 +27,6 @@ import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 
 import argparse  # noqa: E402
 import math  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
@@ -153,8 +152,8 @@ class Fixed:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=Path(DEFAULT_MODEL))
-    p.add_argument("--draft", type=Path, default=Path(DEFAULT_DRAFT))
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a model directory, .gguf file or catalog name")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="a draft directory or catalog name")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens replayed per workload")
     p.add_argument("--decays", default="0.9,0.8", help="acceptance-model decays to replay")
     p.add_argument("--cost-lines", metavar="CTX=JUMP+SLOPEk,...",
