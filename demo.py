@@ -7,7 +7,7 @@
     python demo.py --model path/to/model.gguf --prompt "Hello"
     python demo.py --prompt-lookup-num-tokens 8      # prompt-lookup decoding
     python demo.py --auto-speculative                # let the engine choose
-    python demo.py --model models/pystd-target --draft-model models/pystd-draft   # draft-model speculation
+    python demo.py --draft                           # draft-model speculation with the default model's draft
     python demo.py --json-schema person.json --prompt "Describe a person as JSON."
     python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
     python demo.py --parallel 4                      # four questions at once, decoded in one batch
@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-kv-size", type=int, default=None)
     p.add_argument("--print-prompt-progress", action="store_true", help="show a prompt-processing progress bar")
-    p.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
+    p.add_argument("--draft-model", default=None, help="draft model for speculative decoding (a path or a catalog name)")
+    p.add_argument("--draft", action="store_true",
+                   help="use the draft model the catalog lists for --model (smollm2-135m-draft for the default model)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="prompt-lookup decoding with this many draft tokens")
     p.add_argument("--auto-speculative", action="store_true", help="let the engine pick plain, prompt lookup or draft model per request")
@@ -90,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.draft:
+        if args.draft_model:
+            parser.error("--draft picks the catalog's draft model; pass it or --draft-model, not both")
+        args.draft_model = me.catalog.draft_for(args.model or me.DEFAULT_MODEL)
+        if args.draft_model is None:
+            parser.error(f"--draft: the catalog lists no draft model for {args.model!r}; pass --draft-model")
     if args.prompt_lookup_num_tokens is not None and args.draft_model and not args.auto_speculative:
         parser.error("--prompt-lookup-num-tokens and --draft-model are two different drafters; pick one, or add --auto-speculative")
     if args.num_draft_tokens is not None and not args.draft_model:

@@ -5,7 +5,10 @@ what a chat user asks: edit a given function and return it whole, answer a
 question about a document by quoting it, summarise a passage, continue a list,
 and free chat. Systems: mlx-lm's ``stream_generate`` on the kit's own module
 (same weights, dtype and BLAS; the baseline), and the engine plain, with prompt
-lookup, and with the automatic router (no draft model: plain or lookup).
+lookup, and with the automatic router without a draft model (plain or lookup);
+with the draft trained for the model (``--draft``, default ``smollm2-135m-draft``;
+``''`` for none) also mlx-lm's speculative decoding, the engine's draft-model
+mode and auto with the draft loaded. ``--systems`` and ``--workloads`` pick subsets.
 Systems run interleaved with a rotating order (``bench.run.measure``); ratios
 are paired per round (``bench.stats``). Greedy outputs are compared with
 mlx-lm's; a divergence is reported with the top-2 logit gap where it happens.
@@ -29,8 +32,10 @@ from .workloads import Workload  # noqa: E402
 
 logger = logging.getLogger("bench")
 
-SYSTEM_NAMES = ("mlx-lm", "engine-plain", "engine-lookup")
-AUTO_NO_DRAFT = S.System("engine-auto-nodraft", "engine", {"auto_speculative": True},
+SYSTEM_NAMES = ("mlx-lm", "engine-plain", "engine-lookup", "engine-lookup-32", "engine-auto-nodraft")
+DRAFT_SYSTEM_NAMES = ("mlx-lm-spec", "engine-draft", "engine-auto")
+DEFAULT_DRAFT = "smollm2-135m-draft"
+AUTO_NO_DRAFT = S.System("engine-auto-nodraft", "engine", {"auto_speculative": True, "speculative_decoding_toggle": False},
                          "engine, auto_speculative=True (no draft model: plain or lookup)")
 LOOKUP_32 = S.System("engine-lookup-32", "engine", {"prompt_lookup_num_tokens": 32, "speculative_decoding_toggle": False},
                      "engine, prompt lookup (32 tokens)")
@@ -136,35 +141,34 @@ def render(rows: list[dict], summary: dict, reps: int, max_tokens: int, ref: str
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str] | None):
-    """bench_args's options, plus subsets of systems and workloads."""
-    import sys
+def _extra_args(p) -> None:
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the draft systems ('' for none)")
+    p.add_argument("--systems", help="comma-separated subset of the systems (mlx-lm and engine-plain always run)")
+    p.add_argument("--workloads", help=f"comma-separated subset of: {', '.join(chat_prompts())}")
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = {"--systems": None, "--workloads": None}
-    for name in extra:
-        if name in argv:
-            i = argv.index(name)
-            extra[name] = argv[i + 1]
-            del argv[i : i + 2]
-    args = bench_args("python -m bench.chat", __doc__.split("\n\n")[0], 5, 200, argv)
-    args.systems, args.workloads = extra["--systems"], extra["--workloads"]
-    return args
+
+def load_models(draft: str) -> S.Models:
+    """The default model, with ``draft`` loaded into the kit and as a separate module for mlx-lm."""
+    kit = me.load_model(me.DEFAULT_MODEL)
+    draft_module = None
+    if draft:
+        me.load_draft_model(kit, draft)
+        draft_module = me.load_model(draft).model
+    return S.Models(kit, draft_module, kit.eos_token_ids)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = bench_args("python -m bench.chat", __doc__.split("\n\n")[0], 5, 200, argv, _extra_args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    kit = me.load_model(me.DEFAULT_MODEL)
-    systems = [s for s in S.SYSTEMS if s.name in SYSTEM_NAMES] + list(EXTRA_SYSTEMS)
+    models = load_models(args.draft)
+    kit = models.kit
+    names = SYSTEM_NAMES + (DRAFT_SYSTEM_NAMES if args.draft else ())
     if args.systems:
-        wanted = args.systems.split(",")
-        if unknown := set(wanted) - {s.name for s in systems}:
-            raise SystemExit(f"unknown systems {sorted(unknown)}; known: {[s.name for s in systems]}")
-        systems = [s for s in systems if s.name in wanted]
+        names = tuple(n for n in names if n in args.systems.split(",") or n in ("mlx-lm", "engine-plain"))
+    systems = [s for s in S.SYSTEMS if s.name in names] + [s for s in EXTRA_SYSTEMS if s.name in names]
     workloads = [w for w in build(kit) if not args.workloads or w.name in args.workloads.split(",")]
     plan = Plan(lengths=(), multi_turn_lengths=(), max_tokens=args.max_tokens, reps=args.reps, warmup=1)
-    runs, measured = measure(S.Models(kit, None, kit.eos_token_ids), systems, workloads, plan)
+    runs, measured = measure(models, systems, workloads, plan)
     rows, summary = analyse(kit, systems, workloads, runs)
     text = render(rows, summary, measured, args.max_tokens, "mlx-lm" if "mlx-lm" in runs[workloads[0].name] else "engine-plain")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -219,7 +219,7 @@ def lookup_main(args: argparse.Namespace) -> None:
     from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
     from mlx_engine.speculative.router import AutoRouter
 
-    traces = record_traces(args.traces, 200, args.chat, args.model)
+    traces = record_traces(args.traces, 200, args.chat, args.toy_model)
     lines = dict(_parse_line(item) for item in args.cost_lines.split(",")) if args.cost_lines else {}
     priors = dict(_parse_line(item) for item in args.prior_lines.split(",")) if args.prior_lines else lines
     ks = (4, 8, 16, costs.MAX_DRAFT)
@@ -253,13 +253,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lookup", action="store_true", help="replay prompt lookup and the router (no draft model)")
     p.add_argument("--chat", action="store_true", help="with --lookup: also SmolLM2's bench.chat workloads")
     p.add_argument("--traces", type=Path, default=Path("bench/results/raw/lookup_traces.json"))
+    p.add_argument("--toy-model", type=Path, default=Path("models/pystd-target"),
+                   help="with --lookup: the toy target whose bench.run workloads are replayed")
     p.add_argument("--only", help="with --lookup: comma-separated substrings of workload names")
     p.add_argument("--prior-lines", metavar="toy=JUMP+SLOPEk,chat=...",
                    help="with --lookup: the verify-cost measurement the router starts from (default: --cost-lines); "
                         "it learns the --cost-lines rounds as they are timed, as the engine does")
     p.add_argument("--auto-max", type=int, default=costs.MAX_DRAFT, help="with --lookup: the router's longest lookup draft")
-    p.add_argument("--model", type=Path, default=Path(DEFAULT_MODEL))
-    p.add_argument("--draft", type=Path, default=Path(DEFAULT_DRAFT))
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a model directory, .gguf file or catalog name")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="a draft directory or catalog name")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens replayed per workload")
     p.add_argument("--decays", default="0.9,0.8", help="acceptance-model decays to replay")
     p.add_argument("--cost-lines", metavar="CTX=JUMP+SLOPEk,...",

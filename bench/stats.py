@@ -58,8 +58,8 @@ def format_paired(ratio: float, low: float | None, high: float | None) -> str:
     return f"{ratio:.2f}" + (f" ({low:.2f}-{high:.2f})" if low is not None and high is not None else "")
 
 
-def bench_args(prog: str, description: str, reps: int, max_tokens: int, argv: list[str] | None):
-    """The options every focused benchmark script takes."""
+def bench_args(prog: str, description: str, reps: int, max_tokens: int, argv: list[str] | None, extra=None):
+    """The options every focused benchmark script takes (``extra(parser)`` adds a script's own)."""
     import argparse
     from pathlib import Path
 
@@ -67,6 +67,8 @@ def bench_args(prog: str, description: str, reps: int, max_tokens: int, argv: li
     p.add_argument("--reps", type=int, default=reps, help="measured rounds")
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    if extra is not None:
+        extra(p)
     return p.parse_args(argv)
 
 

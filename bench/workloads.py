@@ -1,9 +1,9 @@
 """Benchmark workloads built from held-out Python stdlib files.
 
 Every workload is a token prompt (plus, for ``multi-turn``, an untimed first
-turn). Texts come from ``training/corpus.py``'s held-out files, which the demo
-models never saw in training; if it finds none a fixed list of
-stdlib files is read directly.
+turn). Texts come from ``training/corpus.py``'s held-out files, which the
+SmolLM2 draft (training/smollm2_prompts.py) and the retired toy pair never saw
+in training; if it finds none a fixed list of stdlib files is read directly.
 """
 
 from __future__ import annotations
