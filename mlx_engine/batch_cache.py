@@ -75,17 +75,6 @@ class _Layer:
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         return self.batch.mask(n, return_array)
 
-    @property
-    def state(self):
-        return self.keys, self.values
-
-    def is_trimmable(self) -> bool:
-        return False  # rows are rewound through their token lists, never by trimming the batch
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
 
 class RaggedBatch:
     """The rows decoding together on one model: one forward pass per step."""
@@ -175,6 +164,13 @@ class RaggedBatch:
         starts = mx.array(self.starts)[:, None, None, None]
         query = mx.arange(n)[None, None, :, None]
         return mx.arange(self.end)[None, None, None, :] <= starts + query
+
+
+def release_row(batch: RaggedBatch | None, cache: SequenceCache) -> None:
+    """Take ``cache`` out of ``batch`` if it is one of its rows (its keys and
+    values return to its layers)."""
+    if batch is not None and cache in batch:
+        batch.leave(cache)
 
 
 def _length(known: list[int], lazy: mx.array | None) -> int:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import loading
-from .batch_cache import RaggedBatch, can_batch
+from .batch_cache import RaggedBatch, can_batch, release_row
 from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache, common_prefix_length
 from .context import fit_context
 from .disk_cache import DiskCache, model_identity
@@ -52,8 +52,7 @@ class DraftModel:
         return self.batch
 
     def give_back(self, cache: SequenceCache) -> None:
-        if self.batch is not None and cache in self.batch:
-            self.batch.leave(cache)
+        release_row(self.batch, cache)
         self.lent = [c for c in self.lent if c is not cache]
         if cache is not self.cache and not any(c is cache for c in self.spare):
             self.spare = (self.spare + [cache])[-MAX_SPARE_DRAFT_CACHES:]

@@ -18,6 +18,7 @@ from typing import Callable, Iterator, NamedTuple
 import mlx.core as mx
 
 from . import worker
+from .batch_cache import release_row
 from .cache import SequenceCache, common_prefix_length
 from .context import prefill_chunk
 from .errors import CallbackError
@@ -156,8 +157,7 @@ def run(kit: ModelKit, req: Request) -> Iterator:
 
 def _release(kit: ModelKit, prepared: _Prepared) -> None:
     """Take the request's row out of the batch and return its caches."""
-    if kit.batch is not None and prepared.cache in kit.batch:
-        kit.batch.leave(prepared.cache)
+    release_row(kit.batch, prepared.cache)
     if prepared.draft_drafter is not None:
         kit.draft.give_back(prepared.draft_drafter.cache)
     if kit.prompt_cache is not None:
@@ -299,14 +299,11 @@ def _stop_requested(kit: ModelKit, request_id: str) -> bool:
 def _reset_caches(kit: ModelKit, prepared: _Prepared | None) -> None:
     if prepared is None:
         return
-    if kit.batch is not None and prepared.cache in kit.batch:
-        kit.batch.leave(prepared.cache)
+    release_row(kit.batch, prepared.cache)
     prepared.cache.reset()
     if prepared.draft_drafter is not None:
-        draft_cache = prepared.draft_drafter.cache
-        if kit.draft.batch is not None and draft_cache in kit.draft.batch:
-            kit.draft.batch.leave(draft_cache)
-        draft_cache.reset()
+        release_row(kit.draft.batch, prepared.draft_drafter.cache)
+        prepared.draft_drafter.cache.reset()
 
 
 def _top_logprobs(kit: ModelKit, logprobs: mx.array, n: int) -> list[TopLogprob]:

@@ -124,7 +124,7 @@ class Scheduler:
     def _forward(self, launches: list[tuple[_Live, Launch]]) -> None:
         """One forward pass for the batch's rows (joining rows that can), one
         pass for each cache that cannot join; then every round is queued."""
-        batch: RaggedBatch | None = getattr(self.kit, "batch", None)
+        batch: RaggedBatch | None = self.kit.batch
         together, alone = [], []
         for live, launch in launches:
             if batch is not None and (launch.cache in batch or can_batch(launch.cache)):

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
+from ..batch_cache import release_row
 from ..cache import SequenceCache
 from ..model_kit import DraftModel, ModelKit, param_count, prepare_weights, smoke_test
 from . import costs
@@ -188,9 +189,7 @@ class DraftModelDrafter:
         handed over unevaluated: the main model's verify pass is built on them
         and one evaluation runs both (no sync per token or per model)."""
         cache = self.cache
-        batch = self.draft.batch
-        if batch is not None and cache in batch:
-            batch.leave(cache)
+        release_row(self.draft.batch, cache)
         y = mx.argmax(cache.feed(feed)[-1][: self.vocab_size])
         mx.async_eval(y)
         ys = [y]
