@@ -196,7 +196,9 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
     output are accepted, and the round costs ``round_cost[k]`` undrafted rounds.
     Each round's time is reported to the drafter, as the engine's loop does,
     so the router learns the round costs from a prior that may differ. Returns
-    tokens per undrafted-round time (1.0: plain decoding) and rounds."""
+    tokens per undrafted-round time (1.0: plain decoding) after the first round,
+    as ``bench`` measures generation speed (the first round rides on the prompt's
+    pass, in the time to first token), and rounds."""
     history, t, spent, rounds = list(prompt), 0, 0.0, 0
     count = len(output)
     while t < count:
@@ -205,12 +207,16 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
         n = 0
         while n < len(drafts) and drafts[n] == output[t + n]:
             n += 1
-        drafter.observe(len(drafts), n, round_cost[len(drafts)])  # timed, in undrafted-round units
-        spent += round_cost[len(drafts)]
+        # Timed in undrafted-round units; the first round is not (the loop reads
+        # it right after the prompt's pass).
+        drafter.observe(len(drafts), n, round_cost[len(drafts)] if rounds else None)
+        spent += round_cost[len(drafts)] if rounds else 0.0
         history.extend(output[t : t + n + 1])
         t += n + 1
         rounds += 1
-    return t / spent, rounds
+        if rounds == 1:
+            first = t
+    return (t - first) / spent if spent else 1.0, rounds
 
 
 def lookup_main(args: argparse.Namespace) -> None:

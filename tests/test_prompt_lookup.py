@@ -7,7 +7,7 @@ import mlx_engine as me
 from mlx_engine.results import GenerationStats
 from mlx_engine.speculative.costs import AcceptanceModel, CostModel, RoundCosts, best_draft_length, expected_tokens
 from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
-from mlx_engine.speculative.router import AutoRouter
+from mlx_engine.speculative.router import AutoRouter, RouterSettings
 
 
 def lookup(tokens, k=4, min_n=1, max_n=3, cands=4):
@@ -200,14 +200,40 @@ def test_router_sends_long_echo_prompt_to_prompt_lookup(llama_path):
     assert "density" in final.stats.mode_reason
 
 
-def test_router_keeps_short_fresh_prompt_plain(llama_path):
+def test_router_probe_of_a_short_fresh_prompt_drafts_nothing_and_ends_plain(llama_path):
     kit = markov_kit(llama_path)
     prompt = list(range(100, 140))
     ids, final = generate_ids(kit, prompt, max_tokens=20, auto_speculative=True)
     assert ids == generate_ids(kit, prompt, max_tokens=20)[0]
     assert final.stats.decoding_mode == "auto:plain"
-    assert "too short" in final.stats.mode_reason
+    assert "probing" in final.stats.mode_reason
+    assert "probe acceptance 0% over 0 drafted" in final.stats.mode_switches[0]
     assert final.stats.drafted_tokens == 0
+
+
+def test_router_prefilter_keeps_short_prompts_plain_when_set():
+    stats = GenerationStats()
+    settings = RouterSettings(min_prompt_tokens=256, min_density=0.02)
+    router = AutoRouter(list(range(40)) * 2, flat_costs(1.5), stats, PromptLookupDrafter(8), settings=settings)
+    assert router.mode == "plain" and "too short" in stats.mode_reason
+    assert AutoRouter(list(range(40)) * 2, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8)).mode == "probe"
+
+
+def test_router_probe_draft_grows_while_accepted_whole():
+    router = AutoRouter(list(range(50)) * 8, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32))
+    history = list(range(50)) * 8
+    lengths = []
+    while router.mode == "probe":
+        drafts = router.propose(history, 64)
+        lengths.append(len(drafts))
+        assert drafts == [history[len(history) - 50 + i] for i in range(len(drafts))]
+        router.observe(len(drafts), len(drafts))
+        for _ in range(len(drafts) + 1):  # the text is a 50-token cycle
+            history.append(history[-50])
+    assert lengths == [4, 16]  # 22 tokens: the probe's 16 are done
+    assert router.mode == "prompt_lookup"
+    # The probe's evidence carries over: the first committed draft is long too.
+    assert len(router.propose(history, 64)) == 32
 
 
 def test_router_leaves_lookup_when_it_stops_paying():
@@ -279,15 +305,17 @@ def test_router_switches_to_lookup_when_output_starts_repeating(llama_path):
 
     vocab = me.load_model(llama_path, vocab_only=True).vocab_size
     nxt = [(t + 1) % vocab for t in range(vocab)]
-    nxt[104] = 100  # tokens 100..104 form a loop, as a degenerate model's output does
+    # Fresh tokens 100..135 (the probe finds nothing to copy and ends in plain
+    # decoding), then 136..140 loop, as a degenerate model's output does.
+    nxt[140] = 136
     table = mx.array([[12.0 if j == nxt[i] else 0.0 for j in range(vocab)] for i in range(vocab)])
     kit = markov_kit(llama_path, table)
-    prompt = list(range(60, 100))  # short and without repeats: lookup is not allowed at first
+    prompt = list(range(60, 100))
     plain, _ = generate_ids(kit, prompt, max_tokens=120)
     ids, final = generate_ids(kit, prompt, max_tokens=120, auto_speculative=True)
     assert ids == plain
     s = final.stats
-    assert "too short" in s.mode_reason
+    assert s.mode_switches[0].startswith("probe -> plain")
     assert any(m.startswith("plain -> prompt_lookup") and "shadow drafts" in m for m in s.mode_switches)
     assert s.decoding_mode == "auto:prompt_lookup" and s.acceptance_rate > 0.8
 
@@ -394,10 +422,12 @@ def test_lookup_memory_keeps_output_exact(kit):
 
 
 def test_router_shadow_drafts_use_lookup_memory():
-    """A short prompt starts the router in plain decoding; its shadow drafts come
-    from lookup memory too, so a conversation cached elsewhere can move it to lookup."""
+    """In plain decoding (here: a short prompt under a pre-filter) the router's
+    shadow drafts come from lookup memory too, so a conversation cached elsewhere
+    can move it to lookup."""
     memory = [[50, 51, 52, 53, 54, 55, 56, 57, 58]]
-    router = AutoRouter([50, 51], flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8, memory=memory))
+    router = AutoRouter([50, 51], flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8, memory=memory),
+                        settings=RouterSettings(min_prompt_tokens=256))
     assert router.mode == "plain"
     assert router.propose([50, 51, 52], 8) == []  # plain rounds draft nothing themselves
     assert router._shadows == [(3, [53, 54, 55, 56, 57, 58], 0)]  # (position, drafts, positions scored)
@@ -409,8 +439,14 @@ def test_finder_prefers_the_candidate_whose_context_matches_longest():
     # [6, 6, 8, 5, 1]: the earlier occurrence shares more context and wins.
     tokens = [6, 6, 8, 5, 1, 2, 0, 7, 7, 8, 5, 1, 3, 0, 6, 6, 8, 5, 1]
     assert lookup(tokens, k=1) == [2]
-    # Without a longer context match the most recent candidate still wins.
-    assert lookup([8, 5, 1, 2, 0, 6, 5, 1, 3, 0, 4, 5, 1], k=1) == [3]
+    # Without a longer context match the most recent candidate wins...
+    filler = list(range(200, 240))
+    assert lookup([8, 5, 1, 2, *filler, 6, 5, 1, 3, *filler, 4, 5, 1], k=1) == [3]
+    # ...unless its continuation runs into the end of the text sooner (compared
+    # RANK_SPAN tokens ahead whatever k is): a closing code fence loses to the
+    # opening one, which the code follows.
+    assert lookup([8, 5, 1, 2, 0, 6, 5, 1, 3, 0, 4, 5, 1], k=1) == [2]
+    assert lookup([8, 5, 1, 2, 0, 6, 5, 1, 3, 0, 4, 5, 1], k=8) == [2, 0, 6, 5, 1, 3, 0, 4]
     # With one candidate allowed, only the most recent is looked at.
     assert lookup(tokens, k=1, cands=1) == [3]
 
@@ -428,9 +464,10 @@ def test_router_without_a_draft_switches_to_lookup_within_a_few_rounds_of_copyin
     the answer moves plain decoding to lookup after shadow_rounds rounds, not after
     the shadows' full length."""
     passage = list(range(500, 540))
-    history = list(range(1000, 1100)) + passage  # short prompt: plain first
+    history = list(range(1000, 1100)) + passage  # a short prompt, plain under a pre-filter
     stats = GenerationStats()
-    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(32))
+    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(32),
+                        settings=RouterSettings(min_prompt_tokens=256))
     assert router.mode == "plain"
     history += passage[:3]  # the answer starts copying the passage
     rounds = 0
@@ -483,7 +520,8 @@ def test_router_plain_rounds_are_queued_ahead_and_still_make_shadow_drafts():
     comes as it would with a propose per round."""
     passage = list(range(500, 540))
     history = list(range(1000, 1100)) + passage + passage[:3]
-    router = AutoRouter(history, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32))
+    router = AutoRouter(history, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32),
+                        settings=RouterSettings(min_prompt_tokens=256))
     assert router.plain_ahead
     assert router.propose(history, 32) == []  # the first round is launched normally
     rounds = 0

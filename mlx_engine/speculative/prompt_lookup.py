@@ -35,7 +35,7 @@ class NGramIndex:
         continuation of the longest suffix n-gram that occurred before. Among the
         ``num_candidates`` most recent matches, the one whose preceding context
         agrees longest with the history's suffix wins, then the longest
-        continuation, then the most recent. With ``suffix``, continue that
+        continuation (compared ``RANK_SPAN`` tokens ahead), then the most recent. With ``suffix``, continue that
         sequence's suffix from this index's tokens instead (another text: lookup
         memory)."""
         toks = self.tokens
@@ -53,7 +53,7 @@ class NGramIndex:
             for pos in reversed(positions):
                 if pos >= end:
                     continue  # the suffix itself
-                cont = _until_separator(toks[pos : pos + num_tokens])
+                cont = _until_separator(toks[pos : pos + max(num_tokens, RANK_SPAN)])
                 key = (_context_match(toks, pos - n, query, len(query) - n), len(cont))
                 if cont and key > best_key:
                     best, best_key = cont, key
@@ -61,12 +61,18 @@ class NGramIndex:
                 if seen >= num_candidates:
                     break
             if best:
-                return best
+                return best[:num_tokens]
         return []
 
 
 #: How far back candidates' contexts are compared (tokens beyond the n-gram).
 CONTEXT_WINDOW = 32
+#: How far ahead candidates' continuations are compared, whatever the draft
+#: length: a short lookup must pick the same candidate as a long one. (A code
+#: fence matches its opening, followed by the code, and its closing, followed by
+#: the end of the prompt; ranked only 4 tokens ahead both are as long and the
+#: most recent, the closing one, won.)
+RANK_SPAN = 32
 
 
 def _context_match(toks: list[int], i: int, query: list[int], j: int) -> int:

@@ -2,10 +2,13 @@
 generation, it picks plain decoding, prompt lookup or the draft model, whichever
 is expected to give the most tokens per second on this machine.
 
-Shape (from the original proposal): a free pre-filter on prompt length and n-gram
-density; then, without a draft model, a probe of up to 16 tokens with prompt
-lookup that stops after 4 consecutive misses; commit to prompt lookup above 30%
-acceptance. With a draft model the router starts with it and leaves lookup to the
+Shape (from the original proposal): without a draft model, a probe of up to 16
+tokens with prompt lookup that stops after 4 consecutive misses, its draft
+growing 4x each time it is accepted whole; commit to prompt lookup above 30%
+acceptance. (The proposal's pre-filter on prompt length and n-gram density is
+off by default: chat prompts that are copied from are short, and their density
+did not tell them from free chat; a probe that finds nothing to copy drafts
+nothing.) With a draft model the router starts with it and leaves lookup to the
 shadow drafts below, which cost nothing while the draft model earns. Beyond it:
 acceptance is turned into expected speed with the kit's measured verify costs
 (and the draft model's step cost), the draft length is the one with the best
@@ -31,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RouterSettings:
-    min_prompt_tokens: int = 256
-    min_density: float = 0.02
+    # The pre-filter: below these, no probe (0: every prompt is probed; a probe
+    # finding nothing to copy drafts nothing and costs nothing).
+    min_prompt_tokens: int = 0
+    min_density: float = 0.0
     probe_tokens: int = 16
     probe_max_misses: int = 4
     probe_draft_tokens: int = 4
@@ -40,6 +45,7 @@ class RouterSettings:
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
     shadow_rounds: int = 3  # shadow drafts scored (from their first token) before plain may switch to lookup
     switch_margin: float = 1.1  # how much better shadow lookup must look to switch to it
+    probe_growth: int = 4  # a probe draft accepted whole makes the next one this many times longer
 
 
 class AutoRouter:
@@ -169,6 +175,10 @@ class AutoRouter:
         self.misses = self.misses + 1 if accepted == 0 else 0
         if self.mode == "probe":
             self.lookup_acceptance.observe(drafted, accepted)
+            if drafted and accepted == drafted:
+                # Copying from the first drafts on: a fixed 32 drafts 33 tokens a
+                # round from there, so reach it in two rounds, not after the probe.
+                self.lookup_k = min(self.max_lookup, self.lookup_k * self.s.probe_growth)
             self._after_probe_round()
         elif self.mode == "prompt_lookup":
             self.lookup_acceptance.observe(drafted, accepted)
@@ -257,8 +267,12 @@ class AutoRouter:
         k, speedup, rate = self._lookup_speedup()
         facts = f"probe acceptance {rate:.0%} over {self.drafted} drafted, expected speed-up x{speedup:.2f} at k={k}"
         if rate > self.s.commit_acceptance and k > 0:
-            self.lookup_k = k
+            probed = self.lookup_acceptance
             self._enter("prompt_lookup", facts)
+            # The probe's rounds are lookup's first evidence: starting over from
+            # the prior made the first committed draft 3 tokens long after a
+            # probe that expected 27.
+            self.lookup_k, self.lookup_acceptance = k, probed
         else:
             self._enter(self._fallback_mode(), facts)
 
