@@ -35,6 +35,22 @@ class DraftModel:
     spare: list[SequenceCache] = field(default_factory=list)  # more caches, for parallel requests
     lent: list[SequenceCache] = field(default_factory=list)  # caches running requests draft with
     batch: RaggedBatch | None = None  # rows of the lent caches while parallel requests draft
+    # Draft tokens proposed and accepted on this kit so far (decaying counts): a
+    # request's adaptive draft length starts from what this draft has delivered,
+    # not from a generic prior (a weak draft then costs nothing from round one).
+    drafted_seen: float = 0.0
+    accepted_seen: float = 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One drafted round's outcome, from any request."""
+        self.drafted_seen = self.drafted_seen * DRAFT_HISTORY_DECAY + drafted
+        self.accepted_seen = self.accepted_seen * DRAFT_HISTORY_DECAY + accepted
+
+    def acceptance_prior(self, default: float) -> float:
+        """Share of this draft's tokens accepted so far; ``default`` until enough are seen."""
+        if self.drafted_seen < DRAFT_HISTORY_MIN_TOKENS:
+            return default
+        return self.accepted_seen / self.drafted_seen
 
     def lend(self, prompt: list[int], make) -> SequenceCache:
         """An idle draft cache for a request (the one sharing the longest prefix
@@ -59,6 +75,8 @@ class DraftModel:
 
 
 MAX_SPARE_DRAFT_CACHES = 7
+DRAFT_HISTORY_DECAY = 0.995  # per drafted round: the last few hundred rounds count
+DRAFT_HISTORY_MIN_TOKENS = 32
 
 
 @dataclass

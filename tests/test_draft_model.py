@@ -370,3 +370,23 @@ def test_seeded_sampling_is_reproducible_with_a_fixed_draft_length(llama_path, d
         mode = dict(mode, speculative_decoding_toggle=False)
     runs = [generate_ids(kit, prompt, max_tokens=24, temp=0.8, seed=3, **mode)[0] for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_draft_model_remembers_its_acceptance_across_requests():
+    table = successor_table(50)
+    target = MarkovLM(table)
+    wrong = mx.array([[8.0 if t % 3 == 0 and j == (t + 2) % 50 else 0.0 for j in range(50)] for t in range(50)])
+    draft_lm = MarkovLM(table + wrong * 2)  # after every third token it guesses t+2, not t+1
+    draft = DraftModel(None, draft_lm, SequenceCache(draft_lm), 0)
+    assert draft.acceptance_prior(0.6) == 0.6  # nothing seen yet
+    sampler = build_sampler(SamplingParams())
+    stats = GenerationStats()
+    list(decode(SequenceCache(target), [3], 60, sampler, [], 20, DraftModelDrafter(draft, 4), stats))
+    assert draft.drafted_seen >= 32
+    seen = draft.accepted_seen / draft.drafted_seen
+    assert seen == pytest.approx(stats.accepted_tokens / stats.drafted_tokens, rel=0.05)  # decaying counts
+    assert 0 < seen < 1
+    # The next request's adaptive length starts from that record, not the generic prior.
+    nxt = DraftModelDrafter(draft, None)
+    assert nxt.acceptance.prior == pytest.approx(seen)
+    assert draft.acceptance_prior(0.6) == pytest.approx(seen)

@@ -538,3 +538,16 @@ def test_auto_with_plain_rounds_queued_ahead_is_exact(kit):
     plain, _ = generate_ids(kit, prompt, max_tokens=40)
     ids, final = generate_ids(kit, prompt, max_tokens=40, auto_speculative=True)
     assert_same_or_near_tie(kit, prompt, plain, ids)
+
+
+def test_router_probes_lookup_first_when_the_draft_has_not_paid_on_this_kit():
+    prompt = list(range(50)) * 8
+    weak, good = _StubDraft(), _StubDraft()
+    weak.acceptance = AcceptanceModel(prior=0.05)  # its record on the kit: hardly ever accepted
+    stats = GenerationStats()
+    router = AutoRouter(prompt, flat_costs(1.5), stats, PromptLookupDrafter(8), weak)
+    assert router.mode == "probe" and "has not paid" in stats.mode_reason
+    for _ in range(4):
+        router.observe(4, 0)  # lookup misses too: the probe ends in the draft model
+    assert router.mode == "draft_model"
+    assert AutoRouter(prompt, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8), good).mode == "draft_model"

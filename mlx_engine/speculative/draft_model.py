@@ -143,6 +143,8 @@ class DraftModelDrafter:
         self.batched = batched  # drafts with the other requests' (DraftJob) on a kit serving several
         self.cache = cache if cache is not None or draft is None else draft.cache  # this request's draft cache
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
+        if draft is not None:
+            prior_acceptance = draft.acceptance_prior(prior_acceptance)
         self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance)
         self._unresolved: tuple[int, mx.array] | None = None
         self._catch_up = 0  # tokens the draft model processed before this round's drafts
@@ -211,6 +213,8 @@ class DraftModelDrafter:
             self._unresolved = None
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        if drafted and self.draft is not None:
+            self.draft.record(drafted, accepted)
         self.policy.observe(drafted, accepted, seconds, catch_up=self._catch_up)
 
 

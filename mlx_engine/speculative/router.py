@@ -43,8 +43,12 @@ class RouterSettings:
     probe_draft_tokens: int = 4
     commit_acceptance: float = 0.30
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
-    shadow_rounds: int = 3  # shadow drafts scored (from their first token) before plain may switch to lookup
+    shadow_rounds: int = 3  # shadow draft positions decided before plain may switch to lookup
     switch_margin: float = 1.1  # how much better shadow lookup must look to switch to it
+    # The switch margin grows on thin evidence: x(1 + thin_evidence / positions
+    # decided). On a summary a single shadow matching a 5-token phrase looked like
+    # x1.16 and lookup then got nothing.
+    thin_evidence: float = 1.0
     probe_growth: int = 4  # a probe draft accepted whole makes the next one this many times longer
 
 
@@ -83,7 +87,11 @@ class AutoRouter:
         self._lookup_exits = 0  # times lookup was left because no length paid
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
-        if draft is not None:
+        if draft is not None and self.lookup_allowed and not self._draft_pays():
+            # The draft's record on this kit (its acceptance prior) says it does
+            # not pay: the probe costs little beside it and finds copying at once.
+            self._enter("probe", f"{facts}: the draft model has not paid on this kit so far; probing prompt lookup")
+        elif draft is not None:
             # No probe: a probe round that misses costs a verify pass, a shadow
             # draft costs nothing and the draft model earns meanwhile. On the
             # long-prompt benchmarks every probe ended in the draft model anyway,
@@ -96,6 +104,12 @@ class AutoRouter:
         else:
             self._enter("plain", f"{facts}: prompt too short or sparse for lookup")
 
+    def _draft_pays(self) -> bool:
+        """Whether some draft length is expected to beat plain decoding, from
+        the draft's acceptance so far (its prior) and its round costs."""
+        d = self.draft
+        return d.round_costs is None or costs.best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
+
     # -- bookkeeping -------------------------------------------------------
     def _reset_evidence(self) -> None:
         self.rounds = self.drafted = self.accepted = self.produced = self.misses = 0
@@ -105,7 +119,8 @@ class AutoRouter:
         # Shadow lookup: what prompt lookup would have drafted while another
         # mode runs, scored against the tokens that followed. Free evidence.
         self.shadow = costs.AcceptanceModel(prior=0.5)
-        self.shadow_scored = 0
+        self.shadow_scored = 0  # shadow drafts with a decided first token
+        self.shadow_positions = 0  # shadow draft positions decided
         self._shadows: list[tuple[int, list[int], int]] = []  # (position, drafts, positions scored)
 
     def _enter(self, mode: str, why: str) -> None:
@@ -209,6 +224,7 @@ class AutoRouter:
             if n > done or missed:
                 self.shadow.observe_positions(done, n - done, missed, new=done == 0)
                 self.shadow_scored += done == 0
+                self.shadow_positions += n - done + missed
             if missed or n == len(drafts):
                 self.shadow.drafted += len(drafts)
                 self.shadow.accepted += n
@@ -217,8 +233,12 @@ class AutoRouter:
         self._shadows = open_
         # What lookup would draft now, lookup memory included (the kit's other
         # conversations), so a short prompt whose answer was cached elsewhere
-        # can still move the router to lookup.
-        if drafts := self.lookup.peek(history, self.max_lookup):
+        # can still move the router to lookup. Not while an open shadow still
+        # matches: lookup's own round would have drafted this position in that
+        # shadow's round, and a shadow per copied token counted every phrase
+        # copied from the prompt many times over (on a summary, shadows
+        # promised 42-70% first tokens accepted, and lookup got 0-10%).
+        if not open_ and (drafts := self.lookup.peek(history, self.max_lookup)):
             self._shadows.append((len(history), drafts, 0))
 
     def _consider_lookup(self) -> None:
@@ -227,7 +247,9 @@ class AutoRouter:
         # From plain decoding a switch gains more than from the draft model, and
         # the draft model's switches were tuned with watch_rounds: keep them so.
         needed = self.s.watch_rounds if self.mode == "draft_model" else self.s.shadow_rounds << min(self._lookup_exits, 5)
-        if self.shadow_scored < needed or (self.mode == "draft_model" and self._lookup_retired):
+        # Evidence is counted in decided positions: one shadow matching three
+        # tokens in a row says as much as three matching their first.
+        if self.shadow_positions < needed or (self.mode == "draft_model" and self._lookup_retired):
             return
         lookup_rounds: costs.RoundCosts | list[float] = self.lookup_costs
         current = 1.0
@@ -241,12 +263,14 @@ class AutoRouter:
             own = self.lookup_costs.table()
             lookup_rounds = [max(a, b) for a, b in zip(own, self.draft.round_costs.without_drafting())]
         k, speedup = costs.best_draft_length(self.shadow, lookup_rounds, self.max_lookup)
-        if k and speedup > self.s.switch_margin * current:
+        margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
+        if k and speedup > margin * current:
             shadow = self.shadow
             self._replaced_draft_speedup = current if self.mode == "draft_model" else None
             self._enter(
                 "prompt_lookup",
-                f"{self.shadow_scored} shadow drafts scored, lookup would have had {shadow.conditional()[0]:.0%} of "
+                f"{self.shadow_scored} shadow drafts ({self.shadow_positions} positions) scored, lookup would have had "
+                f"{shadow.conditional()[0]:.0%} of "
                 f"their first tokens accepted: expected speed-up x{speedup:.2f} at k={k} against x{current:.2f}",
             )
             self.lookup_k = k
@@ -274,7 +298,14 @@ class AutoRouter:
             # probe that expected 27.
             self.lookup_k, self.lookup_acceptance = k, probed
         else:
-            self._enter(self._fallback_mode(), facts)
+            self._leave_lookup(facts, self.lookup_acceptance)
+
+    def _leave_lookup(self, why: str, own: costs.AcceptanceModel) -> None:
+        """Back to the fallback mode. Lookup's own rounds stay the shadow record's
+        first evidence: shadows starting over from the prior promised a summary
+        twice what lookup had just failed to deliver, and won switches it lost."""
+        self._enter(self._fallback_mode(), why)
+        self.shadow = own
 
     def _watch_lookup(self) -> None:
         if self.rounds < self.s.watch_rounds or self.drafted == 0:
@@ -285,7 +316,7 @@ class AutoRouter:
             # evidence: on text that copies in snatches (a summary) shadows keep
             # promising a little, and every round trip costs watch_rounds rounds.
             self._lookup_exits += 1
-            self._enter(self._fallback_mode(), f"lookup acceptance fell to {rate:.0%}; no draft length pays")
+            self._leave_lookup(f"lookup acceptance fell to {rate:.0%}; no draft length pays", self.lookup_own)
             return
         if (replaced := self._replaced_draft_speedup) is not None:
             # Only a switch from the draft model is checked: against what it replaced.
