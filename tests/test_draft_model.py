@@ -390,3 +390,23 @@ def test_a_draft_model_remembers_its_acceptance_across_requests():
     nxt = DraftModelDrafter(draft, None)
     assert nxt.acceptance.prior == pytest.approx(seen)
     assert draft.acceptance_prior(0.6) == pytest.approx(seen)
+
+
+def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_explores():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+
+    table = successor_table(50)
+    target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong
+    verify = CostModel(tuple(0.01 * (1 + 0.3 * (n - 1)) for n in range(1, 18)))
+    sampler = build_sampler(SamplingParams())
+    plain = [s.token for s in decode(SequenceCache(target), [3], 120, sampler, [], 20, None, GenerationStats())]
+    drafter = DraftModelDrafter(DraftModel(None, draft_model, SequenceCache(draft_model), 0), None,
+                                RoundCosts(verify, draft_step=0.2), vocab_size=50)
+    skipped = []
+    skip = drafter.policy.skip
+    drafter.policy.skip = lambda: (skipped.append(1), skip())[1]
+    stats = GenerationStats()
+    spec = [s.token for s in decode(SequenceCache(target), [3], 120, sampler, [], 20, drafter, stats)]
+    assert spec == plain
+    assert len(skipped) > 60  # most idle rounds were queued ahead, without propose
+    assert stats.verify_rounds >= 4  # exploration drafts still came, ever further apart

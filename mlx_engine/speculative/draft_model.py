@@ -148,6 +148,8 @@ class DraftModelDrafter:
         self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance)
         self._unresolved: tuple[int, mx.array] | None = None
         self._catch_up = 0  # tokens the draft model processed before this round's drafts
+        self._proposed = False  # the length of the round observed next was decided (num_tokens ran)
+        self._last_drafted = False  # the last round launched had drafts
 
     @property
     def acceptance(self) -> costs.AcceptanceModel:
@@ -158,7 +160,17 @@ class DraftModelDrafter:
         return self.policy.round_costs
 
     def num_tokens(self, limit: int) -> int:
+        """The next round's draft length (0: undrafted), decided by the policy."""
+        self._proposed = True
         return self.policy.num_tokens(limit)
+
+    @property
+    def plain_ahead(self) -> bool:
+        """True while the adaptive length drafts nothing: the loop then queues
+        each round before the previous one is read, as plain decoding does (an
+        idle draft model's rounds cost 2-3% more otherwise). Never right after a
+        drafted round: the next one starts where its accepted drafts end."""
+        return not self._last_drafted and self.policy.idle_next()
 
     def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
         """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
@@ -171,6 +183,7 @@ class DraftModelDrafter:
     def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
         self._resolve()
         k = self.num_tokens(limit)
+        self._last_drafted = k > 0
         if k <= 0:
             return []
         cache = self.cache
@@ -213,6 +226,9 @@ class DraftModelDrafter:
             self._unresolved = None
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        if not self._proposed:  # a round the loop queued ahead (plain_ahead)
+            self.policy.skip()
+        self._proposed = False
         if drafted and self.draft is not None:
             self.draft.record(drafted, accepted)
         self.policy.observe(drafted, accepted, seconds, catch_up=self._catch_up)

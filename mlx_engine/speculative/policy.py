@@ -68,6 +68,18 @@ class DraftLengthPolicy:
         self.explore_gap = self.explore_every
         return k
 
+    def idle_next(self) -> bool:
+        """Whether the next round is undrafted whatever this one's outcome (no
+        length pays and no exploration is due), so the loop may queue it ahead
+        as plain decoding does; ``skip`` then counts it."""
+        if self.fixed is not None or self.round_costs is None or self.idle_rounds + 1 >= self.explore_gap:
+            return False
+        return costs.best_draft_length(self.acceptance, self.round_costs, costs.MAX_MODEL_DRAFT)[0] == 0
+
+    def skip(self) -> None:
+        """An undrafted round the loop queued ahead (``idle_next`` was true)."""
+        self.idle_rounds += 1
+
     def _time_undrafted_now(self) -> bool:
         """Drafting is judged against an undrafted round, so time one now and
         then: inferring its cost from drafted rounds flatters drafting. Time it

@@ -143,7 +143,7 @@ class AutoRouter:
         ``propose``; ``observe`` makes the round's shadow draft instead). Without
         this, plain rounds under the router cost a few percent more than plain
         decoding's."""
-        return self.mode == "plain"
+        return self.mode == "plain" or (self.mode == "draft_model" and self.draft.plain_ahead)
 
     def propose(self, history: list[int], limit: int) -> Drafts:
         self._history, self._proposed = history, True
@@ -168,7 +168,7 @@ class AutoRouter:
         return self.lookup.propose(history, limit)
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        if self.mode == "plain" and not self._proposed and self._history is not None:
+        if self.mode in ("plain", "draft_model") and not self._proposed and self._history is not None:
             # A round the loop queued ahead: the history it continued is the
             # loop's list as it stands now (this round's token not appended yet).
             self._shadow_lookup(self._history)
