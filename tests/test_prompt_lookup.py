@@ -433,6 +433,15 @@ def test_router_shadow_drafts_use_lookup_memory():
     assert router._shadows == [(3, [53, 54, 55, 56, 57, 58], 0)]  # (position, drafts, positions scored)
 
 
+def test_router_probe_drafts_from_lookup_memory():
+    """A short prompt is probed, and the probe drafts from lookup memory when the
+    request's own history has nothing to copy."""
+    memory = [[50, 51, 52, 53, 54, 55, 56, 57, 58]]
+    router = AutoRouter([50, 51], flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8, memory=memory))
+    assert router.mode == "probe"
+    assert router.propose([50, 51, 52], 8) == [53, 54, 55, 56]  # the probe's first 4-token draft
+
+
 def test_finder_prefers_the_candidate_whose_context_matches_longest():
     # The suffix 3-gram [8, 5, 1] occurs twice before: after [6, 6] (continued by
     # 2) and, more recently, after [7, 7] (continued by 3). The history ends
