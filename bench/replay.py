@@ -199,7 +199,7 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
     tokens per undrafted-round time (1.0: plain decoding) after the first round,
     as ``bench`` measures generation speed (the first round rides on the prompt's
     pass, in the time to first token), and rounds."""
-    history, t, spent, rounds = list(prompt), 0, 0.0, 0
+    history, t, spent, rounds, first = list(prompt), 0, 0.0, 0, 0
     count = len(output)
     while t < count:
         limit = count - t - 1
@@ -213,9 +213,8 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
         spent += round_cost[len(drafts)] if rounds else 0.0
         history.extend(output[t : t + n + 1])
         t += n + 1
+        first = first or t  # tokens of the first round
         rounds += 1
-        if rounds == 1:
-            first = t
     return (t - first) / spent if spent else 1.0, rounds
 
 
