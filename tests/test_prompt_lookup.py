@@ -430,7 +430,7 @@ def test_router_shadow_drafts_use_lookup_memory():
                         settings=RouterSettings(min_prompt_tokens=256))
     assert router.mode == "plain"
     assert router.propose([50, 51, 52], 8) == []  # plain rounds draft nothing themselves
-    assert router._shadows == [(3, [53, 54, 55, 56, 57, 58], 0)]  # (position, drafts, positions scored)
+    assert router._shadows == [(3, [53, 54, 55, 56, 57, 58], 0, False)]  # (position, drafts, scored, weak)
 
 
 def test_router_probe_drafts_from_lookup_memory():
@@ -560,3 +560,51 @@ def test_router_probes_lookup_first_when_the_draft_has_not_paid_on_this_kit():
         router.observe(4, 0)  # lookup misses too: the probe ends in the draft model
     assert router.mode == "draft_model"
     assert AutoRouter(prompt, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8), good).mode == "draft_model"
+
+
+def test_finder_reports_the_strength_of_its_match():
+    index = NGramIndex(1, 3)
+    index.extend([6, 6, 8, 5, 1, 2, 0, 9, 9, 9, 4, 1])
+    assert index.lookup(2) == [2, 0] and index.strength == 1  # only the token 1 matches, nothing before it
+    index.extend(index.tokens + [2, 0, 7, 6, 6, 8, 5, 1])
+    assert index.lookup(2) == [2, 0]
+    assert index.strength == 3 + 2  # the 3-gram [8, 5, 1] and the [6, 6] before it
+    index.extend(index.tokens + [77])
+    assert index.lookup(2) == [] and index.strength == 0
+
+
+def cpu_costs() -> CostModel:
+    """Verify costs shaped like this CPU's: a jump from one token to two, then a slope."""
+    return CostModel(tuple(0.01 * (1.0 if n == 1 else 1.27 + 0.07 * (n - 1)) for n in range(1, 18)))
+
+
+def test_router_skips_weak_lookup_matches_where_they_do_not_pay_and_drafts_strong_ones():
+    # A 50-token cycle that lookup copies; then a token seen once before, alone.
+    cycle = list(range(50))
+    history = cycle * 4 + [300, 7]
+    router = AutoRouter(cycle * 4, cpu_costs(), GenerationStats(), PromptLookupDrafter(32))
+    router._enter("prompt_lookup", "test")
+    router.lookup_acceptance = router.shadow  # good evidence: strong matches draft long
+    for _ in range(3):
+        router.lookup_acceptance.observe(16, 16)
+    assert router.propose(history, 32) == []  # [7] matched alone: weak, at 25% it does not pay here
+    router.observe(0, 0)
+    assert len(router.propose(cycle * 5, 32)) > 8  # a copied passage: strong
+    # Where verifying more tokens costs almost nothing, the same weak match drafts.
+    cheap = AutoRouter(cycle * 4, flat_costs(1.01), GenerationStats(), PromptLookupDrafter(32))
+    cheap._enter("prompt_lookup", "test")
+    assert cheap.propose(history, 32)[:1] == [8]
+    cheap.observe(cheap.lookup_k, 0)
+    assert cheap.weak.drafted == cheap.lookup_k > 0  # and the weak-match record learns from it
+
+
+def test_router_scores_weak_shadow_drafts_in_the_weak_record():
+    cycle = list(range(40))
+    router = AutoRouter([], cpu_costs(), GenerationStats(), PromptLookupDrafter(16))
+    router._enter("plain", "test")
+    history = cycle + [300, 7]  # [7] matches alone: a weak shadow
+    router.propose(history, 16)
+    history.append(99)  # it missed
+    router.propose(history, 16)
+    assert router.weak.drafted > 0 and router.weak.accepted == 0
+    assert router.shadow_positions == 0  # the shadow record did not count it

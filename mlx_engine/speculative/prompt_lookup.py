@@ -20,6 +20,10 @@ class NGramIndex:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self._table: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        # The last lookup's match strength: the matched n-gram's length plus how
+        # many tokens before it also agree (0: no match). It predicts acceptance
+        # (router.RouterSettings.weak_match).
+        self.strength = 0
 
     def extend(self, tokens: list[int]) -> None:
         """Append tokens; ``tokens`` may also be the whole history so far, of
@@ -41,6 +45,7 @@ class NGramIndex:
         toks = self.tokens
         end = len(toks)
         query = toks if suffix is None else suffix
+        self.strength = 0
         if num_tokens <= 0 or end == 0 or not query:
             return []
         for n in range(min(self.max_ngram, len(query)), self.min_ngram - 1, -1):
@@ -61,6 +66,7 @@ class NGramIndex:
                 if seen >= num_candidates:
                     break
             if best:
+                self.strength = n + best_key[0]
                 return best[:num_tokens]
         return []
 
@@ -73,7 +79,6 @@ CONTEXT_WINDOW = 32
 #: the end of the prompt; ranked only 4 tokens ahead both are as long and the
 #: most recent, the closing one, won.)
 RANK_SPAN = 32
-
 
 def _context_match(toks: list[int], i: int, query: list[int], j: int) -> int:
     """How many tokens before ``toks[i]`` equal those before ``query[j]``
@@ -128,6 +133,7 @@ class PromptLookupDrafter:
         self.num_tokens = num_tokens
         self.num_candidates = num_candidates
         self.index = NGramIndex(min_ngram, max_ngram)
+        self.strength = 0  # the last peek's match strength (NGramIndex.strength)
         self.memory = None
         if memory:
             self.memory = NGramIndex(max(min_ngram, self.MEMORY_MIN_NGRAM), max(max_ngram, self.MEMORY_MIN_NGRAM))
@@ -148,8 +154,10 @@ class PromptLookupDrafter:
         shadow drafts use this with its own length)."""
         self.index.extend(history)
         drafts = self.index.lookup(n, self.num_candidates)
+        self.strength = self.index.strength
         if not drafts and self.memory is not None:
             drafts = self.memory.lookup(n, self.num_candidates, suffix=history[-self.index.max_ngram :])
+            self.strength = self.memory.strength
         return drafts
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:

@@ -50,6 +50,15 @@ class RouterSettings:
     # x1.16 and lookup then got nothing.
     thin_evidence: float = 1.0
     probe_growth: int = 4  # a probe draft accepted whole makes the next one this many times longer
+    # A lookup match this weak or weaker (prompt_lookup.NGramIndex.strength: one
+    # matching token, no agreeing context before it) gets its own acceptance
+    # record, starting from weak_match_prior: over every position of the chat and
+    # toy-pair replay traces its first drafted token was accepted 24-27% of the
+    # time, against 50-73% at strength 2-3 and 95-98% from 16 on. At this CPU's
+    # verify costs such a draft does not pay, so lookup skips it (a plain round)
+    # instead of drafting what the request's other matches would justify.
+    weak_match: int = 1
+    weak_match_prior: float = 0.25
 
 
 class AutoRouter:
@@ -85,6 +94,10 @@ class AutoRouter:
         self._history: list[int] | None = None  # the loop's history (the list it extends)
         self._proposed = False  # propose ran for the round being observed
         self._lookup_exits = 0  # times lookup was left because no length paid
+        # Weak lookup matches' acceptance (RouterSettings.weak_match), from
+        # their rounds and shadows in every mode of this request.
+        self.weak = costs.AcceptanceModel(prior=settings.weak_match_prior)
+        self._round_weak = False  # the round being observed drafted from a weak match
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
         if draft is not None and self.lookup_allowed and not self._draft_pays():
@@ -121,7 +134,7 @@ class AutoRouter:
         self.shadow = costs.AcceptanceModel(prior=0.5)
         self.shadow_scored = 0  # shadow drafts with a decided first token
         self.shadow_positions = 0  # shadow draft positions decided
-        self._shadows: list[tuple[int, list[int], int]] = []  # (position, drafts, positions scored)
+        self._shadows: list[tuple[int, list[int], int, bool]] = []  # (position, drafts, positions scored, weak)
 
     def _enter(self, mode: str, why: str) -> None:
         previous = getattr(self, "mode", None)
@@ -151,7 +164,9 @@ class AutoRouter:
             return self._lookup_round(history, limit)
         if self.mode == "probe":
             self.lookup.num_tokens = self.lookup_k
-            return self.lookup.propose(history, limit)
+            drafts = self.lookup.propose(history, limit)
+            self._round_weak = self.lookup.strength <= self.s.weak_match
+            return drafts
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
         if self.mode == "draft_model":
@@ -159,13 +174,19 @@ class AutoRouter:
         return []
 
     def _lookup_round(self, history: list[int], limit: int) -> list[int]:
-        """Each round the length with the best expected speed-up (at least one
-        token: leaving lookup is _watch_lookup's decision), within the rejection
-        bound."""
+        """Each round the length with the best expected speed-up, within the
+        rejection bound: from lookup's acceptance in this request (at least one
+        token: leaving lookup is _watch_lookup's decision) or, for a weak match,
+        from weak matches' acceptance (none when they do not pay)."""
         max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
-        self.lookup_k = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, max_k, min_k=1)[0]
-        self.lookup.num_tokens = self.lookup_k
-        return self.lookup.propose(history, limit)
+        drafts = self.lookup.peek(history, min(max_k, limit))
+        self._round_weak = bool(drafts) and self.lookup.strength <= self.s.weak_match
+        if self._round_weak:
+            k = costs.best_draft_length(self.weak, self.lookup_costs, max_k)[0]
+        else:
+            k = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, max_k, min_k=1)[0]
+        self.lookup_k = k
+        return drafts[:k]
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if self.mode in ("plain", "draft_model") and not self._proposed and self._history is not None:
@@ -188,6 +209,9 @@ class AutoRouter:
         self.accepted += accepted
         self.produced += accepted + 1
         self.misses = self.misses + 1 if accepted == 0 else 0
+        if self._round_weak and self.mode in ("probe", "prompt_lookup"):
+            self.weak.observe(drafted, accepted)
+        self._round_weak = False
         if self.mode == "probe":
             self.lookup_acceptance.observe(drafted, accepted)
             if drafted and accepted == drafted:
@@ -215,21 +239,23 @@ class AutoRouter:
         first token on, not 8 rounds later), then make one for this round (an
         index lookup: microseconds)."""
         open_ = []
-        for pos, drafts, done in self._shadows:
+        for pos, drafts, done, weak in self._shadows:
             actual = history[pos : pos + len(drafts)]
             n = done
             while n < len(actual) and actual[n] == drafts[n]:
                 n += 1
             missed = n < len(actual)
+            record = self.weak if weak else self.shadow
             if n > done or missed:
-                self.shadow.observe_positions(done, n - done, missed, new=done == 0)
-                self.shadow_scored += done == 0
-                self.shadow_positions += n - done + missed
+                record.observe_positions(done, n - done, missed, new=done == 0)
+                if not weak:
+                    self.shadow_scored += done == 0
+                    self.shadow_positions += n - done + missed
             if missed or n == len(drafts):
-                self.shadow.drafted += len(drafts)
-                self.shadow.accepted += n
+                record.drafted += len(drafts)
+                record.accepted += n
             else:
-                open_.append((pos, drafts, n))
+                open_.append((pos, drafts, n, weak))
         self._shadows = open_
         # What lookup would draft now, lookup memory included (the kit's other
         # conversations), so a short prompt whose answer was cached elsewhere
@@ -239,7 +265,9 @@ class AutoRouter:
         # copied from the prompt many times over (on a summary, shadows
         # promised 42-70% first tokens accepted, and lookup got 0-10%).
         if not open_ and (drafts := self.lookup.peek(history, self.max_lookup)):
-            self._shadows.append((len(history), drafts, 0))
+            # A weak match's shadow teaches the weak-match record, not the
+            # shadow record: lookup would not draft it the way it drafts the rest.
+            self._shadows.append((len(history), drafts, 0, self.lookup.strength <= self.s.weak_match))
 
     def _consider_lookup(self) -> None:
         """Switch to prompt lookup when its shadow record promises clearly more
