@@ -634,7 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     draft_module = None
     if draft_path is not None:
         me.load_draft_model(kit, draft_path)
-        draft_module = me.load_model(draft_path).model  # a separate copy for mlx-lm
+        # The engine's own draft module for mlx-lm too, as for the target: two loads
+        # of the same weights measured up to 5% apart in one process.
+        draft_module = kit.draft.model
     models = S.Models(kit, draft_module, set(kit.eos_token_ids))
     systems = S.select(args.systems.split(",") if args.systems else None, draft_path is not None)
 

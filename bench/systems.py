@@ -67,7 +67,8 @@ def select(names: list[str] | None, have_draft: bool) -> list[System]:
 @dataclass
 class Models:
     """Everything the systems share: the engine kit (draft loaded into it when
-    given) and the draft as a standalone module for mlx-lm."""
+    given) and the draft module mlx-lm is given (the kit's own: the same weights
+    in the same memory as the engine's)."""
 
     kit: me.ModelKit
     draft_module: nn.Module | None
