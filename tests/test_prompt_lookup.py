@@ -608,3 +608,15 @@ def test_router_scores_weak_shadow_drafts_in_the_weak_record():
     router.propose(history, 16)
     assert router.weak.drafted > 0 and router.weak.accepted == 0
     assert router.shadow_positions == 0  # the shadow record did not count it
+
+
+def test_router_probe_skips_a_weak_match_that_does_not_pay():
+    cycle = list(range(50))
+    history = cycle * 4 + [300, 7]  # [7] matched alone
+    router = AutoRouter(cycle * 4, cpu_costs(), GenerationStats(), PromptLookupDrafter(32))
+    assert router.mode == "probe"
+    assert router.propose(history, 32) == []
+    strong = AutoRouter(cycle * 4, cpu_costs(), GenerationStats(), PromptLookupDrafter(32))
+    assert strong.propose(cycle * 5, 32) == cycle[:4]  # a copied passage: the probe's 4 tokens
+    cheap = AutoRouter(cycle * 4, flat_costs(1.01), GenerationStats(), PromptLookupDrafter(32))
+    assert cheap.propose(history, 32) == [8, 9, 10, 11]  # verifying is nearly free: the weak match is probed

@@ -165,7 +165,10 @@ class AutoRouter:
         if self.mode == "probe":
             self.lookup.num_tokens = self.lookup_k
             drafts = self.lookup.propose(history, limit)
-            self._round_weak = self.lookup.strength <= self.s.weak_match
+            self._round_weak = bool(drafts) and self.lookup.strength <= self.s.weak_match
+            if self._round_weak and costs.best_draft_length(self.weak, self.lookup_costs, len(drafts))[0] == 0:
+                self._round_weak = False
+                return []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
             return drafts
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
