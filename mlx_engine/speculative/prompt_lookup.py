@@ -80,6 +80,7 @@ CONTEXT_WINDOW = 32
 #: most recent, the closing one, won.)
 RANK_SPAN = 32
 
+
 def _context_match(toks: list[int], i: int, query: list[int], j: int) -> int:
     """How many tokens before ``toks[i]`` equal those before ``query[j]``
     (up to ``CONTEXT_WINDOW``): the same passage seen again matches far back."""

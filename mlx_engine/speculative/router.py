@@ -165,8 +165,8 @@ class AutoRouter:
         if self.mode == "probe":
             self.lookup.num_tokens = self.lookup_k
             drafts = self.lookup.propose(history, limit)
-            self._round_weak = bool(drafts) and self.lookup.strength <= self.s.weak_match
-            if self._round_weak and costs.best_draft_length(self.weak, self.lookup_costs, len(drafts))[0] == 0:
+            self._round_weak = self._is_weak(drafts)
+            if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
                 return []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
             return drafts
@@ -183,13 +183,21 @@ class AutoRouter:
         from weak matches' acceptance (none when they do not pay)."""
         max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
         drafts = self.lookup.peek(history, min(max_k, limit))
-        self._round_weak = bool(drafts) and self.lookup.strength <= self.s.weak_match
+        self._round_weak = self._is_weak(drafts)
         if self._round_weak:
-            k = costs.best_draft_length(self.weak, self.lookup_costs, max_k)[0]
+            k = self._weak_length(max_k)
         else:
             k = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, max_k, min_k=1)[0]
         self.lookup_k = k
         return drafts[:k]
+
+    def _is_weak(self, drafts: list[int]) -> bool:
+        """Whether ``drafts``, the last lookup's, come from a weak match (RouterSettings.weak_match)."""
+        return bool(drafts) and self.lookup.strength <= self.s.weak_match
+
+    def _weak_length(self, max_k: int) -> int:
+        """The draft length a weak match pays for (0: none), from weak matches' record."""
+        return costs.best_draft_length(self.weak, self.lookup_costs, max_k)[0]
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if self.mode in ("plain", "draft_model") and not self._proposed and self._history is not None:
@@ -270,7 +278,7 @@ class AutoRouter:
         if not open_ and (drafts := self.lookup.peek(history, self.max_lookup)):
             # A weak match's shadow teaches the weak-match record, not the
             # shadow record: lookup would not draft it the way it drafts the rest.
-            self._shadows.append((len(history), drafts, 0, self.lookup.strength <= self.s.weak_match))
+            self._shadows.append((len(history), drafts, 0, self._is_weak(drafts)))
 
     def _consider_lookup(self) -> None:
         """Switch to prompt lookup when its shadow record promises clearly more
