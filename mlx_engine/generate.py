@@ -112,6 +112,12 @@ def tokenize(kit: ModelKit, prompt: str, *, add_special_tokens: bool = True) -> 
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
     if not isinstance(add_special_tokens, bool):
         raise ValueError(f"add_special_tokens must be True or False, got {add_special_tokens!r}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates ("\ud800") have no UTF-8 form to tokenize
+        raise ValueError(
+            f"prompt is not valid Unicode text: {exc.reason} at index {exc.start} ({prompt[exc.start:exc.end]!r})"
+        ) from None
     return list(kit.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 

@@ -73,13 +73,44 @@ def tokenizer_for(kit) -> Any:
     return cached
 
 
+# Forced tokens consumed by the probe in ``check_grammar``: enough to reach the
+# first lexeme of a forced span, where llguidance hits its lexer and parser
+# limits (a regex such as ``a{1000000}``, a schema that requires itself).
+PROBE_FORCED_TOKENS = 8
+
+
 def check_grammar(kit, name: str, grammar: str) -> None:
-    """Refuse a grammar llguidance cannot build for this tokenizer, before any model work."""
+    """Refuse, before any model work, a grammar llguidance cannot build for this
+    tokenizer or cannot run: a probe matcher computes the first mask and consumes
+    the first forced tokens, where grammars too large or too complex for
+    llguidance's limits fail (``ValueError`` naming the argument)."""
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer_for(kit))
+    try:
+        matcher = llguidance.LLMatcher(tokenizer_for(kit), grammar, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+            forced = matcher.compute_ff_tokens()[:PROBE_FORCED_TOKENS]
+            if forced and not matcher.is_error():
+                matcher.consume_tokens(forced)
+        error = matcher.get_error() if matcher.is_error() else ""
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # llguidance reports Rust panics as pyo3's PanicException (a BaseException)
+        error = f"{type(exc).__name__}: {exc}"
     if error:
-        raise ValueError(f"{name} cannot be used: {error}")
+        raise ValueError(f"{name} cannot be used: {_describe(error)}")
+
+
+def _describe(error: str) -> str:
+    """The first line of llguidance's error (the rest is its parser state), with
+    its internal assertions said in words."""
+    first = error.strip().splitlines()[0] if error.strip() else "unknown llguidance error"
+    if "panic" in first or "assertion" in first:
+        return f"it is too large or complex for llguidance ({first})"
+    if "too many" in first.lower():
+        return f"it is too complex for llguidance's limits ({first})"
+    return first
 
 
 class GrammarConstraint:
