@@ -13,6 +13,8 @@ import mlx.core as mx
 
 from . import loading, worker
 from .cache import CacheOptions
+from .chat_template import check_render
+from .errors import ChatTemplateLimitError
 from .images import validate_max_image_pixels
 from .model_kit import KitOptions, ModelKit, validate_max_parallel
 from .pipeline import Generation
@@ -128,8 +130,18 @@ def apply_chat_template(kit: ModelKit, messages: list[dict], *, add_generation_p
         raise ValueError("messages: this model's tokenizer has no chat template; tokenize plain text with tokenize()")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of dicts with 'role' and 'content'")
+    if not isinstance(add_generation_prompt, bool):
+        raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+    tok = kit.tokenizer
     try:
-        ids = kit.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        # The template is code from the model files: it runs first in a bounded
+        # sandbox (chat_template.py), and only one that finishes there is
+        # rendered by transformers, whose output the prompt is.
+        check_render(tok.get_chat_template(), {**tok.special_tokens_map, "messages": messages, "tools": None,
+                                              "documents": None, "add_generation_prompt": add_generation_prompt})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except ChatTemplateLimitError as exc:
+        raise ChatTemplateLimitError(f"messages: {exc}") from None
     except Exception as exc:  # jinja errors raised by the template itself
         raise ValueError(f"messages: the chat template could not render them: {exc}") from exc
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
