@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -55,11 +57,18 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
         raise ValueError(f"{name} is not valid: {exc}") from exc
 
 
+# llguidance's view of each kit's tokenizer, kept here (weakly, so it goes with
+# the kit) rather than on the kit: validation writes nothing on the kit.
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
 def tokenizer_for(kit) -> Any:
     """The kit's llguidance tokenizer view (built once per kit: ~0.5 s for a
     49k vocabulary). Its size is the model's, so padded embedding rows are
     simply never allowed."""
-    cached = getattr(kit, "_llg_tokenizer", None)
+    with _TOKENIZERS_LOCK:
+        cached = _TOKENIZERS.get(kit)
     if cached is None:
         import llguidance.hf
 
@@ -69,7 +78,8 @@ def tokenizer_for(kit) -> Any:
             cached = llguidance.hf.from_tokenizer(hf, n_vocab=kit.vocab_size, eos_token=eos)
         except Exception as exc:
             raise ValueError(f"structured output needs a fast (Rust) Hugging Face tokenizer: {exc}") from exc
-        kit._llg_tokenizer = cached
+        with _TOKENIZERS_LOCK:
+            cached = _TOKENIZERS.setdefault(kit, cached)
     return cached
 
 
