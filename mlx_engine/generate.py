@@ -137,8 +137,9 @@ def apply_chat_template(kit: ModelKit, messages: list[dict], *, add_generation_p
         # The template is code from the model files: it runs first in a bounded
         # sandbox (chat_template.py), and only one that finishes there is
         # rendered by transformers, whose output the prompt is.
-        check_render(tok.get_chat_template(), {**tok.special_tokens_map, "messages": messages, "tools": None,
-                                              "documents": None, "add_generation_prompt": add_generation_prompt})
+        template = tok.get_chat_template() if hasattr(tok, "get_chat_template") else tok.chat_template
+        check_render(template, {**getattr(tok, "special_tokens_map", {}), "messages": messages, "tools": None,
+                                "documents": None, "add_generation_prompt": add_generation_prompt})
         ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     except ChatTemplateLimitError as exc:
         raise ChatTemplateLimitError(f"messages: {exc}") from None
