@@ -6,7 +6,7 @@ from ._blas import BlasStatus, blas_status, setup_blas
 setup_blas()
 
 from .catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
-from .errors import CallbackError, GenerationInProgressError, IncompatibleDraftModelError, ModelLoadError  # noqa: E402
+from .errors import CallbackError, ChatTemplateLimitError, GenerationInProgressError, IncompatibleDraftModelError, ModelLoadError  # noqa: E402
 from .errors import DistributedConfigError, ShardedKitError  # noqa: E402
 from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
 from .generate import (  # noqa: E402
@@ -37,6 +37,7 @@ __all__ = [
     "apply_chat_template",
     "BlasStatus",
     "CallbackError",
+    "ChatTemplateLimitError",
     "DistributedConfigError",
     "DraftCompatibility",
     "Follower",

@@ -18,6 +18,11 @@ class GenerationInProgressError(RuntimeError):
     """A kit runs one generation at a time; another one is still active."""
 
 
+class ChatTemplateLimitError(ValueError):
+    """A chat template (code from the model files) needed more time or memory
+    than rendering a prompt may (chat_template.py)."""
+
+
 class CallbackError(RuntimeError):
     """A user callback raised; the original exception is the ``__cause__``."""
 

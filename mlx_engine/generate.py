@@ -13,6 +13,8 @@ import mlx.core as mx
 
 from . import loading, worker
 from .cache import CacheOptions
+from .chat_template import check_render
+from .errors import ChatTemplateLimitError
 from .images import validate_max_image_pixels
 from .model_kit import KitOptions, ModelKit, validate_max_parallel
 from .pipeline import Generation
@@ -112,6 +114,12 @@ def tokenize(kit: ModelKit, prompt: str, *, add_special_tokens: bool = True) -> 
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
     if not isinstance(add_special_tokens, bool):
         raise ValueError(f"add_special_tokens must be True or False, got {add_special_tokens!r}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates ("\ud800") have no UTF-8 form to tokenize
+        raise ValueError(
+            f"prompt is not valid Unicode text: {exc.reason} at index {exc.start} ({prompt[exc.start:exc.end]!r})"
+        ) from None
     return list(kit.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
@@ -122,8 +130,19 @@ def apply_chat_template(kit: ModelKit, messages: list[dict], *, add_generation_p
         raise ValueError("messages: this model's tokenizer has no chat template; tokenize plain text with tokenize()")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of dicts with 'role' and 'content'")
+    if not isinstance(add_generation_prompt, bool):
+        raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+    tok = kit.tokenizer
     try:
-        ids = kit.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        # The template is code from the model files: it runs first in a bounded
+        # sandbox (chat_template.py), and only one that finishes there is
+        # rendered by transformers, whose output the prompt is.
+        template = tok.get_chat_template() if hasattr(tok, "get_chat_template") else tok.chat_template
+        check_render(template, {**getattr(tok, "special_tokens_map", {}), "messages": messages, "tools": None,
+                                "documents": None, "add_generation_prompt": add_generation_prompt})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except ChatTemplateLimitError as exc:
+        raise ChatTemplateLimitError(f"messages: {exc}") from None
     except Exception as exc:  # jinja errors raised by the template itself
         raise ValueError(f"messages: the chat template could not render them: {exc}") from exc
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import mmap
 import re
 import struct
@@ -28,6 +29,13 @@ logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 MAX_COUNT = 1 << 24  # tensors, metadata keys: far above any real model
+# Bounds on what the header declares, checked before anything is read: the
+# largest real vocabularies and merge lists hold a few hundred thousand entries
+# and their whole metadata a few tens of MB, so a crafted file declaring more is
+# refused in milliseconds instead of being decoded for minutes.
+MAX_ARRAY_ITEMS = 1 << 22
+MAX_HEADER_BYTES = 64 * 2**20  # metadata and tensor table together
+MAX_DIM = 2**31 - 1  # MLX indexes with 32-bit integers
 
 # GGML tensor types by id. Only the first group loads: F32/F16 as arrays and
 # Q4_0/Q4_1/Q8_0 as MLX quantized triples (group size 32). MLX's reader turns a
@@ -66,14 +74,26 @@ class GGUFHeader:
 
 
 class _Reader:
-    """Bounds-checked little-endian reads over a memory-mapped file."""
+    """Bounds-checked little-endian reads over a memory-mapped file; the header
+    may use at most ``MAX_HEADER_BYTES`` of it."""
+
+    _U64 = struct.Struct("<Q")
 
     def __init__(self, buf, path: Path):
         self.buf, self.pos, self.path = buf, 0, path
+        self.end = min(len(buf), MAX_HEADER_BYTES)
+
+    def corrupt(self, what: str) -> ModelLoadError:
+        if self.end < len(self.buf):
+            return ModelLoadError(
+                f"GGUF file {str(self.path)!r}: {what} runs past the end of the file or past {MAX_HEADER_BYTES} "
+                "bytes of header (the most this loader reads)"
+            )
+        return ModelLoadError(f"GGUF file {str(self.path)!r} is truncated or corrupt: {what} runs past the end of the file")
 
     def take(self, n: int, what: str) -> bytes:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise ModelLoadError(f"GGUF file {str(self.path)!r} is truncated or corrupt: {what} runs past the end of the file")
+        if n < 0 or self.pos + n > self.end:
+            raise self.corrupt(what)
         out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -81,37 +101,60 @@ class _Reader:
     def scalar(self, fmt: str, what: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
-    def count(self, what: str) -> int:
+    def count(self, what: str, item_bytes: int = 1) -> int:
         n = self.scalar("<Q", what)
-        # Every element takes at least one byte, so a count beyond the bytes left is corrupt.
-        if n > len(self.buf) - self.pos:
-            raise ModelLoadError(f"GGUF file {str(self.path)!r} is corrupt: {what} declares {n} entries")
+        # Every element takes at least ``item_bytes``, so a count beyond the bytes left is corrupt.
+        if n * item_bytes > self.end - self.pos:
+            raise self.corrupt(f"{what} (declaring {n} entries)")
         return n
 
     def string(self, what: str) -> str:
-        raw = self.take(self.count(what), what)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return raw.decode("utf-8", errors="replace")
+        return str(self.take(self.count(what), what), "utf-8", "replace")
 
-    def value(self, vtype: int, key: str, depth: int = 0):
+    def value(self, vtype: int, key: str):
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype], f"metadata {key!r}")
         if vtype == _STRING:
             return self.string(f"metadata {key!r}")
-        if vtype == _ARRAY and depth == 0:
+        if vtype == _ARRAY:
             return self.array(key)
         raise ModelLoadError(f"GGUF file {str(self.path)!r} is corrupt: metadata {key!r} has unknown value type {vtype}")
 
     def array(self, key: str):
-        item_type = self.scalar("<I", f"metadata {key!r}")
-        n = self.count(f"metadata {key!r}")
-        if item_type in _SCALARS and item_type != 7:
-            fmt = _SCALARS[item_type]
-            raw = self.take(n * struct.calcsize(fmt), f"metadata {key!r}")
-            return np.frombuffer(raw, dtype=np.dtype(fmt)).copy()
-        return [self.value(item_type, key, depth=1) for _ in range(n)]
+        """Numbers and bools as one numpy array (read in bulk), strings as a list
+        of str; ``MAX_ARRAY_ITEMS`` bounds the declared count before any is read."""
+        what = f"metadata {key!r}"
+        item_type = self.scalar("<I", what)
+        if item_type not in _SCALARS and item_type != _STRING:
+            raise ModelLoadError(f"GGUF file {str(self.path)!r} is corrupt: {what} is an array of value type {item_type}")
+        item_bytes = struct.calcsize(_SCALARS[item_type]) if item_type in _SCALARS else 8  # a string's length field
+        n = self.count(what, item_bytes)
+        if n > MAX_ARRAY_ITEMS:
+            raise ModelLoadError(
+                f"GGUF file {str(self.path)!r}: {what} declares {n} entries; this loader reads at most {MAX_ARRAY_ITEMS}"
+            )
+        if item_type in _SCALARS:
+            raw = self.take(n * item_bytes, what)
+            values = np.frombuffer(raw, dtype=np.dtype(_SCALARS[item_type].replace("?", "u1")))
+            return values.astype(np.bool_) if item_type == 7 else values.copy()
+        return self._strings(n, what)
+
+    def _strings(self, n: int, what: str) -> list[str]:
+        """``n`` length-prefixed strings: one tight loop over the mapped bytes
+        (about 10x faster than reading them one call at a time)."""
+        buf, pos, end, unpack = self.buf, self.pos, self.end, self._U64.unpack_from
+        out = []
+        for _ in range(n):
+            if pos + 8 > end:
+                raise self.corrupt(what)
+            (size,) = unpack(buf, pos)
+            pos += 8
+            if size > end - pos:
+                raise self.corrupt(what)
+            out.append(str(buf[pos : pos + size], "utf-8", "replace"))
+            pos += size
+        self.pos = pos
+        return out
 
 
 def read_header(path: Path) -> GGUFHeader:
@@ -141,7 +184,10 @@ def _read_header_cached(name: str, size: int, mtime_ns: int) -> GGUFHeader:
             key = r.string("metadata key")
             metadata[key] = r.value(r.scalar("<I", f"metadata {key!r}"), key)
         infos = [_tensor_info(r) for _ in range(n_tensors)]
-        alignment = int(metadata.get("general.alignment", 32)) or 32
+        header = GGUFHeader(path, version, metadata, {})
+        alignment = _int(header, "general.alignment", 32)
+        if alignment & (alignment - 1):  # MLX's reader divides by it: 0 would crash the process
+            raise _bad_field(header, "general.alignment", alignment, "a power of two")
         data_start = -(-r.pos // alignment) * alignment
     tensors = {}
     for info, offset in infos:
@@ -161,6 +207,8 @@ def _tensor_info(r: _Reader) -> tuple[TensorInfo, int]:
     if not 1 <= n_dims <= 4:
         raise ModelLoadError(f"GGUF file {str(r.path)!r} is corrupt: tensor {name!r} has {n_dims} dimensions")
     shape = tuple(r.scalar("<Q", f"tensor {name!r}") for _ in range(n_dims))
+    if not all(1 <= d <= MAX_DIM for d in shape):
+        raise ModelLoadError(f"GGUF file {str(r.path)!r} is corrupt: tensor {name!r} has shape {list(shape)}")
     type_id = r.scalar("<I", f"tensor {name!r}")
     offset = r.scalar("<Q", f"tensor {name!r}")
     if type_id not in LOADABLE_TYPES:
@@ -181,6 +229,50 @@ def _tensor_bytes(info: TensorInfo, path: Path) -> int:
     return n // block * block_bytes
 
 
+# -- typed metadata -----------------------------------------------------------
+# Every field the engine reads goes through one of these, so a field of the
+# wrong type or out of range is a ModelLoadError naming the file and the field.
+_MISSING = object()
+
+
+def _bad_field(h: GGUFHeader, key: str, value, wanted: str) -> ModelLoadError:
+    shown = f"an array of {len(value)}" if isinstance(value, (list, np.ndarray)) else repr(value)[:80]
+    return ModelLoadError(f"GGUF file {str(h.path)!r}: metadata {key!r} must be {wanted}, got {shown}")
+
+
+def _int(h: GGUFHeader, key: str, default=_MISSING, *, lo: int = 1, hi: int = MAX_DIM) -> int:
+    """An integer scalar field in [lo, hi] (``default`` when absent; required
+    without one)."""
+    value = h.metadata.get(key, default)
+    if value is _MISSING:
+        raise ModelLoadError(f"GGUF file {str(h.path)!r} lacks the metadata field {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad_field(h, key, value, f"an integer from {lo} to {hi}")
+    return value
+
+
+def _float(h: GGUFHeader, key: str, default: float) -> float:
+    """A finite, positive number (integer or float scalar)."""
+    value = h.metadata.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise _bad_field(h, key, value, "a finite positive number")
+    return float(value)
+
+
+def _str(h: GGUFHeader, key: str, default: str | None = None) -> str | None:
+    value = h.metadata.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise _bad_field(h, key, value, "a string")
+    return value
+
+
+def _flag(h: GGUFHeader, key: str) -> bool:
+    value = h.metadata.get(key, False)
+    if not isinstance(value, (bool, int)):
+        raise _bad_field(h, key, value, "a bool")
+    return bool(value)
+
+
 # -- config -------------------------------------------------------------------
 # Architectures whose GGUF tensors map onto an mlx-lm model with the names below.
 # llama.cpp stores llama's q/k rows permuted for interleaved RoPE, which mlx-lm's
@@ -194,58 +286,74 @@ ARCHITECTURES = {
 def config_from_header(h: GGUFHeader) -> dict:
     """An mlx-lm (Hugging Face style) config from the ``<arch>.*`` metadata,
     checked against the tensor table so no absurd model is ever allocated."""
-    arch = h.architecture
+    arch = _str(h, "general.architecture", "")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF file {str(h.path)!r} has architecture {arch or None!r}; supported: {', '.join(ARCHITECTURES)}"
         )
-    md = h.metadata
-
-    def need(key: str) -> int:
-        value = md.get(f"{arch}.{key}")
-        if value is None or int(value) <= 0:
-            raise ModelLoadError(f"GGUF file {str(h.path)!r} lacks a positive '{arch}.{key}'")
-        return int(value)
-
-    heads = need("attention.head_count")
+    heads = _int(h, f"{arch}.attention.head_count")
     config = dict(
         ARCHITECTURES[arch],
-        hidden_size=need("embedding_length"),
-        num_hidden_layers=need("block_count"),
-        intermediate_size=need("feed_forward_length"),
+        hidden_size=_int(h, f"{arch}.embedding_length"),
+        num_hidden_layers=_int(h, f"{arch}.block_count"),
+        intermediate_size=_int(h, f"{arch}.feed_forward_length"),
         num_attention_heads=heads,
-        num_key_value_heads=int(md.get(f"{arch}.attention.head_count_kv", heads)),
-        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(md.get(f"{arch}.context_length", 4096)),
+        num_key_value_heads=_int(h, f"{arch}.attention.head_count_kv", heads),
+        rms_norm_eps=_float(h, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=_float(h, f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=_int(h, f"{arch}.context_length", 4096),
         tie_word_embeddings="output.weight" not in h.tensors,
     )
-    if f"{arch}.attention.key_length" in md:
-        config["head_dim"] = int(md[f"{arch}.attention.key_length"])
+    if f"{arch}.attention.key_length" in h.metadata:
+        config["head_dim"] = _int(h, f"{arch}.attention.key_length")
     embed = h.tensors.get("token_embd.weight")
-    if embed is None:
-        raise ModelLoadError(f"GGUF file {str(h.path)!r} has no 'token_embd.weight' tensor")
+    if embed is None or len(embed.shape) != 2:
+        raise ModelLoadError(f"GGUF file {str(h.path)!r} has no two-dimensional 'token_embd.weight' tensor")
     config["vocab_size"] = int(embed.shape[-1])
     _check_rope(h, config)
     _check_blocks(h, config["num_hidden_layers"])
+    _check_dims(h, config)
     return config
 
 
+def _check_dims(h: GGUFHeader, config: dict) -> None:
+    """The declared sizes against the first block's tensors (GGUF lists the
+    input dimension first), so the model built from them matches the file."""
+    arch, hidden = h.architecture, config["hidden_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if heads % kv_heads:
+        raise _bad_field(h, f"{arch}.attention.head_count_kv", kv_heads, f"a divisor of head_count ({heads})")
+    head_dim = config.get("head_dim") or hidden // heads
+    expected = {
+        "token_embd.weight": (0, hidden, "embedding_length"),
+        "blk.0.ffn_up.weight": (1, config["intermediate_size"], "feed_forward_length"),
+        "blk.0.attn_q.weight": (1, heads * head_dim, "attention.head_count"),
+        "blk.0.attn_k.weight": (1, kv_heads * head_dim, "attention.head_count_kv"),
+    }
+    for name, (axis, size, field) in expected.items():
+        info = h.tensors.get(name)
+        if info is not None and (len(info.shape) <= axis or info.shape[axis] != size):
+            raise ModelLoadError(
+                f"GGUF file {str(h.path)!r}: metadata '{arch}.{field}' (and the sizes derived from it, {size}) "
+                f"does not match tensor {name!r} of shape {list(info.shape)}"
+            )
+
+
 def _check_rope(h: GGUFHeader, config: dict) -> None:
-    arch, md = h.architecture, h.metadata
-    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    arch = h.architecture
+    scaling = _str(h, f"{arch}.rope.scaling.type", "none")
     if "rope_freqs.weight" in h.tensors or scaling not in ("none", "linear"):
         raise ModelLoadError(
             f"GGUF file {str(h.path)!r} uses RoPE scaling ({scaling}, rope_freqs: {'rope_freqs.weight' in h.tensors}), "
             "which the GGUF loader does not map yet"
         )
     if scaling == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
+        config["rope_scaling"] = {"type": "linear", "factor": _float(h, f"{arch}.rope.scaling.factor", None)}
 
 
 def _check_blocks(h: GGUFHeader, n_layers: int) -> None:
     blocks = {int(m.group(1)) for name in h.tensors if (m := re.match(r"blk\.(\d+)\.", name))}
-    if blocks != set(range(n_layers)):
+    if len(blocks) != n_layers or (blocks and max(blocks) != n_layers - 1):  # never builds range(n_layers)
         raise ModelLoadError(
             f"GGUF file {str(h.path)!r} declares {n_layers} layers but holds tensors for "
             f"{len(blocks)} (blocks {min(blocks, default=None)}..{max(blocks, default=None)})"
@@ -337,20 +445,30 @@ def _pre_tokenizer(pre: str | None):
     )
 
 
-def _token_list(h: GGUFHeader, key: str) -> list:
+def _token_list(h: GGUFHeader, key: str) -> list[str]:
     value = h.metadata.get(key)
-    if not isinstance(value, list) or not value:
+    if value is None or (isinstance(value, list) and not value):
         raise ModelLoadError(f"GGUF file {str(h.path)!r} has no tokenizer: metadata {key!r} is missing or empty")
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise _bad_field(h, key, value, "an array of strings")
     return value
 
 
+def _token_types(h: GGUFHeader, n_tokens: int) -> list[int]:
+    key = "tokenizer.ggml.token_type"
+    value = h.metadata.get(key)
+    if value is None:
+        return [1] * n_tokens
+    if not (isinstance(value, np.ndarray) and value.dtype.kind in "iu" and len(value) == n_tokens):
+        raise _bad_field(h, key, value, f"an array of {n_tokens} integers (one per token)")
+    return value.tolist()
+
+
 def _special_token(h: GGUFHeader, tokens: list[str], name: str) -> str | None:
-    token_id = h.metadata.get(f"tokenizer.ggml.{name}_token_id")
-    if token_id is None:
+    key = f"tokenizer.ggml.{name}_token_id"
+    if key not in h.metadata:
         return None
-    if not 0 <= int(token_id) < len(tokens):
-        raise ModelLoadError(f"GGUF file {str(h.path)!r}: {name}_token_id {int(token_id)} is outside the vocabulary")
-    return tokens[int(token_id)]
+    return tokens[_int(h, key, lo=0, hi=len(tokens) - 1)]
 
 
 def load_tokenizer(h: GGUFHeader):
@@ -361,37 +479,36 @@ def load_tokenizer(h: GGUFHeader):
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
-    md = h.metadata
-    kind = md.get("tokenizer.ggml.model")
+    kind = _str(h, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ModelLoadError(
             f"GGUF file {str(h.path)!r} has tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)"
         )
     tokens = _token_list(h, "tokenizer.ggml.tokens")
     merges = _token_list(h, "tokenizer.ggml.merges")
-    types = list(md.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    if len(types) != len(tokens) or len(set(tokens)) != len(tokens):
-        raise ModelLoadError(f"GGUF file {str(h.path)!r}: the tokenizer's tokens and token types do not match")
+    types = _token_types(h, len(tokens))
+    if len(set(tokens)) != len(tokens):
+        raise ModelLoadError(f"GGUF file {str(h.path)!r}: metadata 'tokenizer.ggml.tokens' holds a token twice")
     try:
         bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
     except Exception as exc:
         raise ModelLoadError(f"GGUF file {str(h.path)!r}: could not build its BPE tokenizer: {exc}") from exc
     tok = Tokenizer(bpe)
-    tok.pre_tokenizer = _pre_tokenizer(md.get("tokenizer.ggml.pre"))
+    tok.pre_tokenizer = _pre_tokenizer(_str(h, "tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
     special = {name: _special_token(h, tokens, key) for name, key in
                (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}  # fmt: skip
-    if bool(md.get("tokenizer.ggml.add_bos_token", False)) and special["bos_token"] is not None:
+    if _flag(h, "tokenizer.ggml.add_bos_token") and special["bos_token"] is not None:
         bos = special["bos_token"]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
         )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        chat_template=md.get("tokenizer.chat_template"),
-        model_max_length=int(md.get(f"{h.architecture}.context_length", 4096)),
+        chat_template=_str(h, "tokenizer.chat_template"),
+        model_max_length=_int(h, f"{h.architecture}.context_length", 4096),
         **{k: v for k, v in special.items() if v is not None},
     )
     eos = [tokens.index(special["eos_token"])] if special["eos_token"] is not None else []

@@ -19,6 +19,9 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # MLX seeds with an unsigned 64-bit integer
+# MLX slices the token history with 32-bit indices; any size at least the
+# sequence length already penalises the whole sequence.
+MAX_REPETITION_CONTEXT = 2**31 - 1
 
 Sampler = Callable[[mx.array, Sequence[int]], mx.array]
 """``sampler(logprobs, positions)``: ``logprobs`` (n, vocab), ``positions`` the n
@@ -82,7 +85,8 @@ def validate_sampling(
     vocab_size: int,
 ) -> SamplingParams:
     """Check every sampling argument and return them normalised (NaN and
-    infinities are refused for every float). ``vocab_size`` bounds ``top_k``."""
+    infinities are refused for every float). ``vocab_size`` bounds ``top_k`` and
+    ``min_tokens_to_keep``."""
     if temp is not None and (temp := _number("temp", temp)) < 0:
         raise ValueError(f"temp must be >= 0 (0 or None is greedy), got {temp}")
     if top_p is not None and not (0 < (top_p := _number("top_p", top_p)) <= 1):
@@ -91,12 +95,19 @@ def validate_sampling(
         raise ValueError(f"top_k must be from 0 (off) to {vocab_size - 1} (below the vocabulary size), got {top_k}")
     if min_p is not None and not (0 <= (min_p := _number("min_p", min_p)) <= 1):
         raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-    if min_tokens_to_keep is not None and (min_tokens_to_keep := _number("min_tokens_to_keep", min_tokens_to_keep, integer=True)) < 1:
-        raise ValueError(f"min_tokens_to_keep must be >= 1, got {min_tokens_to_keep}")
+    if min_tokens_to_keep is not None and not (
+        1 <= (min_tokens_to_keep := _number("min_tokens_to_keep", min_tokens_to_keep, integer=True)) <= vocab_size
+    ):
+        raise ValueError(f"min_tokens_to_keep must be from 1 to {vocab_size} (the vocabulary size), got {min_tokens_to_keep}")
     if repetition_penalty is not None and (repetition_penalty := _number("repetition_penalty", repetition_penalty)) <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
-    if (repetition_context_size := _number("repetition_context_size", repetition_context_size, integer=True)) < 1:
-        raise ValueError(f"repetition_context_size must be >= 1, got {repetition_context_size}")
+    if not (
+        1 <= (repetition_context_size := _number("repetition_context_size", repetition_context_size, integer=True))
+        <= MAX_REPETITION_CONTEXT
+    ):
+        raise ValueError(
+            f"repetition_context_size must be from 1 to 2**31 - 1 (tokens), got {repetition_context_size}"
+        )
     seed = validate_seed(seed)
     if top_logprobs is not None and not (
         0 <= (top_logprobs := _number("top_logprobs", top_logprobs, integer=True)) <= MAX_TOP_LOGPROBS

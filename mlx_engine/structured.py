@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -55,11 +57,18 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
         raise ValueError(f"{name} is not valid: {exc}") from exc
 
 
+# llguidance's view of each kit's tokenizer, kept here (weakly, so it goes with
+# the kit) rather than on the kit: validation writes nothing on the kit.
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
 def tokenizer_for(kit) -> Any:
     """The kit's llguidance tokenizer view (built once per kit: ~0.5 s for a
     49k vocabulary). Its size is the model's, so padded embedding rows are
     simply never allowed."""
-    cached = getattr(kit, "_llg_tokenizer", None)
+    with _TOKENIZERS_LOCK:
+        cached = _TOKENIZERS.get(kit)
     if cached is None:
         import llguidance.hf
 
@@ -69,17 +78,49 @@ def tokenizer_for(kit) -> Any:
             cached = llguidance.hf.from_tokenizer(hf, n_vocab=kit.vocab_size, eos_token=eos)
         except Exception as exc:
             raise ValueError(f"structured output needs a fast (Rust) Hugging Face tokenizer: {exc}") from exc
-        kit._llg_tokenizer = cached
+        with _TOKENIZERS_LOCK:
+            cached = _TOKENIZERS.setdefault(kit, cached)
     return cached
 
 
+# Forced tokens consumed by the probe in ``check_grammar``: enough to reach the
+# first lexeme of a forced span, where llguidance hits its lexer and parser
+# limits (a regex such as ``a{1000000}``, a schema that requires itself).
+PROBE_FORCED_TOKENS = 8
+
+
 def check_grammar(kit, name: str, grammar: str) -> None:
-    """Refuse a grammar llguidance cannot build for this tokenizer, before any model work."""
+    """Refuse, before any model work, a grammar llguidance cannot build for this
+    tokenizer or cannot run: a probe matcher computes the first mask and consumes
+    the first forced tokens, where grammars too large or too complex for
+    llguidance's limits fail (``ValueError`` naming the argument)."""
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer_for(kit))
+    try:
+        matcher = llguidance.LLMatcher(tokenizer_for(kit), grammar, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+            forced = matcher.compute_ff_tokens()[:PROBE_FORCED_TOKENS]
+            if forced and not matcher.is_error():
+                matcher.consume_tokens(forced)
+        error = matcher.get_error() if matcher.is_error() else ""
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # llguidance reports Rust panics as pyo3's PanicException (a BaseException)
+        error = f"{type(exc).__name__}: {exc}"
     if error:
-        raise ValueError(f"{name} cannot be used: {error}")
+        raise ValueError(f"{name} cannot be used: {_describe(error)}")
+
+
+def _describe(error: str) -> str:
+    """The first line of llguidance's error (the rest is its parser state), with
+    its internal assertions said in words."""
+    first = error.strip().splitlines()[0] if error.strip() else "unknown llguidance error"
+    if "panic" in first or "assertion" in first:
+        return f"it is too large or complex for llguidance ({first})"
+    if "too many" in first.lower():
+        return f"it is too complex for llguidance's limits ({first})"
+    return first
 
 
 class GrammarConstraint:

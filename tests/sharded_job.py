@@ -87,6 +87,26 @@ def run_wait(kit, out: Path) -> dict:
     return {"error": None}
 
 
+def stall_at(where: str) -> None:
+    """Make this rank stop itself (SIGSTOP; the test kills it) at one step of the load."""
+    import os
+    import signal
+
+    import mlx_engine.distributed as distributed
+    from mlx_engine.distributed import sharding
+
+    def stop_then(fn):
+        def wrapper(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    if where == "before-control":
+        distributed._join_control = stop_then(distributed._join_control)
+    else:
+        sharding.load_lazily = stop_then(sharding.load_lazily)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -95,6 +115,9 @@ def main() -> int:
     ap.add_argument("--scenario", default="modes")
     ap.add_argument("--parallelism", default="auto")
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    ap.add_argument("--connect-timeout", type=float, default=60.0)
+    ap.add_argument("--stall-rank1", choices=("none", "before-control", "while-loading"), default="none",
+                    help="rank 1 stops itself (SIGSTOP) before the control channel or while it loads its shard")
     ap.add_argument("--no-socket-shutdown", action="store_true",
                     help="as with a backend whose sockets the engine cannot shut down: only the grace timeout releases rank 0")
     args = ap.parse_args()
@@ -103,8 +126,11 @@ def main() -> int:
 
         distributed.break_ring_sockets = lambda: 0
     out = Path(args.out)
+    if args.stall_rank1 != "none" and __import__("os").environ.get("MLX_RANK") == "1":
+        stall_at(args.stall_rank1)
     try:
-        kit = me.load_sharded_model(args.model, parallelism=args.parallelism, heartbeat_timeout=args.heartbeat_timeout)
+        kit = me.load_sharded_model(args.model, parallelism=args.parallelism, heartbeat_timeout=args.heartbeat_timeout,
+                                    connect_timeout=args.connect_timeout)
     except Exception as exc:  # every rank reports the same configuration error
         rank = __import__("os").environ.get("MLX_RANK", "0")
         Path(f"{out}.rank{rank}.error").write_text(json.dumps({"type": type(exc).__name__, "error": str(exc)}))

@@ -101,6 +101,9 @@ def test_bad_load_options(llama_path):
         (dict(seed=2**64), "seed"),
         (dict(top_k=10**6), "top_k"),
         (dict(repetition_context_size=2.0), "repetition_context_size"),
+        # Bounds that used to fail only mid-generation, inside MLX, naming nothing.
+        (dict(min_tokens_to_keep=10**9, temp=1.0, min_p=0.1), "min_tokens_to_keep"),
+        (dict(repetition_context_size=10**12, repetition_penalty=1.1), "repetition_context_size"),
     ]
     + [(dict([(name, value)]), name) for name in ("temp", "top_p", "min_p", "repetition_penalty")
        for value in (float("nan"), float("inf"), float("-inf"))],
@@ -110,6 +113,19 @@ def test_bad_generation_arguments(kit, kwargs, match):
     with pytest.raises(ValueError, match=match):
         me.create_generator(kit, prompt, **kwargs)
     assert generate_ids(kit, prompt, max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
+
+
+def test_largest_bounds_generate(kit):
+    prompt = me.tokenize(kit, "hello")
+    ids, last = generate_ids(kit, prompt, max_tokens=3, temp=1.0, min_p=0.5, seed=1, min_tokens_to_keep=kit.vocab_size,
+                             repetition_penalty=1.1, repetition_context_size=2**31 - 1)
+    assert len(ids) == 3
+
+
+def test_tokenize_refuses_lone_surrogates(kit):
+    with pytest.raises(ValueError, match=r"prompt is not valid Unicode.*index 1"):
+        me.tokenize(kit, "a\ud800b")
+    assert me.tokenize(kit, "ab") == me.tokenize(kit, "ab")
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,12 @@ def free_port_run(n: int) -> int:
 
 
 def clean_env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    """The environment without MLX's job variables; the jobs import this checkout's
+    mlx_engine (not whichever one the interpreter has installed)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -176,6 +181,27 @@ def test_stopped_rank_makes_rank0_raise(tmp_path, llama_path, shutdown):
     assert "hung or stopped" in result["error"]
     assert result["seconds_after_kill"] < 30
     assert not result["usable"]
+
+
+@pytest.mark.parametrize("where, timeouts", [("while-loading", ["--heartbeat-timeout", "2"]),
+                                             ("before-control", ["--connect-timeout", "2"])])
+def test_rank_stopped_during_the_load_fails_it_within_the_timeouts(tmp_path, llama_path, where, timeouts):
+    """A follower stopped (SIGSTOP) while the model loads: rank 0 used to wait inside
+    an MLX collective for ever; the heartbeats (or, before the control channel is
+    up, the connect_timeout watchdog) turn it into a DistributedConfigError."""
+    out = tmp_path / "load.json"
+    args = [str(llama_path), "--out", str(out), "--stall-rank1", where, *timeouts]
+    procs = spawn(tmp_path, [args, args])
+    try:
+        logs = wait_all(procs[:1], timeout=60)
+    finally:
+        procs[1].kill()
+        wait_all(procs[1:])
+    error_file = Path(f"{out}.rank0.error")
+    assert error_file.exists(), logs[0]
+    error = json.loads(error_file.read_text())
+    assert error["type"] == "DistributedConfigError", error
+    assert "hung or stopped" in error["error"], error
 
 
 def test_killed_rank0_releases_the_follower(tmp_path, llama_path):

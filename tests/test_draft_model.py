@@ -1,3 +1,6 @@
+import json
+import shutil
+
 import mlx.core as mx
 import pytest
 from conftest import assert_same_or_near_tie, generate_ids
@@ -85,6 +88,26 @@ def test_compatibility_report(llama_path, draft_path, foreign_tokenizer_path, tm
     assert kit.draft is None
     with pytest.raises(me.IncompatibleDraftModelError, match="does not exist"):
         me.load_draft_model(kit, tmp_path / "missing")
+
+
+def test_drafts_differing_only_in_details_that_speculation_ignores_are_accepted(llama_path, draft_path, tmp_path):
+    """Same token ids, but no pad token, another set of special ids and a larger
+    embedding: notes in the report, not reasons; the output is the plain one."""
+    d = tmp_path / "other-tool-draft"
+    shutil.copytree(draft_path, d)
+    tok_config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tok_config, "pad_token": None, "unk_token": "<|im_end|>"}))
+    kit = me.load_model(llama_path)
+    report = me.check_draft_model(kit, d)
+    assert report.compatible, report.reasons
+    assert any("pad_token_id differs" in n for n in report.notes)
+    assert any("special" in n for n in report.notes)
+    assert any("embedding rows differ" in n for n in report.notes)  # the draft fixture pads 16 rows
+    assert not me.check_draft_model(kit, draft_path).reasons
+    prompt = me.tokenize(kit, "for i in range(10):")
+    plain = generate_ids(kit, prompt, max_tokens=12)[0]
+    me.load_draft_model(kit, d)
+    assert_same_or_near_tie(kit, prompt, plain, generate_ids(kit, prompt, max_tokens=12, num_draft_tokens=3)[0])
 
 
 def test_load_unload_any_time_keeps_main_cache(llama_path, draft_path):

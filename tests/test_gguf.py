@@ -2,6 +2,7 @@
 llama.cpp does) must behave exactly like the same model in Hugging Face layout;
 every malformed file gives a ModelLoadError; the real default model answers."""
 
+import re
 import struct
 
 import mlx.core as mx
@@ -187,6 +188,110 @@ def test_kit_shapes_must_match_file(tmp_path, llama_path):
     path = make_gguf(llama_path, tmp_path / "shape.gguf", metadata={"llama.embedding_length": mx.array(96, dtype=mx.uint32)})
     with pytest.raises(me.ModelLoadError, match="does not match"):
         me.load_model(path)
+
+
+# Every field the loader reads, each given values of the wrong type or out of range:
+# each must be a ModelLoadError naming the file and the field (issue 26).
+_U32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+_WRONG = {
+    "a string": "abc", "strings": ["a", "b"], "an int array": _U32([1, 2]), "NaN": mx.array(float("nan")),
+    "infinity": mx.array(float("inf")), "a negative int": mx.array(-3, dtype=mx.int32), "zero": _U32(0),
+    "2**62": mx.array(2**62, dtype=mx.uint64),
+}
+_INT_FIELDS = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count",
+               "llama.attention.head_count_kv", "llama.context_length", "llama.attention.key_length",
+               "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id", "general.alignment"]
+_FLOAT_FIELDS = ["llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base"]
+_CASES = (
+    [(k, n) for k in _INT_FIELDS for n in _WRONG if not (k.startswith("tokenizer.ggml") and n == "zero")]
+    + [(k, n) for k in _FLOAT_FIELDS for n in ("a string", "strings", "an int array", "NaN", "infinity", "a negative int", "zero")]
+    + [(k, n) for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "general.architecture",
+                        "llama.rope.scaling.type") for n in ("strings", "an int array", "zero")]
+    + [(k, n) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+       for n in ("a string", "an int array", "zero") if (k, n) != ("tokenizer.ggml.token_type", "an int array")]
+    + [("tokenizer.ggml.add_bos_token", "strings")]
+)
+
+
+@pytest.mark.parametrize("key, kind", _CASES)
+def test_wrong_typed_metadata_names_file_and_field(tmp_path, llama_path, key, kind):
+    path = make_gguf(llama_path, tmp_path / "typed.gguf", metadata={key: _WRONG[kind]})
+    with pytest.raises(me.ModelLoadError, match=rf"typed\.gguf.*{re.escape(key.split('.', 1)[1])}"):
+        me.load_model(path)
+
+
+def test_linear_rope_scaling_needs_a_factor(tmp_path, llama_path):
+    path = make_gguf(llama_path, tmp_path / "rope.gguf", metadata={"llama.rope.scaling.type": "linear"})
+    with pytest.raises(me.ModelLoadError, match=r"rope\.gguf.*'llama.rope.scaling.factor'"):
+        me.load_model(path)
+
+
+def _patch_tensor_dim(path, tensor: bytes, axis: int, size: int) -> None:
+    data = bytearray(path.read_bytes())
+    at = data.find(tensor) + len(tensor)
+    struct.pack_into("<Q", data, at + 4 + 8 * axis, size)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("axis, size", [(1, 0), (0, 0), (1, 2**40)])
+def test_zero_or_huge_tensor_dims(tmp_path, llama_path, axis, size):
+    path = make_gguf(llama_path, tmp_path / "dims.gguf")
+    _patch_tensor_dim(path, b"token_embd.weight", axis, size)
+    with pytest.raises(me.ModelLoadError, match=r"dims\.gguf.*'token_embd.weight'"):
+        me.load_model(path)
+
+
+def _add_metadata(path, out, key: str, vtype: int, payload: bytes) -> None:
+    """``path`` with one more metadata entry, padded to a multiple of the file's
+    32-byte alignment so the tensor data stays aligned."""
+    data = path.read_bytes()
+    pad = -(8 + len(key) + 4 + len(payload)) % 32
+    key_bytes = (key + "_" * pad).encode()
+    entry = struct.pack("<Q", len(key_bytes)) + key_bytes + struct.pack("<I", vtype) + payload
+    n_kv = struct.unpack_from("<Q", data, 16)[0]
+    out.write_bytes(data[:16] + struct.pack("<Q", n_kv + 1) + entry + data[24:])
+
+
+def _string_array(strings: list[bytes]) -> bytes:
+    return struct.pack("<IQ", 8, len(strings)) + b"".join(struct.pack("<Q", len(s)) + s for s in strings)
+
+
+def test_extra_string_array_is_read(tmp_path, gguf_path):
+    out = tmp_path / "extra.gguf"
+    _add_metadata(gguf_path, out, "x.names", 9, _string_array([b"alpha", b"", "\u00fc".encode()]))
+    from mlx_engine import gguf
+    metadata = gguf.read_header(out).metadata
+    assert next(v for k, v in metadata.items() if k.startswith("x.names")) == ["alpha", "", "\u00fc"]
+    assert me.load_model(out, vocab_only=True).vocab_size == me.load_model(gguf_path, vocab_only=True).vocab_size
+
+
+@pytest.mark.parametrize("what", ["strings", "bools", "huge count"])
+def test_oversized_metadata_arrays_are_refused_from_their_counts(tmp_path, gguf_path, what):
+    """A crafted array of millions of entries used to be decoded one element at a
+    time for minutes; the declared count is checked before anything is read."""
+    from mlx_engine import gguf
+
+    n = gguf.MAX_ARRAY_ITEMS + 1
+    if what == "strings":
+        payload = struct.pack("<IQ", 8, n) + struct.pack("<Q", 0) * n
+    elif what == "bools":
+        payload = struct.pack("<IQ", 7, n) + b"\1" * n
+    else:
+        payload = struct.pack("<IQ", 8, 2**60)
+    out = tmp_path / "big.gguf"
+    _add_metadata(gguf_path, out, "x.junk", 9, payload)
+    with pytest.raises(me.ModelLoadError, match=r"big\.gguf.*'x\.junk"):
+        me.load_model(out, vocab_only=True)
+
+
+def test_header_bytes_are_bounded(tmp_path, gguf_path, monkeypatch):
+    from mlx_engine import gguf
+
+    out = tmp_path / "long.gguf"
+    _add_metadata(gguf_path, out, "x.text", 8, struct.pack("<Q", 5000) + b"x" * 5000)
+    monkeypatch.setattr(gguf, "MAX_HEADER_BYTES", 4096)
+    with pytest.raises(me.ModelLoadError, match=r"long\.gguf.*'x\.text.*4096 bytes of header"):
+        me.load_model(out, vocab_only=True)
 
 
 def test_empty_or_unknown_name(tmp_path):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import mlx_engine as me
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CUSTOM_TOKENIZER = '''
@@ -96,3 +98,44 @@ def test_symlinked_weights_load(tmp_path, llama_path):
     for f in llama_path.iterdir():
         (d / f.name).symlink_to(f)
     assert me.load_model(d).model is not None
+
+
+# -- chat templates: code from the model files, bounded in time and size ----------
+HOSTILE_TEMPLATES = {
+    "nested loops": "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x",
+    "loops over a list": "{% set r = range(100000)|list %}{% for a in r %}{% for b in r %}{{ '' }}{% endfor %}{% endfor %}",
+    "string repetition": "{{ 'x' * 3000000000 }}",
+    "list repetition": "{{ ([1] * 3000000000)|length }}",
+    "center filter": "{{ 'x'|center(3000000000) }}",
+    "str method": "{{ 'x'.rjust(3000000000) }}",
+    "format width": "{{ '{:>999999999}'.format('a') }}",
+    "percent width": "{{ '%999999999s' % 'a' }}",
+    "huge power": "{{ 9 ** 999999999 }}",
+    "long output": "{% for a in range(100000) %}{{ messages[0]['content'] * 1000 }}{% endfor %}",
+}
+
+
+def _with_template(src, dst, template: str):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return dst
+
+
+@pytest.mark.parametrize("name", HOSTILE_TEMPLATES)
+def test_hostile_chat_templates_fail_with_a_named_limit(tmp_path, llama_path, name, monkeypatch):
+    from mlx_engine import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)  # keeps the looping ones short
+    kit = me.load_model(_with_template(llama_path, tmp_path / "m", HOSTILE_TEMPLATES[name]), vocab_only=True)
+    with pytest.raises(me.ChatTemplateLimitError, match="messages: the chat template"):
+        me.apply_chat_template(kit, [{"role": "user", "content": "hi"}])
+    assert me.tokenize(kit, "still usable")
+
+
+def test_bounded_render_gives_transformers_output(llama_path):
+    """The bounded sandbox only gates: the prompt is transformers' rendering."""
+    kit = me.load_model(llama_path, vocab_only=True)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi " * 2000}]
+    expected = list(kit.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    assert me.apply_chat_template(kit, messages) == expected

@@ -143,6 +143,11 @@ def test_stop_string_inside_constrained_output(kit):
     ({"regex": "(unclosed"}, "regex"),
     ({"regex": ""}, "regex"),
     ({"grammar": "start: undefined_rule"}, "grammar"),
+    # Constraints llguidance builds but cannot run: they used to fail mid-generation.
+    ({"regex": "a{1000000}"}, "regex cannot be used.*too complex"),
+    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
+     "json_schema cannot be used.*too complex"),
+    ({"grammar": "start: " + " ".join(f'"t{i}"' for i in range(70000))}, "grammar cannot be used.*too large"),
     ({"structured_drafting": "yes", "regex": "a"}, "structured_drafting"),
 ])
 def test_bad_constraints_are_refused_before_model_work(kit, kwargs, argument):

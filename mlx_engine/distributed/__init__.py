@@ -269,8 +269,9 @@ def load_sharded_model(
                    connect_timeout=float(connect_timeout), control_host=control_host)
     try:
         result = thread.call(_load, model_path, health, thread, **options)
-    except ShardedKitError as exc:  # a rank died during the load (MLX: connection lost)
-        raise DistributedConfigError(f"a rank failed while the model was loading: {exc.__cause__ or exc}") from exc
+    except ShardedKitError as exc:  # a rank died (MLX: connection lost) or hung (control channel) during the load
+        reason = health.failure or exc.__cause__ or exc
+        raise DistributedConfigError(f"a rank failed while the model was loading: {reason}") from exc
     if isinstance(result, ShardedModelKit):
         result._worker = thread
         thread.release = result.unload
@@ -286,25 +287,50 @@ def _load(model_path, health: _Health, thread: ShardWorker, **opts) -> ShardedMo
             "a sharded kit needs at least 2 processes, and this one is alone in its mx.distributed group; start every "
             "rank with mlx.launch (e.g. mlx.launch -n 2 --backend ring script.py) or use load_model for one process"
         )
+    # The control channel comes first, so that every later step of the load
+    # (reading and hashing files, reading the shard, the test pass) is watched
+    # by the heartbeats; the collectives before it are bounded by a watchdog.
+    control = _open_control(group, health, thread, opts)
     path, config = _check_files(model_path, group, opts)
     model, info, dtype, num_params = _load_shard(path, config, group, opts)
     if opts["seed"] is not None:
         mx.random.seed(opts["seed"])
     if info.rank == 0:
-        control = _serve_control(group, opts)
         options = KitOptions(CacheOptions.validate(opts["max_kv_size"]), vocab_only=True,
                              trust_remote_code=opts["trust_remote_code"])
         kit = ShardedModelKit(path, options)
         mirrored = MirroredModel(model, group)
         kit._attach(mirrored, ShardInfo(0, group.size(), info.parallelism, mirrored.counter), num_params, dtype, health, control)
-        thread.on_ring_error = lambda reason: _on_failure(health, thread, reason, control)
-        control.watch(lambda reason: _on_failure(health, thread, reason, control))
         logger.info("sharded kit: %s over %d ranks (%s-parallel)", path, group.size(), info.parallelism)
         return kit
-    control = _join_control(group, opts)
     follower = Follower(FollowerLoop(model, group), info, thread, control)
-    control.start(follower._lost_rank0)
+    control.on_lost = follower._lost_rank0
     return follower
+
+
+def _open_control(group, health: _Health, thread: ShardWorker, opts) -> ControlServer | ControlClient:
+    """Connect the control channel and start watching it: rank 0's monitor
+    (a follower that exits or stops beating fails the load or the kit), a
+    follower's heartbeats. Until it is up, a watchdog breaks the ring sockets
+    after ``connect_timeout`` so that no collective waits forever on a stalled rank."""
+    # accept() waits up to connect_timeout itself and reports who is missing; the
+    # watchdog catches what it cannot (a collective around it that never returns).
+    watchdog = threading.Timer(opts["connect_timeout"] + ABORT_GRACE, _on_failure,
+                               (health, thread, f"a rank did not join the control channel within "
+                                                f"{opts['connect_timeout']:g} s (connect_timeout): it is hung or stopped", None))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        if group.rank() == 0:
+            control = _serve_control(group, opts)
+            thread.on_ring_error = lambda reason: _on_failure(health, thread, reason, control)
+            control.watch(lambda reason: _on_failure(health, thread, reason, control))
+        else:
+            control = _join_control(group, opts)
+            control.start(lambda: _on_failure(health, thread, "rank 0 closed the control connection", None))
+    finally:
+        watchdog.cancel()
+    return control
 
 
 def _check_files(model_path, group, opts) -> tuple[Path, dict]:

@@ -144,8 +144,11 @@ class ControlClient:
         self._closed = threading.Event()
 
     def start(self, on_lost: Callable[[], None]) -> None:
+        """Heartbeat and watch from now on; ``on_lost`` (replaceable: the
+        attribute is read when the connection is lost) runs if rank 0 goes away."""
+        self.on_lost = on_lost
         threading.Thread(target=self._beat, name="mlx-engine-heartbeat", daemon=True).start()
-        threading.Thread(target=self._watch, args=(on_lost,), name="mlx-engine-control", daemon=True).start()
+        threading.Thread(target=self._watch, name="mlx-engine-control", daemon=True).start()
 
     def _beat(self) -> None:
         while not self._closed.wait(HEARTBEAT_INTERVAL):
@@ -154,14 +157,14 @@ class ControlClient:
             except OSError:
                 return
 
-    def _watch(self, on_lost: Callable[[], None]) -> None:
+    def _watch(self) -> None:
         try:
             while self._sock.recv(64):
                 pass
         except OSError:
             pass
         if not self._closed.is_set():
-            on_lost()
+            self.on_lost()
 
     def close(self) -> None:
         self._closed.set()

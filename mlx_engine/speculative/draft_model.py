@@ -26,10 +26,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DraftCompatibility:
-    """Whether a draft model can serve a kit, with every reason it cannot."""
+    """Whether a draft model can serve a kit: ``reasons`` lists everything that
+    breaks speculation (the draft is refused), ``notes`` the differences that do
+    not (the main model verifies every drafted token), such as special-token
+    settings or embedding rows padded past the vocabulary."""
 
     compatible: bool
     reasons: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return self.compatible
@@ -53,6 +57,46 @@ def _uses_recurrent_cache(config: dict) -> bool:
     return any(name in source for name in ("ArraysCache", "MambaCache"))
 
 
+def _compare_vocabularies(main_tok, draft_tok, main_rows: int) -> tuple[list[str], list[str]]:
+    """(reasons, notes) from the two token lists. A draft proposes ids below the
+    main model's row count; one whose token at such an id is another token for
+    the main model breaks speculation, anything else only lowers acceptance."""
+    main_vocab, draft_vocab = main_tok.get_vocab(), draft_tok.get_vocab()
+    if main_vocab == draft_vocab:
+        return [], []
+    main_by_id = {i: t for t, i in main_vocab.items()}
+    mismatched = sum(1 for t, i in draft_vocab.items() if i < main_rows and main_by_id.get(i, t) != t)
+    reasons, notes = [], []
+    if mismatched:
+        reasons.append(
+            f"tokenizers differ: {mismatched} of the draft's {len(draft_vocab)} tokens map to a different token "
+            f"of the main model's {len(main_vocab)}"
+        )
+    unknown = sum(1 for t, i in draft_vocab.items() if i < main_rows and i not in main_by_id)
+    missing = sum(1 for t, i in main_vocab.items() if draft_vocab.get(t) != i)
+    if unknown:
+        notes.append(f"the draft has {unknown} tokens at ids the main tokenizer does not use (never accepted)")
+    if missing and not mismatched:
+        notes.append(f"{missing} of the main model's tokens are not in the draft's tokenizer (never drafted)")
+    return reasons, notes
+
+
+def _special_notes(main_tok, draft_tok, main_rows: int, draft_rows) -> list[str]:
+    """Differences the verify loop makes harmless: stopping and padding follow
+    the main tokenizer, and drafts are cut to the main model's rows."""
+    notes = []
+    main_special, draft_special = _special_ids(main_tok), _special_ids(draft_tok)
+    for name, value in main_special.items():
+        if value != draft_special[name]:
+            notes.append(f"{name} differs: main {value}, draft {draft_special[name]} (the main tokenizer's is used)")
+    if set(main_tok.all_special_ids) != set(draft_tok.all_special_ids):
+        notes.append("the tokenizers mark different sets of ids as special (the main tokenizer's are used)")
+    if isinstance(draft_rows, int) and draft_rows != main_rows:
+        notes.append(f"embedding rows differ: main {main_rows}, draft {draft_rows} (rows past the vocabulary "
+                     "are never drafted)")
+    return notes
+
+
 def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     """Check a draft model against a kit reading only the draft's config and
     tokenizer (no weights), so hosts can list compatible drafts cheaply."""
@@ -66,27 +110,16 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
         draft_tok = loading.load_tokenizer(draft_path)
     except (ModelLoadError, ValueError) as exc:
         return DraftCompatibility(False, [str(exc)])
-    main_tok = kit.tokenizer
-    main_vocab, draft_vocab = main_tok.get_vocab(), draft_tok.get_vocab()
-    if main_vocab != draft_vocab:
-        mismatched = sum(1 for t, i in main_vocab.items() if draft_vocab.get(t) != i)
-        missing = len(set(draft_vocab) - set(main_vocab))
-        reasons.append(
-            f"tokenizers differ: {mismatched} of the main model's {len(main_vocab)} tokens map to a different id "
-            f"or are missing in the draft, and the draft has {missing} tokens the main model lacks"
-        )
-    main_special, draft_special = _special_ids(main_tok), _special_ids(draft_tok)
-    for name, value in main_special.items():
-        if value != draft_special[name]:
-            reasons.append(f"{name} differs: main {value}, draft {draft_special[name]}")
-    if set(main_tok.all_special_ids) != set(draft_tok.all_special_ids):
-        reasons.append("special token ids differ between the main and draft tokenizers")
+    main_rows = kit.vocab_size
+    vocab_reasons, notes = _compare_vocabularies(kit.tokenizer, draft_tok, main_rows)
+    reasons += vocab_reasons
+    notes += _special_notes(kit.tokenizer, draft_tok, main_rows, config.get("vocab_size"))
     try:
         if _uses_recurrent_cache(config):
             reasons.append(f"the draft architecture {config['model_type']!r} has recurrent layers whose cache cannot be rewound")
     except Exception as exc:  # pragma: no cover - module introspection failure
         reasons.append(f"could not inspect the draft architecture: {exc}")
-    return DraftCompatibility(not reasons, reasons)
+    return DraftCompatibility(not reasons, reasons, notes)
 
 
 def load_draft(kit: ModelKit, path: str | Path) -> None:
@@ -97,6 +130,8 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
         raise IncompatibleDraftModelError(
             f"draft model {str(path)!r} is not compatible: " + "; ".join(report.reasons), report.reasons
         )
+    for note in report.notes:
+        logger.info("draft model %s: %s", path, note)
     draft_path = loading.resolve_model_path(path, "draft model path")
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
     prepare_weights(model, "auto")
