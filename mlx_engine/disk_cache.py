@@ -179,6 +179,8 @@ class DiskCache:
             try:
                 with _open_regular(record, MAX_RECORD_BYTES) as f:
                     items.append(_parse_record(name, f.read(MAX_RECORD_BYTES + 1)))
+            except FileNotFoundError:  # deleted meanwhile (another process sharing the folder), a dangling link
+                self._delete(name)
             except (OSError, ValueError) as exc:
                 self._drop(name, f"its record {record.name} is unreadable: {exc}")
         return items
@@ -256,6 +258,9 @@ class DiskCache:
         try:
             with _open_regular(path, item.bytes) as f:
                 return _read_entry(f, path, item, self._layout)
+        except FileNotFoundError:  # deleted meanwhile (another process keeping its budget), a dangling link
+            self._delete(item.name)
+            return None
         except Exception as exc:  # any entry that is unreadable or does not fit is dropped, never used
             self._drop(item.name, f"{path.name}: {exc}")
             return None

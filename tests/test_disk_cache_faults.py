@@ -212,6 +212,29 @@ def test_an_unwritable_folder(llama_path, tmp_path, fresh, caplog):
     assert not temporaries(tmp_path)
 
 
+def test_a_corrupt_entry_that_cannot_be_deleted_is_ignored(llama_path, tmp_path, fresh, caplog, monkeypatch):
+    """A read-only folder as root sees it: the corrupt entry stays on disk, so
+    it is ignored for the kit's lifetime (warned about once, never read again)."""
+    data, record, prompt = stored_entry(llama_path, tmp_path, fresh)
+    _flip_a_byte(data, record)
+    unlink = Path.unlink
+
+    def refuse(path, *args, **kw):
+        if tmp_path in path.parents and not path.name.startswith("."):  # entries, not temporaries
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return unlink(path, *args, **kw)
+    monkeypatch.setattr(Path, "unlink", refuse)
+    kit = disk_kit(llama_path, tmp_path)
+    for _ in range(2):
+        ids, s = turn(kit, prompt)
+        assert ids == fresh(prompt) and s.cache_source == "none"
+        kit.prompt_cache.clear()  # the next request looks in the folder again
+    assert caplog.text.count("corrupt or mismatched entry") == 1 and "cannot delete" in caplog.text
+    assert data.exists() and record.exists()
+    monkeypatch.undo()
+    assert_usable(kit, fresh)
+
+
 @pytest.mark.parametrize("make, problem", [
     (lambda p: p.write_text("x") and p, "is not a directory"),
     (lambda p: p.write_text("x") and p / "cache", "cannot be created"),
