@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,6 +66,16 @@ class CacheOptions:
         return cls(max_kv_size, kv_bits, kv_group_size or 64, quantized_kv_start or 0)
 
 
+class KVLayout(NamedTuple):
+    """What one plain KV layer holds for a model: keys of shape
+    (1, heads, tokens, key_dim) and values (1, heads, tokens, value_dim), in ``dtype``."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: mx.Dtype
+
+
 class SequenceCache:
     """KV cache layers of one model plus the tokens whose keys/values they hold."""
 
@@ -91,6 +101,19 @@ class SequenceCache:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def kv_layout(self) -> list[KVLayout | None]:
+        """Per layer, the layout of its keys and values for this model (None for
+        layers that are not plain KV caches), from one token run through a
+        fresh cache without evaluating it: shapes and dtypes only, nothing is
+        computed."""
+        layers = make_prompt_cache(self.model)
+        self.model(mx.array([[0]], dtype=mx.uint32), cache=layers)
+        return [
+            KVLayout(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype)
+            if type(c) is KVCache and c.keys is not None else None
+            for c in layers
+        ]
 
     def rewind_limit_reason(self, extra: int = 0) -> str | None:
         """Why the cache could not be rewound after feeding ``extra`` more tokens,

@@ -16,6 +16,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import ModelLoadError
 
@@ -91,31 +92,41 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
+def read_safetensors_header(file: Path, opened: BinaryIO | None = None, kind: str = "weight file") -> dict[str, TensorInfo]:
     """The tensors a safetensors file declares, checked against the file's size
-    (so a truncated file is found here); reads only the header."""
+    (so a truncated file is found here); reads only the header. ``opened``: the
+    file already open (a caller that checked what it opened, e.g. that it is a
+    regular file); ``kind`` names the file in errors."""
     try:
-        size = file.stat().st_size
+        if opened is not None:
+            return _parse_header(opened, file, kind)
         with open(file, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise ModelLoadError(f"weight file {str(file)!r} is too short to be safetensors ({size} bytes)")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > min(MAX_HEADER_BYTES, size - 8):
-                raise ModelLoadError(f"weight file {str(file)!r} declares a {n}-byte header; the file has {size} bytes")
-            header = json.loads(f.read(n))
+            return _parse_header(f, file, kind)
     except ModelLoadError:
         raise
     except (OSError, ValueError) as exc:  # unreadable, symlink loop, bad JSON / UTF-8
-        raise ModelLoadError(f"weight file {str(file)!r} is not a readable safetensors file: {exc}") from exc
+        raise ModelLoadError(f"{kind} {str(file)!r} is not a readable safetensors file: {exc}") from exc
+
+
+def _parse_header(f: BinaryIO, file: Path, kind: str) -> dict[str, TensorInfo]:
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    raw_len = f.read(8)
+    if len(raw_len) < 8:
+        raise ModelLoadError(f"{kind} {str(file)!r} is too short to be safetensors ({size} bytes)")
+    (n,) = struct.unpack("<Q", raw_len)
+    if n > min(MAX_HEADER_BYTES, size - 8):
+        raise ModelLoadError(f"{kind} {str(file)!r} declares a {n}-byte header; the file has {size} bytes")
+    header = json.loads(f.read(n))
     if not isinstance(header, dict):
-        raise ModelLoadError(f"weight file {str(file)!r} has a malformed safetensors header")
+        raise ModelLoadError(f"{kind} {str(file)!r} has a malformed safetensors header")
     data_size = size - 8 - n
-    return {name: _tensor_info(file, name, entry, data_size) for name, entry in header.items() if name != "__metadata__"}
+    return {name: _tensor_info(f"{kind} {str(file)!r}", file.name, name, entry, data_size)
+            for name, entry in header.items() if name != "__metadata__"}
 
 
-def _tensor_info(file: Path, name: str, entry, data_size: int) -> TensorInfo:
-    bad = f"weight file {str(file)!r}: tensor {name!r}"
+def _tensor_info(where: str, file_name: str, name: str, entry, data_size: int) -> TensorInfo:
+    bad = f"{where}: tensor {name!r}"
     try:
         dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
     except (TypeError, KeyError, ValueError):
@@ -128,7 +139,7 @@ def _tensor_info(file: Path, name: str, entry, data_size: int) -> TensorInfo:
         raise ModelLoadError(f"{bad} lies outside the file (offsets {begin}..{end}, {data_size} data bytes): truncated?")
     if end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
         raise ModelLoadError(f"{bad} has {end - begin} bytes for shape {shape} of {dtype}")
-    return TensorInfo(file.name, dtype, tuple(shape))
+    return TensorInfo(file_name, dtype, tuple(shape))
 
 
 def check_weights_match_config(config: dict, path: Path, files: list[Path]) -> None:

@@ -297,14 +297,16 @@ class ModelKit:
             yield
 
     def unload(self) -> None:
-        if self.prompt_cache is not None:
-            self.prompt_cache.flush()  # to the disk tier, when there is one
-        self.model = None
-        self.cache = None
-        self._batch = None
-        self.draft = None
-        self.cost_model = None
-        mx.clear_cache()
+        try:
+            if self.prompt_cache is not None:
+                self.prompt_cache.flush()  # to the disk tier, when there is one (its writes never raise)
+        finally:  # whatever the disk does, the model is released
+            self.model = None
+            self.cache = None
+            self._batch = None
+            self.draft = None
+            self.cost_model = None
+            mx.clear_cache()
 
 
 def prepare_weights(model: nn.Module, compute_dtype: str | None) -> mx.Dtype | None:

@@ -15,8 +15,8 @@ A request uses the entry sharing the longest prefix with its prompt:
   or recurrent layers) are trimmed in place, as a single-sequence cache would.
 
 Entries are evicted least recently used first once their KV bytes pass the
-budget; with a disk directory, evicted entries are written there (disk.py) and
-read back on a prefix hit.
+budget; with a disk directory, evicted entries are written there (disk_cache.py)
+and read back on a prefix hit.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .cache import UNKNOWN, SequenceCache, common_prefix_length
-from .disk_cache import DiskCache
+from .disk_cache import DiskCache, prepare_root
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class PromptCacheOptions:
                 raise ValueError(f"{name} must be a non-negative integer (bytes) or None, got {value!r}")
         if directory is not None and (not isinstance(directory, (str, os.PathLike)) or not str(directory).strip()):
             raise ValueError(f"prompt_cache_dir must be a directory path or None, got {directory!r}")
+        if directory is not None:
+            prepare_root(directory)  # before any weights are read: a bad folder fails the load at once
         return cls(memory_bytes, None if directory is None else str(directory),
                    DEFAULT_DISK_BYTES if disk_bytes is None else disk_bytes)
 
