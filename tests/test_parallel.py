@@ -260,3 +260,47 @@ def test_a_long_prompt_prefills_between_the_others_steps(pkit, llama_path, monke
     assert len([p for p in seen if 0 < p < 100]) >= 2  # chunks of 256 while another request is open
     assert_same_or_near_tie(pkit, short, want[0], head + drain(running)[0])
     assert_same_or_near_tie(pkit, long, want[1], late_ids)
+
+
+
+SYSTEM = "You are a careful assistant. Answer briefly and stay polite. " * 2
+
+
+def chat(kit, *turns: str) -> list[int]:
+    """A conversation's prompt after the system prompt all chats share (turns
+    alternate user and assistant)."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    messages += [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+    return me.apply_chat_template(kit, messages)
+
+
+def next_turn(kit, user: str) -> list[int]:
+    """The tokens that close an answer and add the next user turn."""
+    return me.tokenize(kit, f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n",
+                       add_special_tokens=False)
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_chats_branched_off_a_shared_system_prompt_join_the_batch(llama_path, draft_path, with_draft):
+    """A chat branched off a cached system prompt has a KV buffer of another
+    width (the slice's length plus a growth step) than a row already decoding
+    (a chat continued in place); rows of any widths must join."""
+    kit = me.load_model(llama_path, max_parallel=3)
+    one = me.load_model(llama_path, max_parallel=1)
+    if with_draft:
+        me.load_draft_model(kit, draft_path)
+        me.load_draft_model(one, draft_path)
+    firsts = [chat(kit, q) for q in ("def add(a, b):", "import os")]
+    answers = [solo(kit, p, max_tokens=8) for p in firsts]  # two chats cached, idle
+    prompts = [
+        firsts[0] + answers[0] + next_turn(kit, "for i in range(10):"),  # chat 1 goes on: its entry in place
+        chat(kit, "class Point:"),  # a new chat: a branch of chat 2's system prompt
+    ]
+    want = [solo(one, p, max_tokens=12) for p in prompts]
+    gens = [me.create_generator(kit, p, max_tokens=12) for p in prompts]
+    heads = [[t.id for t in next(g).tokens] for g in gens]  # both rows joined before either ends
+    finals = [drain(g) for g in gens]
+    for p, w, h, (ids, final) in zip(prompts, want, heads, finals):
+        assert final.stop_condition.stop_reason == "token_limit"
+        assert_same_or_near_tie(kit, p, w, h + ids)
+    assert [f.stats.cache_source for _, f in finals] == ["memory", "branch"]
