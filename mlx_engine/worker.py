@@ -156,9 +156,16 @@ class WorkerIterator(Iterator[T]):
             return next(self._gen)
         if self._pending is None:
             self._pending = self._worker.submit(next, self._gen)
-        self._pending.done.wait()
-        task, self._pending = self._pending, None
-        return task.outcome()
+        task = self._pending
+        task.done.wait()
+        # No call from here to the hand-over: Python runs signal handlers
+        # (KeyboardInterrupt) only at calls and loops, so a step taken is
+        # always returned, and one not yet taken is returned by the next call.
+        error, result = task.error, task.result
+        self._pending = None
+        if error is not None:
+            raise error
+        return result
 
     def close(self) -> None:
         gen, self._gen = self._gen, None

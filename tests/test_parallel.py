@@ -195,7 +195,7 @@ def test_a_stream_left_unread_is_paused_and_resumes(pkit, llama_path, monkeypatc
     slow = me.create_generator(pkit, prompts[0], max_tokens=30)
     first = next(slow)  # admitted; then left unread while another request runs
     fast = drain(me.create_generator(pkit, prompts[1], max_tokens=30))[0]
-    assert slow._live.out.qsize() <= 4
+    assert slow._live.backlog <= 4
     rest = drain(slow)[0]
     assert_same_or_near_tie(pkit, prompts[0], want[0], [t.id for t in first.tokens] + rest)
     assert_same_or_near_tie(pkit, prompts[1], want[1], fast)
@@ -304,3 +304,67 @@ def test_chats_branched_off_a_shared_system_prompt_join_the_batch(llama_path, dr
         assert final.stop_condition.stop_reason == "token_limit"
         assert_same_or_near_tie(kit, p, w, h + ids)
     assert [f.stats.cache_source for _, f in finals] == ["memory", "branch"]
+
+
+def test_a_request_failing_at_run_time_fails_alone(pkit, llama_path, draft_path, monkeypatch):
+    """A structured-output matcher failing mid-generation (in the request's own
+    sampling, after the shared forward pass) fails its request only: the
+    others go on, exact, and the kit stays usable."""
+    from mlx_engine.structured import GrammarConstraint
+
+    calls = [0]
+    masks = GrammarConstraint.masks
+
+    def failing_masks(self, drafts):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected matcher failure")
+        return masks(self, drafts)
+
+    one = me.load_model(llama_path, max_parallel=1)
+    me.load_draft_model(one, draft_path)
+    jobs = [(me.tokenize(pkit, t), mode) for t, mode in zip(TEXTS[:3], MODES[:3])]
+    want = [solo(one, p, max_tokens=16, **mode) for p, mode in jobs]
+    monkeypatch.setattr(GrammarConstraint, "masks", failing_masks)
+    gens = [me.create_generator(pkit, p, max_tokens=16, **mode) for p, mode in jobs]
+    failing = me.create_generator(pkit, me.tokenize(pkit, TEXTS[3]), max_tokens=16, regex=r"[a-z]{30}", structured_drafting=False)
+    heads = [[t.id for t in next(g).tokens] for g in gens]  # the others are decoding when it joins
+    with pytest.raises(RuntimeError, match="injected matcher failure"):
+        drain(failing)
+    for (p, _), w, h, g in zip(jobs, want, heads, gens):
+        ids, final = drain(g)
+        assert final.stop_condition.stop_reason == "token_limit"
+        assert_same_or_near_tie(pkit, p, w, h + ids)
+    assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)
+    monkeypatch.setattr(GrammarConstraint, "masks", masks)
+    assert solo(pkit, jobs[0][0], max_tokens=16) == solo(one, jobs[0][0], max_tokens=16)
+
+
+@pytest.mark.parametrize("shared", ["forward", "draft"])
+def test_a_failed_shared_pass_is_retried_row_by_row(pkit, llama_path, draft_path, monkeypatch, shared):
+    """A failure of a shared pass (the batch's forward pass, or the draft
+    model's batched drafting) cannot be attributed to one request: every row
+    is run again on its own, and every request completes exactly."""
+    model = pkit.model if shared == "forward" else pkit.draft.model
+    failures = [0]
+    feed = RaggedBatch.feed
+
+    def failing_feed(self, inputs):
+        if self.model is model and len(inputs) >= 2 and failures[0] < 2:
+            failures[0] += 1
+            raise RuntimeError("injected shared-pass failure")
+        return feed(self, inputs)
+
+    one = me.load_model(llama_path, max_parallel=1)
+    me.load_draft_model(one, draft_path)
+    jobs = [(me.tokenize(pkit, t), {"num_draft_tokens": 3}) for t in TEXTS[:2]] + [(me.tokenize(pkit, TEXTS[2]), MODES[1])]
+    want = [solo(one, p, max_tokens=16, **mode) for p, mode in jobs]
+    monkeypatch.setattr(RaggedBatch, "feed", failing_feed)
+    gens = [me.create_generator(pkit, p, max_tokens=16, **mode) for p, mode in jobs]
+    heads = [[t.id for t in next(g).tokens] for g in gens]
+    for (p, _), w, h, g in zip(jobs, want, heads, gens):
+        ids, final = drain(g)
+        assert final.stop_condition.stop_reason == "token_limit"
+        assert_same_or_near_tie(pkit, p, w, h + ids)
+    assert failures[0] == 2
+    assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)

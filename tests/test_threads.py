@@ -204,3 +204,63 @@ def test_an_interrupted_wait_does_not_lose_the_step():
         assert list(it) == ["first", "second"]
     finally:
         worker.release(thread)
+
+
+@pytest.mark.parametrize("max_parallel", [1, 4])
+def test_ctrl_c_while_waiting_for_results_loses_none(llama_path, max_parallel):
+    """Ctrl-C (SIGINT) arriving at random moments while the host is inside
+    next(): every interrupted next() is simply called again; no result is lost,
+    and iteration ends (the end is never lost either)."""
+    import random
+    import signal
+    import time
+
+    kit = me.load_model(llama_path, max_parallel=max_parallel)
+    prompts = [me.tokenize(kit, t) for t in ("def add(a, b):\n", "class Point:\n", "import os\n")]
+    jobs = [(prompts[i % 3], n) for i, n in enumerate([120, 3, 1, 60, 2, 5, 1, 30, 2, 1] * 2)]
+    want = [generate_ids(kit, p, max_tokens=n)[0] for p, n in jobs]
+    deadline = time.monotonic() + 120
+    inside = [0]
+
+    def handler(signum, frame):
+        if time.monotonic() > deadline:
+            raise TimeoutError("a stream blocked: its end was lost")
+        f = frame
+        while f is not None:  # only while next() runs: the test's own code is not interrupted
+            if f.f_code.co_name == "__next__" and f.f_code.co_filename.endswith(("scheduler.py", "worker.py")):
+                inside[0] += 1
+                raise KeyboardInterrupt
+            f = f.f_back
+
+    stop = threading.Event()
+
+    def interrupter():
+        rng, main = random.Random(3), threading.main_thread().ident
+        while not stop.is_set():
+            time.sleep(rng.uniform(0, 0.002))
+            signal.pthread_kill(main, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    sender = threading.Thread(target=interrupter, daemon=True)
+    sender.start()
+    got, caught = [], 0
+    try:
+        for p, n in jobs:
+            gen, ids = me.create_generator(kit, p, max_tokens=n), []
+            while True:
+                try:
+                    r = next(gen)
+                except StopIteration:
+                    break
+                except KeyboardInterrupt:
+                    caught += 1
+                    continue
+                ids += [t.id for t in r.tokens]
+            got.append(ids)
+    finally:
+        stop.set()
+        sender.join()
+        signal.signal(signal.SIGINT, previous)
+    assert caught == inside[0] > 0
+    assert got == want
+    assert not kit._activity.known
