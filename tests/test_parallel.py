@@ -368,3 +368,33 @@ def test_a_failed_shared_pass_is_retried_row_by_row(pkit, llama_path, draft_path
         assert_same_or_near_tie(pkit, p, w, h + ids)
     assert failures[0] == 2
     assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)
+
+
+def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, monkeypatch):
+    """A parallel request whose clean-up fails (the prompt cache raising as the
+    request returns its entry, e.g. writing evicted entries to a full disk)
+    still ends: its answer is delivered, no open request is left behind,
+    unload works and every max_parallel slot is usable."""
+    from mlx_engine.prompt_cache import PromptCache
+
+    release = PromptCache.release
+
+    def failing_release(self, entry):
+        release(self, entry)
+        raise OSError(28, "No space left on device")
+
+    kit = me.load_model(llama_path, max_parallel=2, prompt_cache_dir=tmp_path / "cache")
+    prompts = [me.tokenize(kit, t) for t in TEXTS]
+    want = [solo(me.load_model(llama_path, max_parallel=1), p, max_tokens=6) for p in prompts]
+    monkeypatch.setattr(PromptCache, "release", failing_release)
+    for i in range(0, 4, 2):
+        gens = [me.create_generator(kit, prompts[j], max_tokens=6) for j in (i, i + 1)]
+        heads = [[t.id for t in next(g).tokens] for g in gens]
+        for j, h, g in zip((i, i + 1), heads, gens):
+            assert h + drain(g)[0] == want[j]  # the failure is logged, not the request's
+    assert not kit._activity.known
+    gens = [me.create_generator(kit, p, max_tokens=6) for p in prompts[:2]]  # both slots
+    heads = [[t.id for t in next(g).tokens] for g in gens]
+    assert [h + drain(g)[0] for h, g in zip(heads, gens)] == want[:2]
+    me.unload(kit)
+    assert kit.model is None
