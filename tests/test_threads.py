@@ -264,3 +264,28 @@ def test_ctrl_c_while_waiting_for_results_loses_none(llama_path, max_parallel):
     assert caught == inside[0] > 0
     assert got == want
     assert not kit._activity.known
+
+
+@pytest.mark.parametrize("max_parallel", [1, 4])
+def test_a_created_generator_counts_as_open_before_it_is_iterated(llama_path, draft_path, max_parallel):
+    """A generator that exists but was never iterated is open: unloading the
+    model or the draft under it is refused (iterating it later would find them
+    gone); closing or dropping it frees the kit."""
+    kit = me.load_model(llama_path, max_parallel=max_parallel)
+    me.load_draft_model(kit, draft_path)
+    prompt = me.tokenize(kit, "def add(a, b):")
+    want = generate_ids(kit, prompt, max_tokens=5, num_draft_tokens=2)[0]
+    gen = me.create_generator(kit, prompt, max_tokens=5, num_draft_tokens=2)
+    for unload in (me.unload_draft_model, me.unload):
+        with pytest.raises(GenerationInProgressError, match="finish or close it first"):
+            unload(kit)
+    with pytest.raises(GenerationInProgressError):
+        me.load_draft_model(kit, draft_path)
+    assert [t.id for r in gen for t in r.tokens] == want  # still served by the draft it was planned with
+    gen = me.create_generator(kit, prompt, max_tokens=5)
+    gen.close()
+    me.unload_draft_model(kit)
+    gen = me.create_generator(kit, prompt, max_tokens=5)
+    del gen  # dropped unstarted: closed on the kit's thread before the next call
+    me.unload(kit)
+    assert kit.model is None and kit.draft is None
