@@ -308,7 +308,7 @@ class RequestStream(Iterator[GenerationResult]):
         item = live.wait()
         if live.paused and live.backlog <= MAX_BACKLOG // 2:
             live.paused = False
-            self._thread.submit(_wake)  # the worker may be parked, waiting for work
+            self._wake()
         end, failed = item is _END, isinstance(item, BaseException)
         # From here to the hand-over, no call or loop: Python runs signal
         # handlers (KeyboardInterrupt) only at those, so a result taken is
@@ -322,10 +322,23 @@ class RequestStream(Iterator[GenerationResult]):
             raise item
         return item
 
+    def _wake(self) -> None:
+        """The worker may be parked, waiting for work: give it a call (none once
+        the process is exiting: the worker then takes no more steps)."""
+        try:
+            self._thread.submit(_wake)
+        except worker.ProcessExiting:
+            pass
+
     def _admit(self) -> _Live:
-        """Admit the request (once, even if waiting for it is interrupted)."""
+        """Admit the request (once, even if waiting for it is interrupted). At
+        process exit a request not admitted yet just ends."""
         if self._admission is None:
-            self._admission = self._thread.submit(self._scheduler.admit, self._generation, self._request_id)
+            try:
+                self._admission = self._thread.submit(self._scheduler.admit, self._generation, self._request_id)
+            except worker.ProcessExiting:
+                self._done = True
+                raise StopIteration from None
         self._admission.done.wait()
         self._live = self._admission.outcome()
         return self._live

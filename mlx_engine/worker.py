@@ -40,6 +40,10 @@ _all: list["MLXWorker"] = []
 shutting_down = threading.Event()  # set at process exit: running generations stop
 
 
+class ProcessExiting(RuntimeError):
+    """Raised by ``submit`` once the process is exiting: workers take no more work."""
+
+
 class _Task:
     """One call handed to a worker, and its outcome."""
 
@@ -102,7 +106,7 @@ class MLXWorker:
 
     def submit(self, fn: Callable[..., T], *args, **kwargs) -> _Task:
         if shutting_down.is_set():
-            raise RuntimeError("the process is exiting; mlx-engine accepts no more work")
+            raise ProcessExiting("the process is exiting; mlx-engine accepts no more work")
         task = _Task(fn, args, kwargs)
         self._tasks.put(task)
         return task
@@ -155,7 +159,12 @@ class WorkerIterator(Iterator[T]):
         if self._worker.is_current:
             return next(self._gen)
         if self._pending is None:
-            self._pending = self._worker.submit(next, self._gen)
+            try:
+                self._pending = self._worker.submit(next, self._gen)
+            except ProcessExiting:
+                # Generations stop at process exit; a thread still iterating
+                # (a daemon) simply sees the end, not an error.
+                raise StopIteration from None
         task = self._pending
         task.done.wait()
         # No call from here to the hand-over: Python runs signal handlers

@@ -289,3 +289,39 @@ def test_a_created_generator_counts_as_open_before_it_is_iterated(llama_path, dr
     del gen  # dropped unstarted: closed on the kit's thread before the next call
     me.unload(kit)
     assert kit.model is None and kit.draft is None
+
+
+QUIET_EXIT_SCRIPT = r"""
+import sys, threading, time
+import mlx_engine as me
+
+kits = [me.load_model(sys.argv[1], max_parallel=int(sys.argv[2])) for _ in range(2)]
+prompt = me.tokenize(kits[0], "def add(a, b):\n")
+started = threading.Event()
+
+def consume(kit):                                 # still iterating when the process exits
+    for i, _ in enumerate(me.create_generator(kit, prompt, max_tokens=100_000)):
+        started.set()
+
+def abandon():                                    # created, never iterated, on a thread that ended
+    abandoned.append(me.create_generator(kits[1], prompt, max_tokens=10))
+
+abandoned = []
+threading.Thread(target=consume, args=(kits[0],), daemon=True).start()
+t = threading.Thread(target=abandon); t.start(); t.join()
+started.wait(60)
+time.sleep(0.05)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("max_parallel", [1, 4])
+def test_process_exit_with_daemon_threads_iterating_is_quiet(llama_path, max_parallel):
+    """At exit a daemon thread still iterating a generation sees its end; no
+    thread prints an error (it used to be a RuntimeError traceback)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", QUIET_EXIT_SCRIPT, str(llama_path), str(max_parallel)],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        assert out.returncode == 0 and "done" in out.stdout, (out.returncode, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr[-2000:]
