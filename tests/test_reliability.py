@@ -235,6 +235,29 @@ CHAT_SYSTEM = "You are a careful assistant. Answer briefly, in code when you can
 CHAT_ASKS = ["def add(a, b):", "class Point:", "import os", "for i in range(10):", "print(i, i * i)",
              "Hello world!", "The quick brown fox", "return a + b", "self.x = x", "Bonjour le monde."]
 CHAT_REGEX = r"(yes|no), [a-z]{2,8}\."
+BROKEN_REGEX = r"(zq|qz)[a-z]{30}"  # its matcher is made to fail mid-generation (break_matchers)
+
+
+def break_matchers(monkeypatch) -> None:
+    """Make the grammar matcher of every BROKEN_REGEX request fail at its third
+    verify round, mid-generation, as a matcher failing at run time does."""
+    from mlx_engine.structured import GrammarConstraint
+
+    init, masks = GrammarConstraint.__init__, GrammarConstraint.masks
+
+    def patched_init(self, kit, grammar, *args, **kwargs):
+        init(self, kit, grammar, *args, **kwargs)
+        self.soak_rounds_left = 3 if "zq|qz" in grammar else None
+
+    def patched_masks(self, drafts):
+        if self.soak_rounds_left is not None:
+            self.soak_rounds_left -= 1
+            if not self.soak_rounds_left:
+                raise RuntimeError("structured output: the grammar matcher failed (injected)")
+        return masks(self, drafts)
+
+    monkeypatch.setattr(GrammarConstraint, "__init__", patched_init)
+    monkeypatch.setattr(GrammarConstraint, "masks", patched_masks)
 
 
 @dataclass
@@ -270,6 +293,7 @@ class ChatUser:
             "auto": {"auto_speculative": True},
             "structured": {"regex": CHAT_REGEX},
             "faulty": {"stats_callback": _raising},  # fails by its own fault, at its end
+            "broken": {"regex": BROKEN_REGEX, "structured_drafting": False},  # its matcher fails mid-generation
         }[kind]
 
     def turn(self) -> None:
@@ -278,8 +302,8 @@ class ChatUser:
             self.messages = self.messages[:-2]  # regenerate: the same prompt again
         self.messages.append({"role": "user", "content": rng.choice(CHAT_ASKS)})
         prompt = me.apply_chat_template(kit, self.messages)
-        kinds = ["default", "plain", "lookup", "auto", "structured", "faulty"] + (["draft"] if kit.draft else [])
-        kind = rng.choices(kinds, weights=[3, 3, 3, 2, 2, 1] + ([3] if kit.draft else []))[0]
+        kinds = ["default", "plain", "lookup", "auto", "structured", "faulty", "broken"] + (["draft"] if kit.draft else [])
+        kind = rng.choices(kinds, weights=[3, 3, 3, 2, 2, 1, 1] + ([3] if kit.draft else []))[0]
         route = rng.choice(["close", "stop_generation", "drop"]) if rng.random() < 0.25 else None
         max_tokens, cancel_at = rng.randint(3, 20), rng.randrange(8)
         request_id = f"u{self.user}-{len(self.turns)}"
@@ -309,14 +333,14 @@ class ChatUser:
                         assert me.stop_generation(kit, request_id)
                     else:
                         break  # dropped below, unfinished
-        except Exception as exc:  # checked at the end: only "faulty" turns may fail, by their own fault
+        except Exception as exc:  # checked at the end: only faulty and broken turns may fail, by their own fault
             turn.error = exc
         finally:
             del gen
         self.messages.append({"role": "assistant", "content": "".join(text)})
 
 
-def test_multi_user_chat_soak(llama_path, draft_path, tmp_path):
+def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
     """4-8 users hold multi-turn chats sharing a system prompt on one kit
     (max_parallel=4, a disk tier under a tiny budget): random cancellations,
     structured-output, speculative and faulty requests mixed in, the draft
@@ -337,7 +361,8 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path):
     gc.collect()
     mx.clear_cache()
     baseline = mx.get_active_memory()
-    n_users, rounds = size(6, 8), size(5, 25)
+    n_users, rounds = size(6, 8), size(5, 50)
+    break_matchers(monkeypatch)
     kit = me.load_model(llama_path, max_parallel=4, prompt_cache_dir=tmp_path / "cache",
                         prompt_cache_bytes=128 * 2**10, prompt_cache_disk_bytes=256 * 2**10)
     me.load_draft_model(kit, draft_path)
@@ -377,19 +402,21 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path):
     assert state == (set(), set(), [], [], [])
 
     turns = [t for u in users for t in u.turns]
-    failed = [t for t in turns if t.error is not None and t.kind != "faulty"]
+    failed = [t for t in turns if t.error is not None and t.kind not in ("faulty", "broken")]
     assert not failed, [(t.kind, repr(t.error)) for t in failed[:5]]
     assert all(isinstance(t.error, CallbackError) for t in turns if t.kind == "faulty" and not t.cancelled)
+    assert all("injected" in str(t.error) for t in turns if t.kind == "broken" and t.error is not None)
+    monkeypatch.undo()  # the broken requests' answers so far are checked against their regex run alone
     alone = me.load_model(llama_path, max_parallel=1)
     for t in turns:
-        kw = {"regex": CHAT_REGEX} if t.kind == "structured" else {}
+        kw = {"regex": {"structured": CHAT_REGEX, "broken": BROKEN_REGEX}[t.kind]} if t.kind in ("structured", "broken") else {}
         want = generate_ids(alone, t.prompt, max_tokens=t.max_tokens, **kw)[0]
-        partial = t.cancelled or t.kind == "faulty"  # a faulty turn's last result is replaced by its error
+        partial = t.cancelled or t.error is not None  # a failed turn delivered the results before its error
         assert (len(t.ids) <= len(want)) if partial else (len(t.ids) == len(want)), (t, want)
         assert_same_or_near_tie(alone, t.prompt, want[: len(t.ids)], t.ids)
     n_requests, refused = len(turns), sum(u.refused for u in users)
     cancels = Counter(t.cancelled for t in turns if t.cancelled)
-    own_failures = sum(t.error is not None for t in turns)
+    own_failures = Counter(t.kind for t in turns if t.error is not None)
     sources = Counter(t.cache_source for t in turns if t.cache_source)
     me.unload(kit)
     me.unload(alone)
@@ -399,7 +426,7 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path):
     held = mx.get_active_memory() - baseline
     report(f"multi-user chat soak: {n_users} users x {rounds} rounds = {n_requests} requests on max_parallel=4 "
            f"({dict(sorted(kinds_seen.items()))}); {sum(cancels.values())} cancelled ({dict(cancels)}), "
-           f"{own_failures} failed by their own fault (raising stats_callback), 0 by another's; {refused} starts "
+           f"failed by their own fault: {dict(own_failures)} (a raising stats_callback, a matcher failing), 0 by another's; {refused} starts "
            f"refused (max_parallel) and retried; {draft_cycles[0]} draft unload/load switches; cached prefixes "
            f"from {dict(sources)}; MLX memory after unload {held:+d} bytes against the start; {elapsed:.1f} s")
     assert held <= 0, f"{held} bytes of MLX memory still held after unloading"
