@@ -162,11 +162,10 @@ class Scheduler:
         launches = self._draft(launches)
         together, alone = [], []
         for live, launch in launches:
-            if batch is not None and (launch.cache in batch or can_batch(launch.cache)):
-                together.append((live, launch))
-            else:
+            if batch is None or not (launch.cache in batch or can_batch(launch.cache)):
                 alone.append((live, launch))
-        together = [(live, l) for live, l in together if l.cache in batch or self._attempt(live, batch.join, l.cache)]
+            elif launch.cache in batch or self._attempt(live, batch.join, launch.cache):
+                together.append((live, launch))
         if together:
             self._feed_together(batch, together)
         for live, launch in alone:

@@ -398,3 +398,39 @@ def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, mon
     assert [h + drain(g)[0] for h, g in zip(heads, gens)] == want[:2]
     me.unload(kit)
     assert kit.model is None
+
+
+def test_a_batch_that_cannot_release_its_rows_fails_them_and_recovers(pkit, llama_path, monkeypatch):
+    """The last resort: a shared pass failed and the batch cannot even hand its
+    rows back. Every request holding a row gets the error; their caches are
+    reset, and the kit serves the next requests exactly."""
+    one = me.load_model(llama_path, max_parallel=1)
+    prompts = [me.tokenize(pkit, t) for t in TEXTS[:2]]
+    want = [solo(one, p, max_tokens=8) for p in prompts]
+    feed, leave = RaggedBatch.feed, RaggedBatch.leave
+    broken = [True]
+
+    def failing_feed(self, inputs):
+        if broken[0] and len(self.rows) >= 2:
+            raise RuntimeError("injected shared-pass failure")
+        return feed(self, inputs)
+
+    def failing_leave(self, cache):
+        if broken[0]:
+            broken[0] = False
+            raise RuntimeError("injected broken batch")
+        return leave(self, cache)
+
+    monkeypatch.setattr(RaggedBatch, "feed", failing_feed)
+    monkeypatch.setattr(RaggedBatch, "leave", failing_leave)
+    gens = [me.create_generator(pkit, p, max_tokens=200, speculative_decoding_toggle=False) for p in prompts]
+    next(gens[0])  # decoding alone (then paused, its row in the batch, once its consumer is 64 results behind)
+    for g in reversed(gens):  # the second joins: their shared pass fails, and the batch cannot let them go
+        with pytest.raises(RuntimeError, match="injected"):
+            drain(g)
+    assert not broken[0]
+    assert not pkit._activity.known
+    gens = [me.create_generator(pkit, p, max_tokens=8) for p in prompts]
+    heads = [[t.id for t in next(g).tokens] for g in gens]
+    for p, w, h, g in zip(prompts, want, heads, gens):
+        assert_same_or_near_tie(pkit, p, w, h + drain(g)[0])
