@@ -287,7 +287,7 @@ class RequestStream(Iterator[GenerationResult]):
         self._thread, self._scheduler = thread, scheduler
         self._generation = generation
         self._request_id = request_id
-        self._admission: worker._Task | None = None
+        self._admission = None  # the admitting call's task (MLXWorker.submit), once made
         self._live: _Live | None = None
         self._done = False
 
@@ -307,7 +307,7 @@ class RequestStream(Iterator[GenerationResult]):
         item = live.wait()
         if live.paused and live.backlog <= MAX_BACKLOG // 2:
             live.paused = False
-            self._wake()
+            self._nudge_worker()
         end, failed = item is _END, isinstance(item, BaseException)
         # From here to the hand-over, no call or loop: Python runs signal
         # handlers (KeyboardInterrupt) only at those, so a result taken is
@@ -321,7 +321,7 @@ class RequestStream(Iterator[GenerationResult]):
             raise item
         return item
 
-    def _wake(self) -> None:
+    def _nudge_worker(self) -> None:
         """The worker may be parked, waiting for work: give it a call (none once
         the process is exiting: the worker then takes no more steps)."""
         try:

@@ -171,7 +171,7 @@ class WorkerIterator(Iterator[T]):
         # (KeyboardInterrupt) only at calls and loops, so a step taken is
         # always returned, and one not yet taken is returned by the next call.
         error, result = task.error, task.result
-        self._pending = None
+        task.error = self._pending = None  # no cycle through the raised error's traceback
         if error is not None:
             raise error
         return result
