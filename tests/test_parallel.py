@@ -76,6 +76,37 @@ def test_batched_rows_match_their_own_passes_and_rewind_alone(kit):
     assert mx.allclose(rows[1].feed([13]), alone[1][0].feed([13]), atol=1e-4).item()
 
 
+def test_rows_of_any_buffer_width_join_in_either_order(kit):
+    """KV buffers of different widths (a branch holds a slice of its source's
+    buffer, then grows by a step) join a batch whichever side is wider, and
+    each row's logits equal its own pass."""
+    from mlx_engine.prompt_cache import branch
+
+    base = kit.new_cache(kit.model)
+    base.prefill(me.tokenize(kit, TEXTS[1] * 3))
+    branched = branch(base, 21, lambda: kit.new_cache(kit.model))
+    branched.prefill([5, 6, 7])  # width 21 + 256, holding 24 positions
+    plain = kit.new_cache(kit.model)
+    plain.prefill(me.tokenize(kit, TEXTS[0]))  # width 256
+    widths = {c.layers[0].keys.shape[2] for c in (branched, plain)}
+    assert len(widths) == 2
+    for order in ((plain, branched), (branched, plain)):
+        want = []
+        for c in order:
+            alone = kit.new_cache(kit.model)
+            alone.prefill(list(c.tokens))
+            want.append(alone.feed([9, 10]))
+        batch = RaggedBatch(kit.model, len(plain.layers))
+        for c in order:
+            batch.join(c)
+        out = batch.feed([(c, [9, 10], None) for c in order])
+        for (logits, _), w in zip(out, want):
+            assert mx.allclose(logits, w, atol=1e-4).item()
+        for c in order:
+            batch.leave(c)
+            c.rewind_to(len(c.tokens) - 2)
+
+
 def test_concurrent_requests_equal_their_solo_outputs_in_every_mode(llama_path, draft_path, pkit):
     one = me.load_model(llama_path, max_parallel=1)
     me.load_draft_model(one, draft_path)
