@@ -325,12 +325,12 @@ class ChatUser:
                 text.append(r.text)
                 if r.stats is not None:
                     turn.cache_source = r.stats.cache_source
-                if route is not None and i == cancel_at:
+                if route is not None and i == cancel_at and r.stop_condition is None:
                     turn.cancelled = route
                     if route == "close":
                         gen.close()
                     elif route == "stop_generation":
-                        assert me.stop_generation(kit, request_id)
+                        me.stop_generation(kit, request_id)  # False when it already ended (results still queued)
                     else:
                         break  # dropped below, unfinished
         except Exception as exc:  # checked at the end: only faulty and broken turns may fail, by their own fault
