@@ -76,6 +76,14 @@ class Generation(Iterator[GenerationResult]):
             self._started = True
             self._kit._activity.end(self._request.request_id)
 
+    def __del__(self) -> None:
+        """An unstarted generation nobody holds any more (its creator was
+        interrupted before receiving it) frees its slot; nothing else runs
+        (no MLX work: a finalizer may run on any thread)."""
+        if not self._started:
+            self._started = True
+            self._kit._activity.end(self._request.request_id)
+
 
 class _Alone(Iterator[GenerationResult]):
     """A generation driven by its consumer, one launch at a time (max_parallel=1)."""

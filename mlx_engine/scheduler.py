@@ -20,8 +20,8 @@ catches up, so an abandoned stream cannot grow without bound.
 from __future__ import annotations
 
 import logging
+import queue
 import sys
-import threading
 import weakref
 from collections import deque
 from typing import Callable, Iterator
@@ -43,12 +43,14 @@ class _Live:
     The worker appends to ``out``; the stream reads ``out[0]`` and removes it
     only when it hands it over (see ``RequestStream.__next__``)."""
 
-    __slots__ = ("gen", "out", "ready", "request_id", "cache", "paused")
+    __slots__ = ("gen", "out", "wake", "request_id", "cache", "paused")
 
     def __init__(self, gen: Iterator, request_id: str):
         self.gen = gen
         self.out: deque = deque()
-        self.ready = threading.Event()  # set after each append: wakes a waiting stream
+        # One token per append: the stream blocks only inside C (SimpleQueue.get),
+        # where a KeyboardInterrupt leaves no lock held (see worker.DoneFlag).
+        self.wake: queue.SimpleQueue = queue.SimpleQueue()
         self.request_id = request_id
         self.cache = None  # the cache of its last launch (a row of the batch, once decoding)
         self.paused = False  # skipped for its backlog; the consumer wakes the worker when it catches up
@@ -60,15 +62,13 @@ class _Live:
 
     def push(self, item) -> None:
         self.out.append(item)
-        self.ready.set()
+        self.wake.put(None)
 
     def wait(self):
-        """The next result, left in ``out`` (blocks until there is one)."""
+        """The next result, left in ``out`` (blocks until there is one). Tokens
+        left from results taken without waiting only cost a loop turn."""
         while not self.out:
-            self.ready.clear()
-            if self.out:  # appended before the clear: its set() was cleared too
-                break
-            self.ready.wait()
+            self.wake.get()
         return self.out[0]
 
 
