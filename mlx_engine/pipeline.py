@@ -47,6 +47,7 @@ class Generation(Iterator[GenerationResult]):
 
     def __init__(self, kit: ModelKit, request: Request):
         self._kit, self._request = kit, request
+        self._started = True  # nothing to end (``__del__``) unless registered
         kit._activity.register(request.request_id, kit.max_parallel)
         self._gen: Iterator = run(kit, request)
         self._started = False

@@ -340,6 +340,7 @@ class ChatUser:
         self.messages.append({"role": "assistant", "content": "".join(text)})
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no finalizer may fail
 def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
     """4-8 users hold multi-turn chats sharing a system prompt on one kit
     (max_parallel=4, a disk tier under a tiny budget): random cancellations,

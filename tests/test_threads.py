@@ -206,6 +206,7 @@ def test_an_interrupted_wait_does_not_lose_the_step():
         worker.release(thread)
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no finalizer may fail
 @pytest.mark.parametrize("max_parallel", [1, 4])
 def test_ctrl_c_while_waiting_for_results_loses_none(llama_path, max_parallel):
     """Ctrl-C (SIGINT) arriving at random moments while the host is inside
