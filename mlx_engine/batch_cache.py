@@ -92,11 +92,13 @@ class RaggedBatch:
 
     def join(self, cache: SequenceCache) -> None:
         """Move ``cache``'s keys and values into a new last row (its layers are
-        left empty until ``leave``). Positions past the row's length are never
-        read, so buffers are joined whole."""
+        left empty until ``leave``). All or nothing: every layer's stacked
+        buffers are built before any is replaced, so a join that fails leaves
+        the batch and ``cache`` as they were."""
         n = len(cache.tokens)
-        for layer, kv in zip(self.layers, cache.layers):
-            layer.keys, layer.values = _stack_row(layer, self.rows, kv.keys, kv.values, n)
+        stacked = [_stack_row(layer, self.rows, kv.keys, kv.values, n) for layer, kv in zip(self.layers, cache.layers)]
+        for layer, kv, (keys, values) in zip(self.layers, cache.layers, stacked):
+            layer.keys, layer.values = keys, values
             kv.keys = kv.values = None
             kv.offset = 0
         self.rows.append(cache)
@@ -190,23 +192,35 @@ def _padded(known: list[int], lazy: mx.array | None, width: int) -> mx.array:
 
 def _stack_row(layer: _Layer, rows: list[SequenceCache], k: mx.array | None, v: mx.array | None, n: int):
     """The layer's buffers with a row holding ``k``/``v`` (its first ``n``
-    positions) appended; the first row's arrays are adopted as they are."""
+    positions) appended; the first row's arrays are adopted as they are.
+
+    Buffers differ in width (a branched cache holds a slice of its source's
+    buffer, then grows by a step), so the joining row keeps only its ``n``
+    positions and whichever side is narrower is padded: positions past a row's
+    length are never read."""
     if not rows:
         return k, v
     if layer.keys is None and k is None:
         return None, None
-    ref = layer.keys if layer.keys is not None else k
-    width = max(layer.keys.shape[2] if layer.keys is not None else 0, (n + STEP - 1) // STEP * STEP)
-
-    def fit(a: mx.array | None, batch: int, like: mx.array) -> mx.array:
-        if a is None:
-            return mx.zeros((batch, like.shape[1], width, like.shape[3]), like.dtype)
-        if a.shape[2] < width:
-            pad = mx.zeros((a.shape[0], a.shape[1], width - a.shape[2], a.shape[3]), a.dtype)
-            a = mx.concatenate([a, pad], axis=2)
-        return a
-
-    keys = mx.concatenate([fit(layer.keys, len(rows), ref), fit(k, 1, ref)], axis=0)
+    ref_k = layer.keys if layer.keys is not None else k
     ref_v = layer.values if layer.values is not None else v
-    values = mx.concatenate([fit(layer.values, len(rows), ref_v), fit(v, 1, ref_v)], axis=0)
+    have = 0 if layer.keys is None else layer.keys.shape[2]
+    width = max(have, (n + STEP - 1) // STEP * STEP)
+    keys = mx.concatenate([_fit(layer.keys, len(rows), ref_k, width), _fit(_head(k, n), 1, ref_k, width)], axis=0)
+    values = mx.concatenate([_fit(layer.values, len(rows), ref_v, width), _fit(_head(v, n), 1, ref_v, width)], axis=0)
     return keys, values
+
+
+def _head(a: mx.array | None, n: int) -> mx.array | None:
+    """A row's first ``n`` positions (None when it holds none)."""
+    return None if a is None or n == 0 else a[..., :n, :]
+
+
+def _fit(a: mx.array | None, batch: int, like: mx.array, width: int) -> mx.array:
+    """``a`` (``batch`` rows shaped as ``like``; zeros when None) padded to ``width`` positions."""
+    if a is None:
+        return mx.zeros((batch, like.shape[1], width, like.shape[3]), like.dtype)
+    if a.shape[2] < width:
+        pad = mx.zeros((a.shape[0], a.shape[1], width - a.shape[2], a.shape[3]), a.dtype)
+        a = mx.concatenate([a, pad], axis=2)
+    return a

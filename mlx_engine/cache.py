@@ -176,7 +176,9 @@ class SequenceCache:
         return logits[0], start
 
     def resolve(self, start: int, ids: list[int]) -> None:
-        """Name the ids that ``feed_lazy`` recorded as UNKNOWN from ``start``."""
+        """Name the ids that ``feed_lazy`` recorded as UNKNOWN from ``start``
+        (those still held: a cache reset meanwhile holds none of them)."""
+        ids = ids[: max(0, len(self.tokens) - start)]
         self.tokens[start : start + len(ids)] = ids
 
     def _forward(self, inputs: mx.array, **model_inputs) -> mx.array:

@@ -47,6 +47,7 @@ class Generation(Iterator[GenerationResult]):
 
     def __init__(self, kit: ModelKit, request: Request):
         self._kit, self._request = kit, request
+        self._started = True  # nothing to end (``__del__``) unless registered
         kit._activity.register(request.request_id, kit.max_parallel)
         self._gen: Iterator = run(kit, request)
         self._started = False
@@ -72,6 +73,14 @@ class Generation(Iterator[GenerationResult]):
 
     def close(self) -> None:
         self._gen.close()
+        if not self._started:
+            self._started = True
+            self._kit._activity.end(self._request.request_id)
+
+    def __del__(self) -> None:
+        """An unstarted generation nobody holds any more (its creator was
+        interrupted before receiving it) frees its slot; nothing else runs
+        (no MLX work: a finalizer may run on any thread)."""
         if not self._started:
             self._started = True
             self._kit._activity.end(self._request.request_id)
@@ -148,20 +157,31 @@ def run(kit: ModelKit, req: Request) -> Iterator:
             _reset_caches(kit, prepared)
         raise
     finally:
-        if steps is not None:
-            steps.close()
-        if prepared is not None:
-            _release(kit, prepared)
-        act.end(req.request_id)
+        _clean_up(kit, req.request_id, steps, prepared)
 
 
-def _release(kit: ModelKit, prepared: _Prepared) -> None:
-    """Take the request's row out of the batch and return its caches."""
-    release_row(kit.batch, prepared.cache)
-    if prepared.draft_drafter is not None:
-        kit.draft.give_back(prepared.draft_drafter.cache)
-    if kit.prompt_cache is not None:
-        kit.prompt_cache.release(prepared.cache)
+def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None) -> None:
+    """Close the loop, take the request's row out of the batch, return its
+    caches (the prompt cache may write evicted entries to disk) and end the
+    request. Each step runs whatever failed before it, a failure is logged,
+    not raised (the answer was delivered, or another error is on its way), and
+    the request always ends: a failed clean-up never holds a ``max_parallel``
+    slot or blocks ``unload``."""
+    jobs: list[Callable[[], None]] = [] if steps is None else [steps.close]
+    if prepared is not None:
+        jobs.append(lambda: release_row(kit.batch, prepared.cache))
+        if prepared.draft_drafter is not None:
+            jobs.append(lambda: kit.draft.give_back(prepared.draft_drafter.cache))
+        if kit.prompt_cache is not None:
+            jobs.append(lambda: kit.prompt_cache.release(prepared.cache))
+    try:
+        for job in jobs:
+            try:
+                job()
+            except Exception:
+                logger.exception("request %r: a clean-up step failed", request_id)
+    finally:
+        kit._activity.end(request_id)
 
 
 def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
@@ -297,13 +317,19 @@ def _stop_requested(kit: ModelKit, request_id: str) -> bool:
 
 
 def _reset_caches(kit: ModelKit, prepared: _Prepared | None) -> None:
+    """Empty the request's caches (main and draft), out of their batches. Never
+    raises: the request's own error is on its way."""
     if prepared is None:
         return
-    release_row(kit.batch, prepared.cache)
-    prepared.cache.reset()
+    caches = [(kit.batch, prepared.cache)]
     if prepared.draft_drafter is not None:
-        release_row(kit.draft.batch, prepared.draft_drafter.cache)
-        prepared.draft_drafter.cache.reset()
+        caches.append((kit.draft.batch, prepared.draft_drafter.cache))
+    for batch, cache in caches:
+        try:
+            release_row(batch, cache)
+        except Exception:
+            logger.exception("a failed request's row could not leave its batch")
+        cache.reset()
 
 
 def _top_logprobs(kit: ModelKit, logprobs: mx.array, n: int) -> list[TopLogprob]:

@@ -112,12 +112,15 @@ def require_model(kit: ModelKit) -> None:
 
 
 def require_idle(kit: ModelKit) -> None:
-    """``GenerationInProgressError`` while a generation runs on ``kit``."""
-    active = sorted(kit._activity.active)
-    if active:
-        names = ", ".join(repr(a) for a in active)
+    """``GenerationInProgressError`` while a generation is open on ``kit``:
+    created and not yet finished or closed, iterated or not (its plan may
+    rely on the model and draft model as they were when it was created)."""
+    open_ = sorted(kit._activity.known)
+    if open_:
+        names = ", ".join(repr(a) for a in open_)
         raise GenerationInProgressError(
-            f"generation {names} is still running on this kit; finish or close it first"
+            f"generation {names} is still open on this kit (created, not yet finished or closed); "
+            "finish or close it first"
         )
 
 

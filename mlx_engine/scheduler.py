@@ -23,12 +23,13 @@ import logging
 import queue
 import sys
 import weakref
-from typing import Iterator
+from collections import deque
+from typing import Callable, Iterator
 
 from . import worker
 from .batch_cache import RaggedBatch, can_batch
 from .results import GenerationResult
-from .speculative.loop import TURN, Launch, forward_alone, resolve_pending
+from .speculative.loop import TURN, Launch, PendingDrafts, forward_alone, resolve_pending
 
 logger = logging.getLogger(__name__)
 
@@ -37,20 +38,49 @@ _END = object()
 
 
 class _Live:
-    """A running generation: its pipeline generator and its stream's queue."""
+    """A running generation: its pipeline generator and its stream's results.
 
-    __slots__ = ("gen", "out", "request_id", "cache", "paused")
+    The worker appends to ``out``; the stream reads ``out[0]`` and removes it
+    only when it hands it over (see ``RequestStream.__next__``)."""
+
+    __slots__ = ("gen", "out", "wake", "request_id", "cache", "paused")
 
     def __init__(self, gen: Iterator, request_id: str):
         self.gen = gen
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.out: deque = deque()
+        # One token per append: the stream blocks only inside C (SimpleQueue.get),
+        # where a KeyboardInterrupt leaves no lock held (see worker.DoneFlag).
+        self.wake: queue.SimpleQueue = queue.SimpleQueue()
         self.request_id = request_id
         self.cache = None  # the cache of its last launch (a row of the batch, once decoding)
         self.paused = False  # skipped for its backlog; the consumer wakes the worker when it catches up
 
+    @property
+    def backlog(self) -> int:
+        """Results queued and not yet handed over."""
+        return len(self.out)
+
+    def push(self, item) -> None:
+        self.out.append(item)
+        self.wake.put(None)
+
+    def wait(self):
+        """The next result, left in ``out`` (blocks until there is one). Tokens
+        left from results taken without waiting only cost a loop turn."""
+        while not self.out:
+            self.wake.get()
+        return self.out[0]
+
 
 class Scheduler:
-    """The kit's running generations and the batch their rows decode in."""
+    """The kit's running generations and the batch their rows decode in.
+
+    Failure model (docs/reliability.md): whatever can be attributed to one
+    request (resuming its loop, joining its row, sampling its logits under its
+    processors and grammar, its drafts, its pass alone) ends that request only;
+    its own cleanup resets its caches. A failed shared pass is retried one row
+    at a time, so a request fails only if its own pass fails; only a batch that
+    cannot hand its rows back fails every request holding a row in it."""
 
     def __init__(self, kit):
         # Weak: the worker holds its scheduler, and a kit must stay collectable
@@ -78,8 +108,8 @@ class Scheduler:
             try:
                 live.gen.close()
             except Exception as exc:  # reported to the stream; the others go on
-                live.out.put(exc)
-            live.out.put(_END)
+                live.push(exc)
+            live.push(_END)
 
     def step(self) -> None:
         """Advance every running generation to its next launch, then run the launches."""
@@ -110,68 +140,134 @@ class Scheduler:
                 return item
             if item is TURN:
                 return None
-            live.out.put(item)
-            if live.out.qsize() >= MAX_BACKLOG:
+            # Paused before the result is visible: a consumer that drains the
+            # queue meanwhile sees the flag, and wakes the worker.
+            pause = live.backlog + 1 >= MAX_BACKLOG
+            if pause:
                 live.paused = True  # until its consumer catches up (RequestStream.__next__ wakes us)
+            live.push(item)
+            if pause:
                 return None
 
     def _finish(self, live: _Live, last) -> None:
         self.live.remove(live)
         if last is not _END:
-            live.out.put(last)
-        live.out.put(_END)
+            live.push(last)
+        live.push(_END)
 
     def _forward(self, launches: list[tuple[_Live, Launch]]) -> None:
         """One forward pass for the batch's rows (joining rows that can), one
         pass for each cache that cannot join; then every round is queued."""
         batch: RaggedBatch | None = self.kit.batch
+        launches = self._draft(launches)
         together, alone = [], []
         for live, launch in launches:
-            if batch is not None and (launch.cache in batch or can_batch(launch.cache)):
-                together.append((live, launch))
-            else:
+            if batch is None or not (launch.cache in batch or can_batch(launch.cache)):
                 alone.append((live, launch))
-        try:
-            resolve_pending([launch for _, launch in launches])  # draft passes, batched too
-            if together:
-                for _, launch in together:
-                    if launch.cache not in batch:
-                        batch.join(launch.cache)
-                out = batch.feed([(l.cache, l.known, l.lazy) for _, l in together])
-                for (_, launch), (logits, start) in zip(together, out):
-                    launch.round = launch.finish(logits, start)
-            for _, launch in alone:
-                forward_alone(launch)
-        except Exception as exc:
-            logger.exception("a batched forward pass failed")
-            self._fail_batch(exc, [live for live, _ in launches])
+            elif launch.cache in batch or self._attempt(live, batch.join, launch.cache):
+                together.append((live, launch))
+        if together:
+            self._feed_together(batch, together)
+        for live, launch in alone:
+            self._attempt(live, forward_alone, launch)
 
-    def _fail_batch(self, exc: Exception, lives: list[_Live]) -> None:
-        """A forward pass failed: every request in it, and every row of the batch
-        (whose keys and values lived in it), gets the error where it waits, so
-        its own cleanup runs; their caches restart empty."""
+    def _attempt(self, live: _Live, fn: Callable, *args) -> bool:
+        """Run one request's part of a step; if it raises, that request fails alone."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:
+            logger.info("request %r failed: %s: %s", live.request_id, type(exc).__name__, exc)
+            self._fail(live, exc)
+            return False
+
+    def _draft(self, launches: list[tuple[_Live, Launch]]) -> list[tuple[_Live, Launch]]:
+        """Compute the step's pending drafts together (batched draft passes).
+        Drafts are proposals the main model verifies, so when the shared draft
+        pass fails the draft caches are dropped (each drafter re-syncs its cache
+        from its history) and each request drafts alone; the requests whose
+        own drafting fails fail alone. Returns the launches still running."""
+        try:
+            resolve_pending([launch for _, launch in launches])
+            return launches
+        except Exception:
+            logger.exception("a batched draft pass failed; drafting each request alone")
+        draft = self.kit.draft
+        if draft is not None and draft.batch is not None:
+            for cache in draft.batch.rows:
+                cache.reset()
+            draft.batch = None
+        return [(live, l) for live, l in launches if self._attempt(live, _draft_alone, l)]
+
+    def _feed_together(self, batch: RaggedBatch, together: list[tuple[_Live, Launch]]) -> None:
+        """The rows' shared forward pass, then each row's own sampling."""
+        try:
+            out = batch.feed([(l.cache, l.known, l.lazy) for _, l in together])
+        except Exception:
+            # Not attributable to one row. A failed pass records nothing (a row's
+            # tokens grow after the model ran; buffer positions past a row's
+            # length are never read), so each row is retried on its own.
+            logger.exception("a batched forward pass failed; running its rows one at a time")
+            self._retry_alone(batch, together)
+            return
+        for (live, launch), (logits, start) in zip(together, out):
+            self._attempt(live, _finish_launch, launch, logits, start)
+
+    def _retry_alone(self, batch: RaggedBatch, together: list[tuple[_Live, Launch]]) -> None:
+        """Take the rows out of the batch and run each launch on its own cache
+        (they rejoin at the next step)."""
+        try:
+            for _, launch in together:
+                batch.leave(launch.cache)
+        except Exception as exc:
+            logger.exception("the batch could not hand its rows back")
+            self._fail_batch(exc)
+            return
+        for live, launch in together:
+            self._attempt(live, forward_alone, launch)
+
+    def _fail_batch(self, exc: Exception) -> None:
+        """The batch itself is broken: every request holding a row of it gets
+        the error where it waits, so its own cleanup runs; the batch's caches
+        (the draft model's too) restart empty, and it is rebuilt empty."""
         batch = self.kit.batch
         rows = {id(c) for c in batch.rows} if batch is not None else set()
-        if batch is not None:
-            for cache in batch.rows:
-                cache.reset()
-            self.kit.batch = None  # rebuilt empty for the next request
+        for cache in batch.rows if batch is not None else []:
+            cache.reset()
+        self.kit.batch = None
         draft = self.kit.draft
         if draft is not None and draft.batch is not None:
             for cache in draft.batch.rows:
                 cache.reset()
             draft.batch = None
         for live in list(self.live):
-            if live in lives or id(live.cache) in rows:
-                self.live.remove(live)
-                try:
-                    live.gen.throw(exc)
-                except BaseException as err:  # the request's error, after its cleanup
-                    live.out.put(err)
-                else:  # pragma: no cover - a request never swallows a failed pass
-                    live.gen.close()
-                    live.out.put(exc)
-                live.out.put(_END)
+            if id(live.cache) in rows:
+                self._fail(live, exc)
+
+    def _fail(self, live: _Live, exc: Exception) -> None:
+        """End ``live`` with ``exc`` raised where it waits for its forward pass:
+        its own cleanup runs (its caches are reset, its row leaves the batch)."""
+        if live not in self.live:
+            return
+        self.live.remove(live)
+        try:
+            live.gen.throw(exc)
+        except BaseException as err:  # the request's error, after its cleanup
+            live.push(err)
+        else:  # pragma: no cover - a request never swallows a failed pass
+            live.gen.close()
+            live.push(exc)
+        live.push(_END)
+
+
+def _draft_alone(launch: Launch) -> None:
+    """Compute a launch's pending drafts on its own draft cache."""
+    if isinstance(launch.lazy, PendingDrafts):
+        launch.lazy = launch.lazy.materialize()
+
+
+def _finish_launch(launch: Launch, logits, start: int) -> None:
+    launch.round = launch.finish(logits, start)
 
 
 def _wake() -> None:
@@ -181,12 +277,17 @@ def _wake() -> None:
 class RequestStream(Iterator[GenerationResult]):
     """What ``create_generator`` returns: one request's results, produced by the
     kit's scheduler. The request is admitted on the first ``next()``; any thread
-    may consume it. ``close()`` (also on garbage collection) cancels it."""
+    may consume it. ``close()`` (also on garbage collection) cancels it.
+
+    A ``KeyboardInterrupt`` while ``next()`` waits loses nothing: a result is
+    removed from the queue only where no signal handler can run before it is
+    returned, and an interrupted admission is resumed, not repeated."""
 
     def __init__(self, thread: worker.MLXWorker, scheduler: Scheduler, generation, request_id: str):
         self._thread, self._scheduler = thread, scheduler
         self._generation = generation
         self._request_id = request_id
+        self._admission = None  # the admitting call's task (MLXWorker.submit), once made
         self._live: _Live | None = None
         self._done = False
 
@@ -202,25 +303,52 @@ class RequestStream(Iterator[GenerationResult]):
             raise StopIteration
         if self._thread.is_current:
             raise RuntimeError("a generation cannot be consumed from the engine thread (inside a callback)")
-        if self._live is None:
-            self._live = self._thread.call(self._scheduler.admit, self._generation, self._request_id)
-        item = self._live.out.get()
-        if self._live.paused and self._live.out.qsize() < MAX_BACKLOG // 2:
-            self._live.paused = False
-            self._thread.submit(_wake)  # the worker may be parked, waiting for work
-        if item is _END:
+        live = self._live or self._admit()
+        item = live.wait()
+        if live.paused and live.backlog <= MAX_BACKLOG // 2:
+            live.paused = False
+            self._nudge_worker()
+        end, failed = item is _END, isinstance(item, BaseException)
+        # From here to the hand-over, no call or loop: Python runs signal
+        # handlers (KeyboardInterrupt) only at those, so a result taken is
+        # always returned, and one not yet taken is read again next time.
+        del live.out[0]
+        if end or failed:
             self._done = True
+        if end:
             raise StopIteration
-        if isinstance(item, BaseException):
-            self._done = True
-            self._live.out.get()  # the end marker that follows
+        if failed:
             raise item
         return item
+
+    def _nudge_worker(self) -> None:
+        """The worker may be parked, waiting for work: give it a call (none once
+        the process is exiting: the worker then takes no more steps)."""
+        try:
+            self._thread.submit(_wake)
+        except worker.ProcessExiting:
+            pass
+
+    def _admit(self) -> _Live:
+        """Admit the request (once, even if waiting for it is interrupted). At
+        process exit a request not admitted yet just ends."""
+        if self._admission is None:
+            try:
+                self._admission = self._thread.submit(self._scheduler.admit, self._generation, self._request_id)
+            except worker.ProcessExiting:
+                self._done = True
+                raise StopIteration from None
+        self._admission.done.wait()
+        self._live = self._admission.outcome()
+        return self._live
 
     def close(self) -> None:
         if self._done:
             return
         self._done = True
+        if self._live is None and self._admission is not None:
+            self._admission.done.wait()
+            self._live = self._admission.result
         live, self._live = self._live, None
         if live is None:
             self._thread.call(self._generation.close)
@@ -234,9 +362,17 @@ class RequestStream(Iterator[GenerationResult]):
             return
         self._done = True
         try:
-            if self._live is None:
-                self._thread.submit(self._generation.close)
-            else:
-                self._thread.submit(self._scheduler.close, self._live)
+            self._thread.submit(_close_stream, self._scheduler, self._generation, self._live, self._admission)
         except Exception:  # pragma: no cover - best effort from a finalizer
             logger.exception("closing an abandoned generation failed")
+
+
+def _close_stream(scheduler: Scheduler, generation, live: _Live | None, admission) -> None:
+    """Close an abandoned stream (on the engine thread, after any admission
+    queued before it has run)."""
+    if live is None and admission is not None:
+        live = admission.result
+    if live is None:
+        generation.close()
+    else:
+        scheduler.close(live)

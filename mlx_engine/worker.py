@@ -25,6 +25,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,49 @@ _all: list["MLXWorker"] = []
 shutting_down = threading.Event()  # set at process exit: running generations stop
 
 
+class ProcessExiting(RuntimeError):
+    """Raised by ``submit`` once the process is exiting: workers take no more work."""
+
+
+WAIT_POLL_SECONDS = 0.5  # how often a waiter re-checks a done flag whose wake-up went to another waiter
+
+
+class DoneFlag:
+    """A flag set once work is done, like ``threading.Event``, but safe to wait
+    on in a thread that may get ``KeyboardInterrupt``. ``Event.wait`` runs
+    Python code while it holds the event's lock; an interrupt landing there
+    (Ctrl-C while the host waits) can leave that lock held, and the worker
+    then blocks for good in ``set()``. Here a waiter blocks only inside C
+    (``SimpleQueue.get``) and holds nothing."""
+
+    __slots__ = ("_set", "_wake")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()
+
+    def set(self) -> None:
+        self._set = True
+        self._wake.put(None)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set (True) or ``timeout`` seconds pass (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._set:
+            left = WAIT_POLL_SECONDS if deadline is None else min(WAIT_POLL_SECONDS, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            try:
+                self._wake.get(timeout=left)
+            except queue.Empty:
+                continue
+            self._wake.put(None)  # for any other waiter
+        return True
+
+
 class _Task:
     """One call handed to a worker, and its outcome."""
 
@@ -47,7 +91,7 @@ class _Task:
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.done = threading.Event()
+        self.done = DoneFlag()
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -102,7 +146,7 @@ class MLXWorker:
 
     def submit(self, fn: Callable[..., T], *args, **kwargs) -> _Task:
         if shutting_down.is_set():
-            raise RuntimeError("the process is exiting; mlx-engine accepts no more work")
+            raise ProcessExiting("the process is exiting; mlx-engine accepts no more work")
         task = _Task(fn, args, kwargs)
         self._tasks.put(task)
         return task
@@ -155,10 +199,22 @@ class WorkerIterator(Iterator[T]):
         if self._worker.is_current:
             return next(self._gen)
         if self._pending is None:
-            self._pending = self._worker.submit(next, self._gen)
-        self._pending.done.wait()
-        task, self._pending = self._pending, None
-        return task.outcome()
+            try:
+                self._pending = self._worker.submit(next, self._gen)
+            except ProcessExiting:
+                # Generations stop at process exit; a thread still iterating
+                # (a daemon) simply sees the end, not an error.
+                raise StopIteration from None
+        task = self._pending
+        task.done.wait()
+        # No call from here to the hand-over: Python runs signal handlers
+        # (KeyboardInterrupt) only at calls and loops, so a step taken is
+        # always returned, and one not yet taken is returned by the next call.
+        error, result = task.error, task.result
+        task.error = self._pending = None  # no cycle through the raised error's traceback
+        if error is not None:
+            raise error
+        return result
 
     def close(self) -> None:
         gen, self._gen = self._gen, None

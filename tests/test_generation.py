@@ -124,7 +124,8 @@ def test_close_and_stop_generation_cancel(kit):
 
 def test_at_most_max_parallel_open_generations(kit, llama_path):
     prompt = prompt_of(kit)
-    gens = [me.create_generator(kit, prompt, max_tokens=5) for _ in range(kit.max_parallel)]
+    # Long enough that the first, running meanwhile, is still open below.
+    gens = [me.create_generator(kit, prompt, max_tokens=10_000) for _ in range(kit.max_parallel)]
     next(gens[0])
     with pytest.raises(GenerationInProgressError, match="max_parallel of 4"):
         me.create_generator(kit, prompt, max_tokens=5)

@@ -76,6 +76,37 @@ def test_batched_rows_match_their_own_passes_and_rewind_alone(kit):
     assert mx.allclose(rows[1].feed([13]), alone[1][0].feed([13]), atol=1e-4).item()
 
 
+def test_rows_of_any_buffer_width_join_in_either_order(kit):
+    """KV buffers of different widths (a branch holds a slice of its source's
+    buffer, then grows by a step) join a batch whichever side is wider, and
+    each row's logits equal its own pass."""
+    from mlx_engine.prompt_cache import branch
+
+    base = kit.new_cache(kit.model)
+    base.prefill(me.tokenize(kit, TEXTS[1] * 3))
+    branched = branch(base, 21, lambda: kit.new_cache(kit.model))
+    branched.prefill([5, 6, 7])  # width 21 + 256, holding 24 positions
+    plain = kit.new_cache(kit.model)
+    plain.prefill(me.tokenize(kit, TEXTS[0]))  # width 256
+    widths = {c.layers[0].keys.shape[2] for c in (branched, plain)}
+    assert len(widths) == 2
+    for order in ((plain, branched), (branched, plain)):
+        want = []
+        for c in order:
+            alone = kit.new_cache(kit.model)
+            alone.prefill(list(c.tokens))
+            want.append(alone.feed([9, 10]))
+        batch = RaggedBatch(kit.model, len(plain.layers))
+        for c in order:
+            batch.join(c)
+        out = batch.feed([(c, [9, 10], None) for c in order])
+        for (logits, _), w in zip(out, want):
+            assert mx.allclose(logits, w, atol=1e-4).item()
+        for c in order:
+            batch.leave(c)
+            c.rewind_to(len(c.tokens) - 2)
+
+
 def test_concurrent_requests_equal_their_solo_outputs_in_every_mode(llama_path, draft_path, pkit):
     one = me.load_model(llama_path, max_parallel=1)
     me.load_draft_model(one, draft_path)
@@ -195,7 +226,7 @@ def test_a_stream_left_unread_is_paused_and_resumes(pkit, llama_path, monkeypatc
     slow = me.create_generator(pkit, prompts[0], max_tokens=30)
     first = next(slow)  # admitted; then left unread while another request runs
     fast = drain(me.create_generator(pkit, prompts[1], max_tokens=30))[0]
-    assert slow._live.out.qsize() <= 4
+    assert slow._live.backlog <= 4
     rest = drain(slow)[0]
     assert_same_or_near_tie(pkit, prompts[0], want[0], [t.id for t in first.tokens] + rest)
     assert_same_or_near_tie(pkit, prompts[1], want[1], fast)
@@ -260,3 +291,177 @@ def test_a_long_prompt_prefills_between_the_others_steps(pkit, llama_path, monke
     assert len([p for p in seen if 0 < p < 100]) >= 2  # chunks of 256 while another request is open
     assert_same_or_near_tie(pkit, short, want[0], head + drain(running)[0])
     assert_same_or_near_tie(pkit, long, want[1], late_ids)
+
+
+
+SYSTEM = "You are a careful assistant. Answer briefly and stay polite. " * 2
+
+
+def chat(kit, *turns: str) -> list[int]:
+    """A conversation's prompt after the system prompt all chats share (turns
+    alternate user and assistant)."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    messages += [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+    return me.apply_chat_template(kit, messages)
+
+
+def next_turn(kit, user: str) -> list[int]:
+    """The tokens that close an answer and add the next user turn."""
+    return me.tokenize(kit, f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n",
+                       add_special_tokens=False)
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_chats_branched_off_a_shared_system_prompt_join_the_batch(llama_path, draft_path, with_draft):
+    """A chat branched off a cached system prompt has a KV buffer of another
+    width (the slice's length plus a growth step) than a row already decoding
+    (a chat continued in place); rows of any widths must join."""
+    kit = me.load_model(llama_path, max_parallel=3)
+    one = me.load_model(llama_path, max_parallel=1)
+    if with_draft:
+        me.load_draft_model(kit, draft_path)
+        me.load_draft_model(one, draft_path)
+    firsts = [chat(kit, q) for q in ("def add(a, b):", "import os")]
+    answers = [solo(kit, p, max_tokens=8) for p in firsts]  # two chats cached, idle
+    prompts = [
+        firsts[0] + answers[0] + next_turn(kit, "for i in range(10):"),  # chat 1 goes on: its entry in place
+        chat(kit, "class Point:"),  # a new chat: a branch of chat 2's system prompt
+    ]
+    want = [solo(one, p, max_tokens=12) for p in prompts]
+    gens = [me.create_generator(kit, p, max_tokens=12) for p in prompts]
+    heads = [[t.id for t in next(g).tokens] for g in gens]  # both rows joined before either ends
+    finals = [drain(g) for g in gens]
+    for p, w, h, (ids, final) in zip(prompts, want, heads, finals):
+        assert final.stop_condition.stop_reason == "token_limit"
+        assert_same_or_near_tie(kit, p, w, h + ids)
+    assert [f.stats.cache_source for _, f in finals] == ["memory", "branch"]
+
+
+def test_a_request_failing_at_run_time_fails_alone(pkit, llama_path, draft_path, monkeypatch):
+    """A structured-output matcher failing mid-generation (in the request's own
+    sampling, after the shared forward pass) fails its request only: the
+    others go on, exact, and the kit stays usable."""
+    from mlx_engine.structured import GrammarConstraint
+
+    calls = [0]
+    masks = GrammarConstraint.masks
+
+    def failing_masks(self, drafts):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected matcher failure")
+        return masks(self, drafts)
+
+    one = me.load_model(llama_path, max_parallel=1)
+    me.load_draft_model(one, draft_path)
+    jobs = [(me.tokenize(pkit, t), mode) for t, mode in zip(TEXTS[:3], MODES[:3])]
+    want = [solo(one, p, max_tokens=16, **mode) for p, mode in jobs]
+    monkeypatch.setattr(GrammarConstraint, "masks", failing_masks)
+    gens = [me.create_generator(pkit, p, max_tokens=16, **mode) for p, mode in jobs]
+    failing = me.create_generator(pkit, me.tokenize(pkit, TEXTS[3]), max_tokens=16, regex=r"[a-z]{30}", structured_drafting=False)
+    heads = [[t.id for t in next(g).tokens] for g in gens]  # the others are decoding when it joins
+    with pytest.raises(RuntimeError, match="injected matcher failure"):
+        drain(failing)
+    for (p, _), w, h, g in zip(jobs, want, heads, gens):
+        ids, final = drain(g)
+        assert final.stop_condition.stop_reason == "token_limit"
+        assert_same_or_near_tie(pkit, p, w, h + ids)
+    assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)
+    monkeypatch.setattr(GrammarConstraint, "masks", masks)
+    assert solo(pkit, jobs[0][0], max_tokens=16) == solo(one, jobs[0][0], max_tokens=16)
+
+
+@pytest.mark.parametrize("shared", ["forward", "draft"])
+def test_a_failed_shared_pass_is_retried_row_by_row(pkit, llama_path, draft_path, monkeypatch, shared):
+    """A failure of a shared pass (the batch's forward pass, or the draft
+    model's batched drafting) cannot be attributed to one request: every row
+    is run again on its own, and every request completes exactly."""
+    model = pkit.model if shared == "forward" else pkit.draft.model
+    failures = [0]
+    feed = RaggedBatch.feed
+
+    def failing_feed(self, inputs):
+        if self.model is model and len(inputs) >= 2 and failures[0] < 2:
+            failures[0] += 1
+            raise RuntimeError("injected shared-pass failure")
+        return feed(self, inputs)
+
+    one = me.load_model(llama_path, max_parallel=1)
+    me.load_draft_model(one, draft_path)
+    jobs = [(me.tokenize(pkit, t), {"num_draft_tokens": 3}) for t in TEXTS[:2]] + [(me.tokenize(pkit, TEXTS[2]), MODES[1])]
+    want = [solo(one, p, max_tokens=16, **mode) for p, mode in jobs]
+    monkeypatch.setattr(RaggedBatch, "feed", failing_feed)
+    gens = [me.create_generator(pkit, p, max_tokens=16, **mode) for p, mode in jobs]
+    heads = [[t.id for t in next(g).tokens] for g in gens]
+    for (p, _), w, h, g in zip(jobs, want, heads, gens):
+        ids, final = drain(g)
+        assert final.stop_condition.stop_reason == "token_limit"
+        assert_same_or_near_tie(pkit, p, w, h + ids)
+    assert failures[0] == 2
+    assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)
+
+
+def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, monkeypatch):
+    """A parallel request whose clean-up fails (the prompt cache raising as the
+    request returns its entry, e.g. writing evicted entries to a full disk)
+    still ends: its answer is delivered, no open request is left behind,
+    unload works and every max_parallel slot is usable."""
+    from mlx_engine.prompt_cache import PromptCache
+
+    release = PromptCache.release
+
+    def failing_release(self, entry):
+        release(self, entry)
+        raise OSError(28, "No space left on device")
+
+    kit = me.load_model(llama_path, max_parallel=2, prompt_cache_dir=tmp_path / "cache")
+    prompts = [me.tokenize(kit, t) for t in TEXTS]
+    want = [solo(me.load_model(llama_path, max_parallel=1), p, max_tokens=6) for p in prompts]
+    monkeypatch.setattr(PromptCache, "release", failing_release)
+    for i in range(0, 4, 2):
+        gens = [me.create_generator(kit, prompts[j], max_tokens=6) for j in (i, i + 1)]
+        heads = [[t.id for t in next(g).tokens] for g in gens]
+        for j, h, g in zip((i, i + 1), heads, gens):
+            assert h + drain(g)[0] == want[j]  # the failure is logged, not the request's
+    assert not kit._activity.known
+    gens = [me.create_generator(kit, p, max_tokens=6) for p in prompts[:2]]  # both slots
+    heads = [[t.id for t in next(g).tokens] for g in gens]
+    assert [h + drain(g)[0] for h, g in zip(heads, gens)] == want[:2]
+    me.unload(kit)
+    assert kit.model is None
+
+
+def test_a_batch_that_cannot_release_its_rows_fails_them_and_recovers(pkit, llama_path, monkeypatch):
+    """The last resort: a shared pass failed and the batch cannot even hand its
+    rows back. Every request holding a row gets the error; their caches are
+    reset, and the kit serves the next requests exactly."""
+    one = me.load_model(llama_path, max_parallel=1)
+    prompts = [me.tokenize(pkit, t) for t in TEXTS[:2]]
+    want = [solo(one, p, max_tokens=8) for p in prompts]
+    feed, leave = RaggedBatch.feed, RaggedBatch.leave
+    broken = [True]
+
+    def failing_feed(self, inputs):
+        if broken[0] and len(self.rows) >= 2:
+            raise RuntimeError("injected shared-pass failure")
+        return feed(self, inputs)
+
+    def failing_leave(self, cache):
+        if broken[0]:
+            broken[0] = False
+            raise RuntimeError("injected broken batch")
+        return leave(self, cache)
+
+    monkeypatch.setattr(RaggedBatch, "feed", failing_feed)
+    monkeypatch.setattr(RaggedBatch, "leave", failing_leave)
+    gens = [me.create_generator(pkit, p, max_tokens=200, speculative_decoding_toggle=False) for p in prompts]
+    next(gens[0])  # decoding alone (then paused, its row in the batch, once its consumer is 64 results behind)
+    for g in reversed(gens):  # the second joins: their shared pass fails, and the batch cannot let them go
+        with pytest.raises(RuntimeError, match="injected"):
+            drain(g)
+    assert not broken[0]
+    assert not pkit._activity.known
+    gens = [me.create_generator(pkit, p, max_tokens=8) for p in prompts]
+    heads = [[t.id for t in next(g).tokens] for g in gens]
+    for p, w, h, g in zip(prompts, want, heads, gens):
+        assert_same_or_near_tie(pkit, p, w, h + drain(g)[0])

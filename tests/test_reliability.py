@@ -11,6 +11,7 @@ No test asserts a time: rates are reported, not judged."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 import random
 import threading
 import time
@@ -227,6 +228,209 @@ def test_process_exit_after_threaded_work_never_aborts(tmp_path_factory, llama_p
         out = run_exit_script(half, 3)
         assert out.returncode == 0 and "done" in out.stdout, (out.returncode, out.stderr[-2000:])
     report(f"{runs} processes exited cleanly after threaded work, abandoned generations and a daemon generation")
+
+
+# -- multi-user chat soak ------------------------------------------------------------
+CHAT_SYSTEM = "You are a careful assistant. Answer briefly, in code when you can. " * 2
+CHAT_ASKS = ["def add(a, b):", "class Point:", "import os", "for i in range(10):", "print(i, i * i)",
+             "Hello world!", "The quick brown fox", "return a + b", "self.x = x", "Bonjour le monde."]
+CHAT_REGEX = r"(yes|no), [a-z]{2,8}\."
+BROKEN_REGEX = r"(zq|qz)[a-z]{30}"  # its matcher is made to fail mid-generation (break_matchers)
+
+
+def break_matchers(monkeypatch) -> None:
+    """Make the grammar matcher of every BROKEN_REGEX request fail at its third
+    verify round, mid-generation, as a matcher failing at run time does."""
+    from mlx_engine.structured import GrammarConstraint
+
+    init, masks = GrammarConstraint.__init__, GrammarConstraint.masks
+
+    def patched_init(self, kit, grammar, *args, **kwargs):
+        init(self, kit, grammar, *args, **kwargs)
+        self.soak_rounds_left = 3 if "zq|qz" in grammar else None
+
+    def patched_masks(self, drafts):
+        if self.soak_rounds_left is not None:
+            self.soak_rounds_left -= 1
+            if not self.soak_rounds_left:
+                raise RuntimeError("structured output: the grammar matcher failed (injected)")
+        return masks(self, drafts)
+
+    monkeypatch.setattr(GrammarConstraint, "__init__", patched_init)
+    monkeypatch.setattr(GrammarConstraint, "masks", patched_masks)
+
+
+@dataclass
+class ChatTurn:
+    """One request of the soak, checked against the same prompt run alone afterwards."""
+
+    user: int
+    prompt: list[int]
+    max_tokens: int
+    kind: str
+    ids: list[int]
+    cancelled: str | None  # the route, when this turn was cancelled
+    error: BaseException | None = None
+    cache_source: str | None = None  # where its cached prefix came from (stats), when it ended with a result
+
+
+class ChatUser:
+    """One thread's conversation: turns of a random kind, some cancelled."""
+
+    def __init__(self, kit, user: int, kinds_seen: Counter):
+        self.kit, self.user, self.rng = kit, user, random.Random(1000 + user)
+        self.messages = [{"role": "system", "content": CHAT_SYSTEM}]
+        self.turns: list[ChatTurn] = []
+        self.refused = 0
+        self.kinds_seen = kinds_seen
+
+    def request_kwargs(self, kind: str) -> dict:
+        return {
+            "default": {},  # with a draft loaded: the draft model, adaptive
+            "plain": {"speculative_decoding_toggle": False},
+            "lookup": {"prompt_lookup_num_tokens": 4},
+            "draft": {"num_draft_tokens": 3},
+            "auto": {"auto_speculative": True},
+            "structured": {"regex": CHAT_REGEX},
+            "faulty": {"stats_callback": _raising},  # fails by its own fault, at its end
+            "broken": {"regex": BROKEN_REGEX, "structured_drafting": False},  # its matcher fails mid-generation
+        }[kind]
+
+    def turn(self) -> None:
+        rng, kit = self.rng, self.kit
+        if len(self.messages) > 1 and rng.random() < 0.15:
+            self.messages = self.messages[:-2]  # regenerate: the same prompt again
+        self.messages.append({"role": "user", "content": rng.choice(CHAT_ASKS)})
+        prompt = me.apply_chat_template(kit, self.messages)
+        kinds = ["default", "plain", "lookup", "auto", "structured", "faulty", "broken"] + (["draft"] if kit.draft else [])
+        kind = rng.choices(kinds, weights=[3, 3, 3, 2, 2, 1, 1] + ([3] if kit.draft else []))[0]
+        route = rng.choice(["close", "stop_generation", "drop"]) if rng.random() < 0.25 else None
+        max_tokens, cancel_at = rng.randint(3, 20), rng.randrange(8)
+        request_id = f"u{self.user}-{len(self.turns)}"
+        turn = ChatTurn(self.user, prompt, max_tokens, kind, [], None)
+        self.turns.append(turn)
+        self.kinds_seen[kind] += 1
+        while True:
+            try:
+                gen = me.create_generator(kit, prompt, max_tokens=max_tokens, request_id=request_id,
+                                          **self.request_kwargs(kind))
+                break
+            except GenerationInProgressError:  # max_parallel requests already open: retried
+                self.refused += 1
+                time.sleep(0.002)
+        text = []
+        try:
+            for i, r in enumerate(gen):
+                turn.ids += [t.id for t in r.tokens]
+                text.append(r.text)
+                if r.stats is not None:
+                    turn.cache_source = r.stats.cache_source
+                if route is not None and i == cancel_at and r.stop_condition is None:
+                    turn.cancelled = route
+                    if route == "close":
+                        gen.close()
+                    elif route == "stop_generation":
+                        me.stop_generation(kit, request_id)  # False when it already ended (results still queued)
+                    else:
+                        break  # dropped below, unfinished
+        except Exception as exc:  # checked at the end: only faulty and broken turns may fail, by their own fault
+            turn.error = exc
+        finally:
+            del gen
+        self.messages.append({"role": "assistant", "content": "".join(text)})
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no finalizer may fail
+def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
+    """4-8 users hold multi-turn chats sharing a system prompt on one kit
+    (max_parallel=4, a disk tier under a tiny budget): random cancellations,
+    structured-output, speculative and faulty requests mixed in, the draft
+    model unloaded and reloaded between rounds. Every answer equals the same
+    prompt run alone (a cancelled one, its prefix); only the faulty requests
+    fail, each by its own fault; at the end nothing is left open and memory is
+    back where it was."""
+    import gc
+
+    # One-offs are made before the baseline: each engine thread's first
+    # generation keeps a few bytes for good (threads are pooled, never freed),
+    # and this test holds two kits (two threads) at once.
+    warm = [me.load_model(llama_path) for _ in range(2)]
+    for k in warm:
+        generate_ids(k, me.tokenize(k, "hi"), max_tokens=2)
+        me.unload(k)
+    del warm, k
+    gc.collect()
+    mx.clear_cache()
+    baseline = mx.get_active_memory()
+    n_users, rounds = size(6, 8), size(5, 50)
+    break_matchers(monkeypatch)
+    kit = me.load_model(llama_path, max_parallel=4, prompt_cache_dir=tmp_path / "cache",
+                        prompt_cache_bytes=128 * 2**10, prompt_cache_disk_bytes=256 * 2**10)
+    me.load_draft_model(kit, draft_path)
+    draft_cycles = [0]
+
+    def between_rounds() -> None:  # every user waits at the barrier: no generation is open
+        if kit.draft is None:
+            me.load_draft_model(kit, draft_path)
+        else:
+            me.unload_draft_model(kit)
+        draft_cycles[0] += 1
+
+    kinds_seen: Counter = Counter()
+    users = [ChatUser(kit, u, kinds_seen) for u in range(n_users)]
+    barrier = threading.Barrier(n_users, action=between_rounds, timeout=600)
+    crashed: list[BaseException] = []
+
+    def run(user: ChatUser) -> None:
+        try:
+            for _ in range(rounds):
+                user.turn()
+                barrier.wait()
+        except BaseException as exc:  # reported below
+            crashed.append(exc)
+            barrier.abort()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(u,)) for u in users]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(1200)
+    elapsed = time.perf_counter() - t0
+    assert not crashed, crashed[:3]
+    state = kit._worker.call(lambda: (set(kit._activity.known), set(kit._activity.active), kit._scheduler.live,
+                                      kit.batch.rows, kit.prompt_cache.busy))
+    assert state == (set(), set(), [], [], [])
+
+    turns = [t for u in users for t in u.turns]
+    failed = [t for t in turns if t.error is not None and t.kind not in ("faulty", "broken")]
+    assert not failed, [(t.kind, repr(t.error)) for t in failed[:5]]
+    assert all(isinstance(t.error, CallbackError) for t in turns if t.kind == "faulty" and not t.cancelled)
+    assert all("injected" in str(t.error) for t in turns if t.kind == "broken" and t.error is not None)
+    monkeypatch.undo()  # the broken requests' answers so far are checked against their regex run alone
+    alone = me.load_model(llama_path, max_parallel=1)
+    for t in turns:
+        kw = {"regex": {"structured": CHAT_REGEX, "broken": BROKEN_REGEX}[t.kind]} if t.kind in ("structured", "broken") else {}
+        want = generate_ids(alone, t.prompt, max_tokens=t.max_tokens, **kw)[0]
+        partial = t.cancelled or t.error is not None  # a failed turn delivered the results before its error
+        assert (len(t.ids) <= len(want)) if partial else (len(t.ids) == len(want)), (t, want)
+        assert_same_or_near_tie(alone, t.prompt, want[: len(t.ids)], t.ids)
+    n_requests, refused = len(turns), sum(u.refused for u in users)
+    cancels = Counter(t.cancelled for t in turns if t.cancelled)
+    own_failures = Counter(t.kind for t in turns if t.error is not None)
+    sources = Counter(t.cache_source for t in turns if t.cache_source)
+    me.unload(kit)
+    me.unload(alone)
+    del kit, alone, users, turns, t
+    gc.collect()
+    mx.clear_cache()
+    held = mx.get_active_memory() - baseline
+    report(f"multi-user chat soak: {n_users} users x {rounds} rounds = {n_requests} requests on max_parallel=4 "
+           f"({dict(sorted(kinds_seen.items()))}); {sum(cancels.values())} cancelled ({dict(cancels)}), "
+           f"failed by their own fault: {dict(own_failures)} (a raising stats_callback, a matcher failing), 0 by another's; {refused} starts "
+           f"refused (max_parallel) and retried; {draft_cycles[0]} draft unload/load switches; cached prefixes "
+           f"from {dict(sources)}; MLX memory after unload {held:+d} bytes against the start; {elapsed:.1f} s")
+    assert held <= 0, f"{held} bytes of MLX memory still held after unloading"
 
 
 # -- property-based fuzzing -----------------------------------------------------
