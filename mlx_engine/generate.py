@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from . import loading, worker
+from . import tools as tools_module
 from .cache import CacheOptions
 from .images import validate_max_image_pixels
 from .model_kit import KitOptions, ModelKit, validate_max_parallel
@@ -115,15 +116,25 @@ def tokenize(kit: ModelKit, prompt: str, *, add_special_tokens: bool = True) -> 
     return list(kit.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
-def apply_chat_template(kit: ModelKit, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(
+    kit: ModelKit, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
     """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``)
-    rendered with the model's chat template, ready for ``create_generator``."""
+    rendered with the model's chat template, ready for ``create_generator``.
+
+    ``tools`` (OpenAI tool definitions) go to the template when it renders
+    tools in a known family's syntax; otherwise the default tool prompt is
+    added to the system message (docs/api.md, "Tool calls"). Messages may hold
+    assistant ``tool_calls`` and ``tool`` results."""
     if not getattr(kit.tokenizer, "chat_template", None):
         raise ValueError("messages: this model's tokenizer has no chat template; tokenize plain text with tokenize()")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of dicts with 'role' and 'content'")
+    checked = None if tools is None else tools_module.validate_tools(tools)
+    messages, extra = tools_module.render_arguments(tools_module.tool_format(kit), checked, messages)
     try:
-        ids = kit.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = kit.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                **extra)
     except Exception as exc:  # jinja errors raised by the template itself
         raise ValueError(f"messages: the chat template could not render them: {exc}") from exc
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
@@ -200,6 +211,9 @@ def create_generator(
     regex: str | None = None,
     grammar: str | None = None,
     structured_drafting: bool = True,
+    tools: list[dict] | None = None,
+    tool_choice: str | dict | None = None,
+    parallel_tool_calls: bool = True,
 ) -> Iterator[GenerationResult]:
     """Stream the continuation of ``prompt_tokens``.
 
@@ -215,6 +229,10 @@ def create_generator(
     ``json_schema`` / ``regex`` / ``grammar`` (Lark) constrain the output
     (docs/api.md, "Structured output"); ``structured_drafting`` drafts the tokens
     the grammar forces.
+    ``tools`` / ``tool_choice`` (``"auto"`` by default, ``"none"``,
+    ``"required"`` or ``{"name": ...}``) / ``parallel_tool_calls``: the model's
+    calls come back as ``GenerationResult.tool_calls``, their arguments held to
+    each tool's schema by a grammar (docs/api.md, "Tool calls").
     The generation runs on the kit's engine thread; callbacks are called there.
     """
     require_model(kit)

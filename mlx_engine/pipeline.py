@@ -25,12 +25,13 @@ from .errors import CallbackError
 from .model_kit import ModelKit
 from .plan import build_drafter
 from .request import Request
-from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, TopLogprob
+from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall, TopLogprob
 from .sampling import Sampler, build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
 from .speculative.loop import TURN, Drafter, Launch, Step, decode, forward_alone
 from .stop_strings import TextStream
 from .structured import GrammarConstraint
+from .tools import ToolCallStream
 
 logger = logging.getLogger(__name__)
 
@@ -256,11 +257,14 @@ def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t
     result: an end token, a stop string, a complete grammar, the token limit or
     cancellation."""
     stream = TextStream(kit.tokenizer.detokenizer, req.stop_strings)
+    calls = _ToolCalls(req)
     t_first, n = None, 0
 
     def finish(text: str, tokens: list[Token], tops, stop) -> GenerationResult:
         stats.generated_tokens = n
-        return _finish(GenerationResult(text, tokens, tops), stop, stats, req.stats_cb, t_start, t_first, processed)
+        text, made = calls.split(text, final=True)
+        result = GenerationResult(text, tokens, tops, tool_calls=made)
+        return _finish(result, stop, stats, req.stats_cb, t_start, t_first, processed)
 
     for step in steps:
         if isinstance(step, Launch):
@@ -288,7 +292,26 @@ def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t
         if step.completes_grammar or last:
             yield finish(event.text, [token], tops, "grammar_complete" if step.completes_grammar else "token_limit")
             return
-        yield GenerationResult(event.text, [token], tops)
+        text, made = calls.split(event.text)
+        yield GenerationResult(text, [token], tops, tool_calls=made)
+
+
+class _ToolCalls:
+    """Tool calls parsed out of a request's text (when it has tools and may call them)."""
+
+    def __init__(self, req: Request):
+        spec = req.tools
+        self.stream = None if spec is None or spec.choice == "none" else ToolCallStream(spec.format, spec.names)
+
+    def split(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """``(text to show, calls completed)``; ``final`` ends the text."""
+        if self.stream is None:
+            return text, []
+        out = self.stream.feed(text)
+        if not final:
+            return out.text, out.calls
+        end = self.stream.finish()
+        return out.text + end.text, out.calls + end.calls
 
 
 def _stop_requested(kit: ModelKit, request_id: str) -> bool:

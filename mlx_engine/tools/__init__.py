@@ -1,0 +1,65 @@
+"""Tool calls: tools in the prompt, calls parsed per model family, arguments
+guaranteed by a grammar (docs/api.md, "Tool calls").
+
+formats.py  the families' call syntaxes, chosen from the chat template
+spec.py     checking tools / tool_choice / parallel_tool_calls
+prompt.py   the messages and tools given to the chat template (or the default tool prompt)
+grammar.py  the llguidance grammar that keeps calls valid
+parser.py   calls out of the streamed text
+"""
+
+from __future__ import annotations
+
+from .formats import DEFAULT, FORMATS, ToolFormat, detect_format
+from .grammar import build_grammar
+from .parser import ToolCallStream, ToolText, parse_region, parse_tool_calls
+from .prompt import DEFAULT_TOOL_PROMPT, default_tool_prompt, render_arguments
+from .spec import Tool, ToolSpec, validate_tool_request, validate_tools
+
+
+def tool_format(kit) -> ToolFormat:
+    """The tool-call format of the kit's chat template (the default one without a template)."""
+    return detect_format(getattr(kit.tokenizer, "chat_template", None))
+
+
+__all__ = [
+    "DEFAULT",
+    "DEFAULT_TOOL_PROMPT",
+    "FORMATS",
+    "Tool",
+    "ToolCallStream",
+    "ToolFormat",
+    "ToolSpec",
+    "ToolText",
+    "build_grammar",
+    "default_tool_prompt",
+    "detect_format",
+    "parse_region",
+    "parse_tool_calls",
+    "render_arguments",
+    "tool_format",
+    "validate_tool_request",
+    "tool_constraint",
+    "validate_tools",
+]
+
+
+def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, str] | None):
+    """``(ToolSpec or None, constraint)`` for a request: with tools (and a choice
+    other than ``none``) the constraint is the tools' grammar, which cannot be
+    combined with ``json_schema`` / ``regex`` / ``grammar``. ``ValueError``
+    naming the bad argument or tool."""
+    from ..structured import check_grammar, compile_constraint
+
+    spec = validate_tool_request(tools, tool_choice, parallel, tool_format(kit))
+    if spec is None or spec.choice == "none":
+        return spec, constraint
+    if constraint is not None:
+        raise ValueError(f"tools and {constraint[0]} were both given; a tool call's arguments follow the tool's "
+                         "own schema, so pass one of them (or tool_choice='none')")
+    for i, tool in enumerate(spec.tools):
+        try:
+            check_grammar(kit, *compile_constraint(json_schema=tool.parameters))
+        except ValueError as exc:
+            raise ValueError(f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: {exc}") from exc
+    return spec, ("tools", build_grammar(spec))
