@@ -25,7 +25,7 @@ from .errors import CallbackError
 from .model_kit import ModelKit
 from .plan import build_drafter
 from .request import Request
-from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall, TopLogprob
+from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall, ToolCallDelta, TopLogprob
 from .sampling import Sampler, build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
 from .speculative.loop import TURN, Drafter, Launch, Step, decode, forward_alone
@@ -262,8 +262,8 @@ def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t
 
     def finish(text: str, tokens: list[Token], tops, stop) -> GenerationResult:
         stats.generated_tokens = n
-        text, made = calls.split(text, final=True)
-        result = GenerationResult(text, tokens, tops, tool_calls=made)
+        text, made, deltas = calls.split(text, final=True)
+        result = GenerationResult(text, tokens, tops, tool_calls=made, tool_call_deltas=deltas)
         return _finish(result, stop, stats, req.stats_cb, t_start, t_first, processed)
 
     for step in steps:
@@ -292,26 +292,29 @@ def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t
         if step.completes_grammar or last:
             yield finish(event.text, [token], tops, "grammar_complete" if step.completes_grammar else "token_limit")
             return
-        text, made = calls.split(event.text)
-        yield GenerationResult(text, [token], tops, tool_calls=made)
+        text, made, deltas = calls.split(event.text)
+        yield GenerationResult(text, [token], tops, tool_calls=made, tool_call_deltas=deltas)
 
 
 class _ToolCalls:
-    """Tool calls parsed out of a request's text (when it has tools and may call them)."""
+    """Tool calls parsed out of a request's text (when it has tools and may
+    call them: then the tools' grammar holds every call, so calls stream)."""
 
     def __init__(self, req: Request):
         spec = req.tools
-        self.stream = None if spec is None or spec.choice == "none" else ToolCallStream(spec.format, spec.names)
+        self.stream = None
+        if spec is not None and spec.choice != "none":
+            self.stream = ToolCallStream(spec.format, spec.names, streamed=True)
 
-    def split(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """``(text to show, calls completed)``; ``final`` ends the text."""
+    def split(self, text: str, final: bool = False) -> tuple[str, list[ToolCall], list[ToolCallDelta]]:
+        """``(text to show, calls completed, call deltas)``; ``final`` ends the text."""
         if self.stream is None:
-            return text, []
+            return text, [], []
         out = self.stream.feed(text)
         if not final:
-            return out.text, out.calls
+            return out
         end = self.stream.finish()
-        return out.text + end.text, out.calls + end.calls
+        return out.text + end.text, out.calls + end.calls, out.deltas + end.deltas
 
 
 def _stop_requested(kit: ModelKit, request_id: str) -> bool:

@@ -44,6 +44,18 @@ class ToolCall(NamedTuple):
         return json.dumps(self.arguments, ensure_ascii=False)
 
 
+class ToolCallDelta(NamedTuple):
+    """A piece of a tool call as it streams (OpenAI's ``delta.tool_calls[i]``):
+    the first piece of call ``index`` carries its ``id`` and ``name``, the
+    next ones fragments of its arguments' JSON text. The fragments of one
+    index, joined, are the JSON of that call's ``arguments``."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
 class GenerationStopCondition(NamedTuple):
     """Why generation ended. ``stop_string`` is set for ``stop_string``; ``stop_tokens``
     holds the token ids that triggered the stop (the EOS id, or the tokens whose
@@ -103,7 +115,8 @@ class GenerationResult:
     """A chunk of streamed output. ``text`` is safe to display (whole characters,
     never part of a stop string). Exactly one result per generation, the last,
     has ``stop_condition`` and ``stats`` set. ``tool_calls`` holds the calls
-    completed in this chunk (with ``tools``); their markup is never in ``text``."""
+    completed in this chunk (with ``tools``); their markup is never in ``text``.
+    ``tool_call_deltas`` streams the calls piece by piece (docs/api.md, "Tool calls")."""
 
     text: str
     tokens: list[Token]
@@ -111,3 +124,4 @@ class GenerationResult:
     stop_condition: GenerationStopCondition | None = None
     stats: GenerationStats | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
