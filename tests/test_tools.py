@@ -348,3 +348,56 @@ def test_tool_calls_inside_the_batch(smollm):
     assert [t.id for r in outs[0] for t in r.tokens] == alone_tool
     assert [t.id for r in outs[1] for t in r.tokens] == alone_text
     assert len([c for r in outs[0] for c in r.tool_calls]) == 1
+
+
+# -- markers that are special tokens (Mistral's [TOOL_CALLS], some Hermes vocabularies) ----
+@pytest.fixture(scope="module")
+def special_marker_kit(tmp_path_factory):
+    """The hermes template over a tokenizer holding <tool_call> and </tool_call> as special tokens."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from fixtures.tiny_models import make_model
+
+    path = make_model(tmp_path_factory.mktemp("special") / "m", "llama", hidden=64, layers=2, scale=3.0, seed=5,
+                      vocab_pad=16)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
+    kit = me.load_model(path)
+    yield kit
+    me.unload(kit)
+
+
+def test_a_marker_held_as_a_special_token_is_written_as_that_token(special_marker_kit):
+    kit = special_marker_kit
+    open_id, close_id = (kit.tokenizer.encode(m, add_special_tokens=False) for m in ("<tool_call>", "</tool_call>"))
+    assert len(open_id) == len(close_id) == 1
+    prompt = me.apply_chat_template(kit, [{"role": "user", "content": "hello"}], tools=TINY_TOOLS)
+    results = list(me.create_generator(kit, prompt, max_tokens=120, temp=0.0, tools=TINY_TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False))
+    ids = [t.id for r in results for t in r.tokens]
+    assert ids[0] == open_id[0] and ids[-1] == close_id[0]  # the model's own tokens, not the text spelled out
+    calls = [c for r in results for c in r.tool_calls]
+    assert len(calls) == 1 and "".join(r.text for r in results) == ""
+    jsonschema.validate(calls[0].arguments, TINY_SCHEMAS[calls[0].name])
+
+
+def test_auto_opens_a_call_with_the_special_token_and_then_holds_it(special_marker_kit):
+    import llguidance
+
+    from mlx_engine.structured import tokenizer_for
+    from mlx_engine.tools import build_grammar, special_markers, tool_format, validate_tool_request
+
+    kit = special_marker_kit
+    spec = validate_tool_request(TINY_TOOLS, "auto", False, tool_format(kit))
+    matcher = llguidance.LLMatcher(tokenizer_for(kit), build_grammar(spec, special_markers(kit, spec.format)))
+    free = kit.tokenizer.encode("hello there", add_special_tokens=False)
+    open_id = kit.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert matcher.validate_tokens(free) == len(free)  # free text first
+    for t in free + open_id:
+        assert matcher.consume_token(t)
+    forced = kit.tokenizer.decode(matcher.compute_ff_tokens())
+    assert forced.startswith('\n{"name": "')  # from the opening on, the grammar holds
+    assert matcher.validate_tokens(kit.tokenizer.encode("hello", add_special_tokens=False)) == 0

@@ -39,6 +39,7 @@ __all__ = [
     "render_arguments",
     "tool_format",
     "validate_tool_request",
+    "special_markers",
     "tool_constraint",
     "validate_tools",
 ]
@@ -62,4 +63,17 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
             check_grammar(kit, *compile_constraint(json_schema=tool.parameters))
         except ValueError as exc:
             raise ValueError(f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: {exc}") from exc
-    return spec, ("tools", build_grammar(spec))
+    return spec, ("tools", build_grammar(spec, special_markers(kit, spec.format)))
+
+
+def special_markers(kit, fmt: ToolFormat) -> dict[str, int]:
+    """The format's markers the kit's tokenizer holds as one special token, by id."""
+    from ..structured import tokenizer_for
+
+    llg = tokenizer_for(kit)
+    found = {}
+    for marker in {fmt.open, fmt.close, "[ARGS]"} - {""}:
+        ids = kit.tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] < llg.vocab_size and llg.is_special_token(ids[0]):
+            found[marker] = ids[0]
+    return found
