@@ -351,21 +351,25 @@ def test_tool_calls_inside_the_batch(smollm):
 
 
 # -- markers that are special tokens (Mistral's [TOOL_CALLS], some Hermes vocabularies) ----
-@pytest.fixture(scope="module")
-def special_marker_kit(tmp_path_factory):
-    """The hermes template over a tokenizer holding <tool_call> and </tool_call> as special tokens."""
+def marker_model(out, special: bool):
+    """The hermes template over a tokenizer holding <tool_call> and </tool_call>
+    as single tokens, special (as some vocabularies do) or not (as Qwen's)."""
     from tokenizers import AddedToken, Tokenizer
 
     from fixtures.tiny_models import make_model
 
-    path = make_model(tmp_path_factory.mktemp("special") / "m", "llama", hidden=64, layers=2, scale=3.0, seed=5,
-                      vocab_pad=16)
+    path = make_model(out / "m", "llama", hidden=64, layers=2, scale=3.0, seed=5, vocab_pad=16)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
+    tok.add_tokens([AddedToken("<tool_call>", special=special), AddedToken("</tool_call>", special=special)])
     tok.save(str(path / "tokenizer.json"))
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
-    kit = me.load_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def special_marker_kit(tmp_path_factory):
+    kit = me.load_model(marker_model(tmp_path_factory.mktemp("special"), special=True))
     yield kit
     me.unload(kit)
 
@@ -401,3 +405,39 @@ def test_auto_opens_a_call_with_the_special_token_and_then_holds_it(special_mark
     forced = kit.tokenizer.decode(matcher.compute_ff_tokens())
     assert forced.startswith('\n{"name": "')  # from the opening on, the grammar holds
     assert matcher.validate_tokens(kit.tokenizer.encode("hello", add_special_tokens=False)) == 0
+
+
+def test_auto_opens_a_call_mid_answer_in_every_mode(tmp_path):
+    """A Markov model that writes "ok <tool_call>" (one text token, as in Qwen's
+    vocabulary) and then follows its table: the text before the opening is
+    released, and from the opening on the grammar holds, identically in every
+    decoding mode."""
+    import mlx.core as mx
+    from conftest import markov_kit
+    from fixtures.tiny_models import make_model, successor_table
+
+    path = marker_model(tmp_path, special=False)
+    draft = make_model(tmp_path / "draft", "llama", hidden=32, layers=1, seed=6, vocab_pad=16, tokenizer_from=path)
+    probe = me.load_model(path, vocab_only=True)
+    prompt = me.tokenize(probe, "hello")
+    chain = [prompt[-1]] + probe.tokenizer.encode("ok <tool_call>", add_special_tokens=False)
+    assert len(set(chain)) == len(chain) and probe.tokenizer.decode(chain[-1:]) == "<tool_call>"
+    table = successor_table(probe.vocab_size, sharpness=12.0)
+    for a, b in zip(chain, chain[1:]):
+        table[a] = mx.where(mx.arange(probe.vocab_size) == b, 30.0, table[a])
+    kit = markov_kit(path, table)
+    me.load_draft_model(kit, draft)
+    try:
+        runs = {mode: list(me.create_generator(kit, prompt, max_tokens=80, temp=0.0, tools=TINY_TOOLS,
+                                               parallel_tool_calls=False, **kw)) for mode, kw in MODES.items()}
+    finally:
+        me.unload(kit)
+    reference = [t.id for r in runs["plain"] for t in r.tokens]
+    assert reference[:len(chain) - 1] == chain[1:]  # the free text, then the opening
+    for mode, results in runs.items():
+        assert [t.id for r in results for t in r.tokens] == reference, mode
+        assert "".join(r.text for r in results) == "ok ", mode
+        calls = [c for r in results for c in r.tool_calls]
+        assert len(calls) == 1 and results[-1].stop_condition.stop_reason == "grammar_complete", mode
+        jsonschema.validate(calls[0].arguments, TINY_SCHEMAS[calls[0].name])
+        assert rebuild(results) == {0: (calls[0].id, calls[0].name, calls[0].arguments)}
