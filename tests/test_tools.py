@@ -31,6 +31,7 @@ CALC = {
     "type": "function",
     "function": {
         "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
         "parameters": {
             "type": "object",
             "properties": {"expression": {"type": "string", "maxLength": 24}, "precision": {"type": "integer"}},
@@ -261,7 +262,7 @@ def weather_prompt(kit, question="What is the weather in Paris?"):
 
 @requires_default_model
 @pytest.mark.parametrize("choice, question", [
-    ("required", "What is 12 times 7?"),
+    ("required", "Compute 23 * 19."),
     ({"type": "function", "function": {"name": "get_weather"}}, "What is the weather in Paris?"),
 ])
 def test_calls_are_valid_and_the_same_in_every_mode(smollm, choice, question):
@@ -289,7 +290,7 @@ def test_calls_are_valid_and_the_same_in_every_mode(smollm, choice, question):
 
 @requires_default_model
 def test_auto_lets_a_plain_answer_through_untouched(smollm):
-    prompt = weather_prompt(smollm, "What is 12 times 7?")
+    prompt = weather_prompt(smollm, "Compute 23 * 19.")
     plain, _ = generate_ids(smollm, prompt, max_tokens=24, temp=0.0)
     results = list(me.create_generator(smollm, prompt, max_tokens=24, temp=0.0, tools=TOOLS))
     assert [t.id for r in results for t in r.tokens] == plain
@@ -311,7 +312,7 @@ def test_without_the_grammar_a_malformed_call_is_text(smollm):
 
 @requires_default_model
 def test_cancelling_in_the_middle_of_a_call(smollm):
-    prompt = weather_prompt(smollm, "What is 12 times 7?")
+    prompt = weather_prompt(smollm, "Compute 23 * 19.")
     gen = me.create_generator(smollm, prompt, max_tokens=60, temp=0.0, tools=TOOLS, tool_choice="required",
                               request_id="tool-cancel")
     results = []
@@ -330,7 +331,7 @@ def test_cancelling_in_the_middle_of_a_call(smollm):
 
 @requires_default_model
 def test_tool_calls_inside_the_batch(smollm):
-    tool_prompt, text_prompt = weather_prompt(smollm, "What is 12 times 7?"), me.tokenize(smollm, "Once upon a time")
+    tool_prompt, text_prompt = weather_prompt(smollm, "Compute 23 * 19."), me.tokenize(smollm, "Once upon a time")
     tool_kw = dict(max_tokens=56, temp=0.0, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     alone_tool, _ = generate_ids(smollm, tool_prompt, **tool_kw)
     alone_text, _ = generate_ids(smollm, text_prompt, max_tokens=30, temp=0.0)
