@@ -124,9 +124,11 @@ def main() -> None:
     runs = {name: [] for name in SYSTEMS}
     order = itertools.cycle([list(SYSTEMS), list(SYSTEMS)[1:] + list(SYSTEMS)[:1], list(SYSTEMS)[2:] + list(SYSTEMS)[:2]])
     t0 = time.perf_counter()
-    for prompt, systems in zip(rendered, order):
+    for i, (prompt, systems) in enumerate(zip(rendered, order)):
         for name in systems:
             runs[name].append(run_one(kit, prompt, name, args.max_tokens))
+        line = ", ".join(f"{k} {v[-1]['tps']:.1f} tok/s{' valid' if v[-1]['valid'] else ''}" for k, v in runs.items())
+        print(f"[{i + 1}/{len(rendered)}] {line}", flush=True)
     report = summarize(runs, questions, args, time.perf_counter() - t0)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "tools.md").write_text(report)
