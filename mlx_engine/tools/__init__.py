@@ -58,12 +58,18 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
     if constraint is not None:
         raise ValueError(f"tools and {constraint[0]} were both given; a tool call's arguments follow the tool's "
                          "own schema, so pass one of them (or tool_choice='none')")
-    for i, tool in enumerate(spec.tools):
-        try:
-            check_grammar(kit, *compile_constraint(json_schema=tool.parameters))
-        except ValueError as exc:
-            raise ValueError(f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: {exc}") from exc
-    return spec, ("tools", build_grammar(spec, special_markers(kit, spec.format)))
+    grammar = build_grammar(spec, special_markers(kit, spec.format))
+    try:
+        check_grammar(kit, "tools", grammar)
+    except ValueError:
+        for i, tool in enumerate(spec.tools):  # name the tool whose schema fails
+            try:
+                check_grammar(kit, *compile_constraint(json_schema=tool.parameters))
+            except ValueError as exc:
+                raise ValueError(f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: "
+                                 f"{exc}") from exc
+        raise
+    return spec, ("tools", grammar)
 
 
 def special_markers(kit, fmt: ToolFormat) -> dict[str, int]:
