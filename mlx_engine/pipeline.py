@@ -25,7 +25,8 @@ from .errors import CallbackError
 from .model_kit import ModelKit
 from .plan import build_drafter
 from .request import Request
-from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall, ToolCallDelta, TopLogprob
+from .results import (GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall,
+                      ToolCallDelta, TopLogprob)
 from .sampling import Sampler, build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
 from .speculative.loop import TURN, Drafter, Launch, Step, decode, forward_alone

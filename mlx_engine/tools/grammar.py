@@ -40,7 +40,9 @@ class _Markup:
 
 
 def _args(tool: Tool) -> str:
-    schema = tool.parameters if "x-guidance" in tool.parameters else {**tool.parameters, "x-guidance": dict(JSON_LAYOUT)}
+    schema = tool.parameters
+    if "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": dict(JSON_LAYOUT)}
     return "%json " + json.dumps(schema)
 
 

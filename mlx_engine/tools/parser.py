@@ -66,7 +66,9 @@ def _mistral_v11(region: str, names) -> list[tuple[str, dict]] | None:
             continue
         name, sep, args = part.partition("[ARGS]")
         values = _json_values(args) if sep else None
-        call = _call_object({"name": name.strip(), "arguments": values[0]}, names) if values and len(values) == 1 else None
+        call = None
+        if values and len(values) == 1:
+            call = _call_object({"name": name.strip(), "arguments": values[0]}, names)
         if call is None:
             return None
         calls.append(call)

@@ -54,9 +54,9 @@ def validate_tools(tools: Any) -> tuple[Tool, ...]:
     out: list[Tool] = []
     for i, item in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(item, dict) or item.get("type", "function") != "function" or not isinstance(item.get("function"), dict):
+        fn = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(fn, dict) or item.get("type", "function") != "function":
             raise ValueError(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}')
-        fn = item["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not NAME.match(name):
             raise ValueError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
@@ -85,7 +85,8 @@ def validate_tool_choice(choice: Any, tools: tuple[Tool, ...]) -> tuple[str, str
             raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}")
         return choice, None
     if isinstance(choice, dict):
-        name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else choice.get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
         if name not in {t.name for t in tools}:
             raise ValueError(f"tool_choice names {name!r}, which is not one of the declared tools")
         return "named", name
