@@ -11,12 +11,16 @@
     python demo.py --json-schema person.json --prompt "Describe a person as JSON."
     python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
     python demo.py --parallel 4                      # four questions at once, decoded in one batch
+    python demo.py --tools examples/tools.json       # a tool call, the tool's result, then the answer
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import logging
+import operator
 import os
 import sys
 import threading
@@ -40,6 +44,7 @@ PARALLEL_QUESTIONS = (
     "Which planet is closest to the sun?",
     "Translate 'good morning' into French.",
 )
+DEFAULT_TOOL_QUESTION = "What is 23 times 19?"
 LMSTUDIO_DIRS = (Path.home() / ".lmstudio" / "models", Path.home() / ".cache" / "lm-studio" / "models")
 
 
@@ -82,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the answer to this JSON schema (a .json file)")
     p.add_argument("--regex", default=None, help="constrain the answer to this regular expression")
     p.add_argument("--grammar", default=None, metavar="FILE", help="constrain the answer to this Lark grammar file")
+    p.add_argument("--tools", default=None, metavar="FILE",
+                   help="OpenAI tool definitions (a .json list, e.g. examples/tools.json): the model calls one, the demo "
+                        "runs it and the model answers from its result")
+    p.add_argument("--tool-choice", default="required", metavar="CHOICE",
+                   help="auto, required (default: a 135M model seldom calls on its own) or a tool's name")
     p.add_argument("--images", nargs="+", default=None, metavar="FILE", help="image files for a vision model (sent base64-encoded)")
     p.add_argument("--verbose", action="store_true", help="log engine decisions")
     p.add_argument("--parallel", type=int, default=None, metavar="N", help="answer N prompts at once (built-in questions, or --prompt N times) and print the aggregate throughput")
@@ -106,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--max-tokens must be positive")
     if sum(x is not None for x in (args.json_schema, args.regex, args.grammar)) > 1:
         parser.error("--json-schema, --regex and --grammar are alternatives; pass one")
+    if args.tools and (args.chat or args.parallel or args.images or args.json_schema or args.regex or args.grammar):
+        parser.error("--tools runs one tool-calling exchange; it takes no --chat, --parallel, --images or constraint")
     if args.chat and (args.images or args.prompt is not None):
         parser.error("--chat reads the messages from the terminal; it takes no --prompt or --images")
     if args.parallel is not None and not 1 <= args.parallel <= 64:
@@ -176,6 +188,80 @@ def constraints(args: argparse.Namespace) -> dict:
                 sys.exit(f"--{flag.replace('_', '-')}: {str(path)!r} is not a file")
             out[key] = path.read_text(encoding="utf-8")
     return out
+
+
+# -- tools -------------------------------------------------------------------------
+BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+          ast.Pow: operator.pow, ast.Mod: operator.mod}
+UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def arithmetic(expression: str) -> float:
+    """Evaluate + - * / % ** and parentheses over numbers (nothing else is run)."""
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
+            return BINARY[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
+            return UNARY[type(node.op)](value(node.operand))
+        raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+    return value(ast.parse(expression.replace("^", "**"), mode="eval").body)
+
+
+def run_tool(call: me.ToolCall) -> dict:
+    """The example tools of examples/tools.json. get_weather makes the weather up
+    from the city's name (a demo without network access); other tools are unknown here."""
+    try:
+        if call.name == "calculator":
+            return {"result": arithmetic(str(call.arguments.get("expression", "")))}
+        if call.name == "get_weather":
+            city = str(call.arguments.get("city", ""))
+            celsius = 5 + sum(map(ord, city)) % 25
+            unit = call.arguments.get("unit", "celsius")
+            temperature = celsius if unit == "celsius" else round(celsius * 9 / 5 + 32)
+            return {"city": city, "temperature": temperature, "unit": unit, "note": "made up by the demo"}
+    except (ValueError, SyntaxError, ZeroDivisionError, OverflowError) as exc:
+        return {"error": str(exc)}
+    return {"error": f"the demo has no implementation of {call.name!r}"}
+
+
+def read_tools(name: str) -> list[dict]:
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--tools: {str(path)!r} is not a file")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--tools: {str(path)!r} is not JSON: {exc}") from exc
+
+
+def tool_choice(args: argparse.Namespace):
+    return args.tool_choice if args.tool_choice in ("auto", "required", "none") else {"name": args.tool_choice}
+
+
+def tools_exchange(kit: me.ModelKit, args: argparse.Namespace) -> int:
+    """Ask with tools, run the calls the model makes, and stream its answer from their results."""
+    tools = read_tools(args.tools)
+    text = args.prompt or DEFAULT_TOOL_QUESTION
+    messages = system_messages(args) + [{"role": "user", "content": text}]
+    print(f"> {text}\n", flush=True)
+    options = {**request_options(args), "tools": tools, "tool_choice": tool_choice(args), "parallel_tool_calls": False}
+    final, answer, calls = generate(kit, args, me.apply_chat_template(kit, messages, tools=tools), None, options)
+    if not calls:
+        print_stats(final.stats, final.stop_condition)
+        return 0
+    messages.append({"role": "assistant", "content": answer or None, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]})
+    for call in calls:
+        result = json.dumps(run_tool(call))
+        print(f"[tool call] {call.name}({call.arguments_json}) -> {result}", flush=True)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    print()
+    options["tool_choice"] = "none"  # the answer, in words, from the results
+    final, _, _ = generate(kit, args, me.apply_chat_template(kit, messages, tools=tools), None, options)
+    print_stats(final.stats, final.stop_condition)
+    return 0
 
 
 def progress_bar():
@@ -267,10 +353,12 @@ def request_options(args: argparse.Namespace) -> dict:
     )
 
 
-def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], images_b64) -> tuple[me.GenerationResult, str]:
-    """Stream one answer to stdout; returns the final result and the whole text."""
-    final, pieces = None, []
-    for result in me.create_generator(kit, prompt, images_b64=images_b64, **request_options(args)):
+def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], images_b64,
+             options: dict | None = None) -> tuple[me.GenerationResult, str, list[me.ToolCall]]:
+    """Stream one answer to stdout; returns the final result, the whole text and the tool calls."""
+    final, pieces, calls = None, [], []
+    for result in me.create_generator(kit, prompt, images_b64=images_b64, **(options or request_options(args))):
+        calls += result.tool_calls
         sys.stdout.write(result.text)
         sys.stdout.flush()
         pieces.append(result.text)
@@ -279,7 +367,7 @@ def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], imag
                 alts = ", ".join(f"{t.text!r}:{t.logprob:.2f}" for t in tops)
                 print(f"\n    [{tok.text!r} {tok.logprob:.2f}] {alts}", file=sys.stderr)
         final = result
-    return final, "".join(pieces)
+    return final, "".join(pieces), calls
 
 
 def chat(kit: me.ModelKit, args: argparse.Namespace) -> int:
@@ -297,7 +385,7 @@ def chat(kit: me.ModelKit, args: argparse.Namespace) -> int:
         if not text.strip():
             return 0
         prompt = build_prompt(kit, args, text, history)
-        final, answer = generate(kit, args, prompt, None)
+        final, answer, _ = generate(kit, args, prompt, None)
         history = history + [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
         print_stats(final.stats, final.stop_condition)
 
@@ -351,6 +439,8 @@ def run(args: argparse.Namespace) -> int:
         return chat(kit, args)
     if args.parallel:
         return parallel(kit, args)
+    if args.tools:
+        return tools_exchange(kit, args)
     images_b64 = read_images(args.images) if args.images else None
     text = read_prompt(kit, args)
     prompt = build_prompt(kit, args, text, [])
@@ -358,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"> {text}\n", flush=True)
     else:
         sys.stdout.write(kit.tokenizer.decode(prompt))  # a base model continues the text: show it
-    final, _ = generate(kit, args, prompt, images_b64)
+    final, _, _ = generate(kit, args, prompt, images_b64)
     print_stats(final.stats, final.stop_condition)
     return 0
 

@@ -27,6 +27,8 @@ from .results import (  # noqa: E402
     GenerationStats,
     GenerationStopCondition,
     Token,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
 )
 from .speculative.draft_model import DraftCompatibility, check_draft_model  # noqa: E402
@@ -51,6 +53,8 @@ __all__ = [
     "ShardedKitError",
     "ShardedModelKit",
     "Token",
+    "ToolCall",
+    "ToolCallDelta",
     "TopLogprob",
     "VisionModelKit",
     "blas_status",

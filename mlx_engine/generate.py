@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from . import loading, worker
+from . import tools as tools_module
 from .cache import CacheOptions
 from .chat_template import check_render
 from .errors import ChatTemplateLimitError
@@ -123,24 +124,34 @@ def tokenize(kit: ModelKit, prompt: str, *, add_special_tokens: bool = True) -> 
     return list(kit.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
-def apply_chat_template(kit: ModelKit, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(
+    kit: ModelKit, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
     """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``)
-    rendered with the model's chat template, ready for ``create_generator``."""
+    rendered with the model's chat template, ready for ``create_generator``.
+
+    ``tools`` (OpenAI tool definitions) go to the template when it renders
+    tools in a known family's syntax; otherwise the default tool prompt is
+    added to the system message (docs/api.md, "Tool calls"). Messages may hold
+    assistant ``tool_calls`` and ``tool`` results."""
     if not getattr(kit.tokenizer, "chat_template", None):
         raise ValueError("messages: this model's tokenizer has no chat template; tokenize plain text with tokenize()")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of dicts with 'role' and 'content'")
     if not isinstance(add_generation_prompt, bool):
         raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+    checked = None if tools is None else tools_module.validate_tools(tools)
+    messages, extra = tools_module.render_arguments(tools_module.tool_format(kit), checked, messages)
     tok = kit.tokenizer
     try:
         # The template is code from the model files: it runs first in a bounded
         # sandbox (chat_template.py), and only one that finishes there is
         # rendered by transformers, whose output the prompt is.
         template = tok.get_chat_template() if hasattr(tok, "get_chat_template") else tok.chat_template
-        check_render(template, {**getattr(tok, "special_tokens_map", {}), "messages": messages, "tools": None,
-                                "documents": None, "add_generation_prompt": add_generation_prompt})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        check_render(template, {**getattr(tok, "special_tokens_map", {}), "messages": messages,
+                                "tools": extra.get("tools"), "documents": None,
+                                "add_generation_prompt": add_generation_prompt})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     except ChatTemplateLimitError as exc:
         raise ChatTemplateLimitError(f"messages: {exc}") from None
     except Exception as exc:  # jinja errors raised by the template itself
@@ -219,6 +230,9 @@ def create_generator(
     regex: str | None = None,
     grammar: str | None = None,
     structured_drafting: bool = True,
+    tools: list[dict] | None = None,
+    tool_choice: str | dict | None = None,
+    parallel_tool_calls: bool = True,
 ) -> Iterator[GenerationResult]:
     """Stream the continuation of ``prompt_tokens``.
 
@@ -234,6 +248,10 @@ def create_generator(
     ``json_schema`` / ``regex`` / ``grammar`` (Lark) constrain the output
     (docs/api.md, "Structured output"); ``structured_drafting`` drafts the tokens
     the grammar forces.
+    ``tools`` / ``tool_choice`` (``"auto"`` by default, ``"none"``,
+    ``"required"`` or ``{"name": ...}``) / ``parallel_tool_calls``: the model's
+    calls come back as ``GenerationResult.tool_calls``, their arguments held to
+    each tool's schema by a grammar (docs/api.md, "Tool calls").
     The generation runs on the kit's engine thread; callbacks are called there.
     """
     require_model(kit)

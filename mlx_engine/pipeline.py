@@ -25,12 +25,14 @@ from .errors import CallbackError
 from .model_kit import ModelKit
 from .plan import build_drafter
 from .request import Request
-from .results import GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, TopLogprob
+from .results import (GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall,
+                      ToolCallDelta, TopLogprob)
 from .sampling import Sampler, build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
 from .speculative.loop import TURN, Drafter, Launch, Step, decode, forward_alone
 from .stop_strings import TextStream
 from .structured import GrammarConstraint
+from .tools import ToolCallStream
 
 logger = logging.getLogger(__name__)
 
@@ -276,11 +278,14 @@ def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t
     result: an end token, a stop string, a complete grammar, the token limit or
     cancellation."""
     stream = TextStream(kit.tokenizer.detokenizer, req.stop_strings)
+    calls = _ToolCalls(req)
     t_first, n = None, 0
 
     def finish(text: str, tokens: list[Token], tops, stop) -> GenerationResult:
         stats.generated_tokens = n
-        return _finish(GenerationResult(text, tokens, tops), stop, stats, req.stats_cb, t_start, t_first, processed)
+        text, made, deltas = calls.split(text, final=True)
+        result = GenerationResult(text, tokens, tops, tool_calls=made, tool_call_deltas=deltas)
+        return _finish(result, stop, stats, req.stats_cb, t_start, t_first, processed)
 
     for step in steps:
         if isinstance(step, Launch):
@@ -308,7 +313,29 @@ def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t
         if step.completes_grammar or last:
             yield finish(event.text, [token], tops, "grammar_complete" if step.completes_grammar else "token_limit")
             return
-        yield GenerationResult(event.text, [token], tops)
+        text, made, deltas = calls.split(event.text)
+        yield GenerationResult(text, [token], tops, tool_calls=made, tool_call_deltas=deltas)
+
+
+class _ToolCalls:
+    """Tool calls parsed out of a request's text (when it has tools and may
+    call them: then the tools' grammar holds every call, so calls stream)."""
+
+    def __init__(self, req: Request):
+        spec = req.tools
+        self.stream = None
+        if spec is not None and spec.choice != "none":
+            self.stream = ToolCallStream(spec.format, spec.names, streamed=True)
+
+    def split(self, text: str, final: bool = False) -> tuple[str, list[ToolCall], list[ToolCallDelta]]:
+        """``(text to show, calls completed, call deltas)``; ``final`` ends the text."""
+        if self.stream is None:
+            return text, [], []
+        out = self.stream.feed(text)
+        if not final:
+            return out
+        end = self.stream.finish()
+        return out.text + end.text, out.calls + end.calls, out.deltas + end.deltas
 
 
 def _stop_requested(kit: ModelKit, request_id: str) -> bool:

@@ -24,6 +24,7 @@ from .results import GenerationStats
 from .sampling import SamplingParams, validate_sampling
 from .stop_strings import StopStringMatcher
 from .structured import check_grammar, compile_constraint
+from .tools import ToolSpec, tool_constraint
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -44,8 +45,9 @@ class Request:
     progress_cb: ProgressCallback | None
     stats_cb: StatsCallback | None
     plan: DecodingPlan
-    grammar: str | None  # llguidance grammar of a structured-output constraint
+    grammar: str | None  # llguidance grammar of a structured-output constraint (or of the tools)
     structured_drafting: bool
+    tools: ToolSpec | None = None  # tools whose calls are parsed out of the text
 
 
 def validate_request(kit: ModelKit, prompt_tokens, o: SimpleNamespace, request_id: str) -> Request:
@@ -65,6 +67,7 @@ def validate_request(kit: ModelKit, prompt_tokens, o: SimpleNamespace, request_i
         if cb is not None and not callable(cb):
             raise ValueError(f"{name} must be callable or None")
     constraint = compile_constraint(o.json_schema, o.regex, o.grammar)
+    tools, constraint = tool_constraint(kit, o.tools, o.tool_choice, o.parallel_tool_calls, constraint)
     if constraint is not None:
         check_grammar(kit, *constraint)
     if not isinstance(o.structured_drafting, bool):
@@ -79,7 +82,8 @@ def validate_request(kit: ModelKit, prompt_tokens, o: SimpleNamespace, request_i
     )
     max_tokens = _fit_to_context(kit, prompt, o.max_tokens)
     return Request(request_id, prompt, images, max_tokens, params, stops, o.prompt_progress_callback,
-                   o.stats_callback, plan, None if constraint is None else constraint[1], o.structured_drafting)
+                   o.stats_callback, plan, None if constraint is None else constraint[1], o.structured_drafting,
+                   tools)
 
 
 def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:

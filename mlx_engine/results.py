@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 StopReason = Literal["eos_token", "stop_string", "token_limit", "user_cancelled", "grammar_complete"]
 
@@ -24,6 +25,35 @@ class TopLogprob(NamedTuple):
     id: int
     text: str
     logprob: float
+
+
+class ToolCall(NamedTuple):
+    """A tool call the model made (docs/api.md, "Tool calls"): the declared
+    tool's ``name``, its ``arguments`` (a dict that validates against the tool's
+    JSON schema when the grammar held the call), a unique ``id`` and its
+    ``index`` among the generation's calls (OpenAI's ``tool_calls[i].index``)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    @property
+    def arguments_json(self) -> str:
+        """The arguments as JSON text (OpenAI's ``function.arguments``)."""
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+class ToolCallDelta(NamedTuple):
+    """A piece of a tool call as it streams (OpenAI's ``delta.tool_calls[i]``):
+    the first piece of call ``index`` carries its ``id`` and ``name``, the
+    next ones fragments of its arguments' JSON text. The fragments of one
+    index, joined, are the JSON of that call's ``arguments``."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
 
 
 class GenerationStopCondition(NamedTuple):
@@ -84,10 +114,14 @@ class GenerationStats:
 class GenerationResult:
     """A chunk of streamed output. ``text`` is safe to display (whole characters,
     never part of a stop string). Exactly one result per generation, the last,
-    has ``stop_condition`` and ``stats`` set."""
+    has ``stop_condition`` and ``stats`` set. ``tool_calls`` holds the calls
+    completed in this chunk (with ``tools``); their markup is never in ``text``.
+    ``tool_call_deltas`` streams the calls piece by piece (docs/api.md, "Tool calls")."""
 
     text: str
     tokens: list[Token]
     top_logprobs: list[list[TopLogprob]] | None = None
     stop_condition: GenerationStopCondition | None = None
     stats: GenerationStats | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)

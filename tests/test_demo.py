@@ -145,3 +145,26 @@ def test_demo_json_schema(tmp_path, llama_path):
                           "--json-schema", str(schema), "--max-tokens", "30"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert '{"ok": ' in out.stdout
+
+
+@requires_default_model
+def test_demo_tools_calls_the_calculator_and_answers_from_its_result():
+    out = run_demo(["--tools", "examples/tools.json", "--max-tokens", "48"])
+    assert out.returncode == 0, out.stderr
+    assert '[tool call] calculator({"expression": "23 * 19"}) -> {"result": 437}' in out.stdout
+    assert "437" in out.stdout.split("[tool call]")[1].split("Generation stats:")[0].split("\n", 1)[1]
+    assert "<tool_call>" not in out.stdout
+
+
+def test_demo_tools_arithmetic_runs_nothing_but_arithmetic():
+    assert demo.arithmetic("(2 + 3) * 4 ^ 2") == 80
+    with pytest.raises(ValueError, match="not arithmetic"):
+        demo.arithmetic("__import__('os').system('true')")
+    call = demo.me.ToolCall(0, "call_1", "nope", {})
+    assert "no implementation" in demo.run_tool(call)["error"]
+
+
+def test_demo_tools_refuses_chat():
+    with pytest.raises(SystemExit) as err:
+        demo.parse_args(["--tools", "examples/tools.json", "--chat"])
+    assert err.value.code == 2

@@ -1,0 +1,106 @@
+"""Checking ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (OpenAI's shapes)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .formats import ToolFormat
+
+NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+CHOICES = ("auto", "none", "required")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # the arguments' JSON schema
+
+    def as_openai(self) -> dict:
+        """The OpenAI tool definition chat templates expect."""
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A request's tools: what the grammar may produce and the parser accept."""
+
+    tools: tuple[Tool, ...]
+    choice: str  # auto | none | required | named
+    name: str | None  # the tool a named choice forces
+    parallel: bool
+    format: ToolFormat
+
+    @property
+    def names(self) -> set[str]:
+        return {t.name for t in self.tools}
+
+    @property
+    def callable_tools(self) -> tuple[Tool, ...]:
+        """The tools the grammar allows: all, or the named one."""
+        return tuple(t for t in self.tools if self.name is None or t.name == self.name)
+
+
+def validate_tools(tools: Any) -> tuple[Tool, ...]:
+    """OpenAI tool definitions (``[{"type": "function", "function": {"name", "description",
+    "parameters"}}]``) as ``Tool``s; ``ValueError`` naming the bad item."""
+    if not isinstance(tools, (list, tuple)) or not tools:
+        raise ValueError(f"tools must be a non-empty list of tool definitions, got {tools!r}")
+    out: list[Tool] = []
+    for i, item in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(fn, dict) or item.get("type", "function") != "function":
+            raise ValueError(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}')
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ValueError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+        if any(t.name == name for t in out):
+            raise ValueError(f"{where}.function.name {name!r} is declared twice")
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise ValueError(f"{where}.function.description must be a string")
+        parameters = fn.get("parameters", EMPTY_PARAMETERS)
+        if isinstance(parameters, str):
+            try:
+                parameters = json.loads(parameters)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}.function.parameters is not valid JSON: {exc}") from exc
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise ValueError(f"{where}.function.parameters must be a JSON schema of an object")
+        out.append(Tool(name, description, parameters))
+    return tuple(out)
+
+
+def validate_tool_choice(choice: Any, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
+    """``(choice, forced name)`` for ``"auto"``, ``"none"``, ``"required"`` or a
+    named tool (``{"type": "function", "function": {"name": ...}}`` or ``{"name": ...}``)."""
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}")
+        return choice, None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+        if name not in {t.name for t in tools}:
+            raise ValueError(f"tool_choice names {name!r}, which is not one of the declared tools")
+        return "named", name
+    raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}")
+
+
+def validate_tool_request(tools: Any, choice: Any, parallel: Any, fmt: ToolFormat) -> ToolSpec | None:
+    """The request's ``ToolSpec``, or None without tools."""
+    if not isinstance(parallel, bool):
+        raise ValueError(f"parallel_tool_calls must be True or False, got {parallel!r}")
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice was given without tools; pass tools=[...]")
+        return None
+    checked = validate_tools(tools)
+    kind, name = validate_tool_choice("auto" if choice is None else choice, checked)
+    return ToolSpec(checked, kind, name, parallel, fmt)
