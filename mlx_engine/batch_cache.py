@@ -196,7 +196,10 @@ def _stack_row(layer: _Layer, rows: list[SequenceCache], k: mx.array | None, v: 
     if layer.keys is None and k is None:
         return None, None
     ref = layer.keys if layer.keys is not None else k
-    width = max(layer.keys.shape[2] if layer.keys is not None else 0, (n + STEP - 1) // STEP * STEP)
+    # Buffers come in any width (a first row is adopted as it is, a branch of
+    # the prompt cache is an exact slice): pad every one to the widest.
+    width = max(layer.keys.shape[2] if layer.keys is not None else 0, k.shape[2] if k is not None else 0,
+                (n + STEP - 1) // STEP * STEP)
 
     def fit(a: mx.array | None, batch: int, like: mx.array) -> mx.array:
         if a is None:

@@ -260,3 +260,27 @@ def test_a_long_prompt_prefills_between_the_others_steps(pkit, llama_path, monke
     assert len([p for p in seen if 0 < p < 100]) >= 2  # chunks of 256 while another request is open
     assert_same_or_near_tie(pkit, short, want[0], head + drain(running)[0])
     assert_same_or_near_tie(pkit, long, want[1], late_ids)
+
+
+def test_rows_with_cache_buffers_of_other_widths_join_one_batch(llama_path):
+    """Prompts sharing a prefix start from branches of the prompt cache, whose
+    buffers are exact slices (any width); a row joining a batch whose buffers
+    are narrower than its own once failed the batched pass (found by 16 server
+    clients on 4 rows)."""
+    kit = me.load_model(llama_path, max_parallel=4)
+    prompts = [me.apply_chat_template(kit, [{"role": "user", "content": f"Question number {i}: what comes next?"}])
+               for i in range(16)]
+    todo, live, got = list(enumerate(prompts)), {}, {}
+    while todo or live:
+        while todo and len(live) < 4:  # a new request joins as soon as one ends
+            i, p = todo.pop(0)
+            live[i] = (me.create_generator(kit, p, max_tokens=12, speculative_decoding_toggle=False), [])
+        for i, (gen, ids) in list(live.items()):
+            r = next(gen)
+            ids += [t.id for t in r.tokens]
+            if r.stop_condition is not None:
+                got[i] = ids
+                del live[i]
+    one = me.load_model(llama_path, max_parallel=1)
+    for i, p in enumerate(prompts):
+        assert_same_or_near_tie(kit, p, solo(one, p, max_tokens=12, speculative_decoding_toggle=False), got[i])

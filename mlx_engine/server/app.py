@@ -10,6 +10,7 @@ handler reads: check the model, build the prompt and arguments off the loop
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import hmac
 import json
 import logging
@@ -59,6 +60,7 @@ class Service:
     decoding: str = "auto"
     draft_name: str | None = None
     runs: set = field(default_factory=set)  # RequestRun objects with a generation still open
+    outcomes: Counter = field(default_factory=Counter)  # generations completed / cancelled / failed
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -157,8 +159,9 @@ def _install_errors(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, service: Service, auth) -> None:
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": service.model_id, "running": service.queue.running,
-                "waiting": service.queue.waiting}
+        return {"status": "stopping" if service.queue.closed else "ok", "model": service.model_id,
+                "running": service.queue.running, "waiting": service.queue.waiting,
+                **{k: service.outcomes[k] for k in ("completed", "cancelled", "failed")}}
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
@@ -206,7 +209,7 @@ async def _admit(service: Service, request: Request, prompt: params.Prompt, kwar
                        type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except ShuttingDownError:
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
-    run = RequestRun(service.kit, service.queue, service.runs)
+    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes)
     try:
         await run.start(prompt.tokens, kwargs)
     except ValueError as exc:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -45,8 +46,8 @@ class RequestRun:
     """The ``n`` generations of one HTTP request (its choices), from creation to
     the last row given back."""
 
-    def __init__(self, kit: me.ModelKit, rows: AdmissionQueue, registry: set["RequestRun"]):
-        self.kit, self.rows, self.registry = kit, rows, registry
+    def __init__(self, kit: me.ModelKit, rows: AdmissionQueue, registry: set["RequestRun"], outcomes: Counter):
+        self.kit, self.rows, self.registry, self.outcomes = kit, rows, registry, outcomes
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Item | object] = asyncio.Queue()
         self.request_ids: list[str] = []
@@ -83,16 +84,19 @@ class RequestRun:
 
     def _pump(self, index: int, gen) -> None:
         """Thread: iterate one generator, hand results to the loop, close it."""
+        outcome = "failed"
         try:
             for result in gen:
+                if result.stop_condition is not None:
+                    outcome = "cancelled" if result.stop_condition.stop_reason == "user_cancelled" else "completed"
                 self._put(Item(index, result))
         except BaseException as exc:  # noqa: BLE001 - reported to the client, not lost
-            logger.exception("generation %s failed", self.request_ids[index] if index < len(self.request_ids) else index)
+            logger.exception("generation %s failed", self.request_ids[index])
             self._put(Item(index, error=exc))
         finally:
             gen.close()
             self._put(_END)
-            self._call(self._ended)
+            self._call(self._ended, outcome)
 
     def _put(self, item) -> None:
         self._call(self.queue.put_nowait, item)
@@ -103,7 +107,8 @@ class RequestRun:
         except RuntimeError:  # the loop has closed (process exit): nothing is listening
             pass
 
-    def _ended(self) -> None:
+    def _ended(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
         self.rows.release(1)
         self._live -= 1
         if self._live == 0:
