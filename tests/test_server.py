@@ -284,6 +284,16 @@ def test_oversized_body_is_413(tkit):
         assert post(url, hello()).status_code == 200
 
 
+def test_cors_is_off_unless_origins_are_given(server, tkit):
+    origin = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    assert "access-control-allow-origin" not in httpx.options(f"{server}/v1/chat/completions", headers=origin).headers
+    with serve(create_app(tkit, model_id=MODEL, cors_origins=["http://app.example"])) as url:
+        r = httpx.options(f"{url}/v1/chat/completions", headers=origin)
+        assert r.headers["access-control-allow-origin"] == "http://app.example"
+        other = httpx.options(f"{url}/v1/chat/completions", headers={**origin, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+
+
 def test_a_full_queue_is_429_and_waiters_are_served_in_order(slow_kit):
     app = create_app(slow_kit, model_id=MODEL, max_parallel=1, queue_size=1)
     long_body = hello(max_tokens=4000, stream=True, logit_bias=no_eos(slow_kit), mlx_engine={"decoding": "plain"})

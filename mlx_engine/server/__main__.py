@@ -62,6 +62,8 @@ class _Server(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use the model", args.host)
     context = args.context if args.context in (None, "auto") else int(args.context)
     kit = me.load_model(args.model, max_kv_size=context, prompt_cache_dir=args.prompt_cache_dir,
                         compute_dtype=args.compute_dtype, max_parallel=args.max_parallel)

@@ -112,10 +112,10 @@ def create_app(kit: me.ModelKit, *, model_id: str | None = None, api_key: str | 
     app = FastAPI(title="mlx-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     _install_errors(app)
-    if cors_origins:
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if cors_origins:  # added last, so outermost: its headers reach every answer, a 413 included
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     auth = _auth_dependency(service)
     _add_routes(app, service, auth)
     app.include_router(draft_router(service, auth))
