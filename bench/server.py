@@ -12,9 +12,10 @@ aggregate tokens per second (completion tokens of all requests / wall time).
 
 Systems: ``engine-plain`` (``mlx_engine.decoding=plain``) and ``mlx-lm`` on
 four chat workloads of bench.chat and on the copy-heavy ones; on the latter
-also ``engine-spec`` (auto decoding, draft model loaded; the same server
-process as engine-plain) and ``mlx-lm-spec`` (``--draft-model``, which turns
-mlx-lm's batching off). ``sdk`` runs the same requests through the
+also ``engine-spec`` (auto decoding, draft model loaded) and ``mlx-lm-spec``
+(``--draft-model``, which turns mlx-lm's batching off). Each system has a
+process (and the SDK a kit) of its own, so no system reuses a prompt another
+one cached; within a scenario every system gets the same requests. ``sdk`` runs the same requests through the
 SDK in this process, one at a time, for the 1-client comparison. Every request
 gets its own system line so no prompt is a prefix of another's (no server
 reuses a cached prompt). Writes ``<out>/server.md`` and ``<out>/server.json``.
@@ -171,12 +172,12 @@ def systems(model_dir: Path, draft: str, draft_dir: Path, py: str) -> list[tuple
     """(server, runs the copy-heavy speculation set only). mlx-lm's server is
     started after ``import mlx_engine`` so it gets the same BLAS (see _blas.py)."""
     engine = [py, "-m", "mlx_engine.server", "--model", me.DEFAULT_MODEL, "--model-id", "smollm2",
-              "--max-parallel", "4", "--queue", "64", "--log-level", "warning", "--draft", draft]
+              "--max-parallel", "4", "--queue", "64", "--log-level", "warning"]
     mlx_lm = [py, "-c", "import sys, runpy, mlx_engine; runpy.run_module('mlx_lm.server', run_name='__main__', "
               "alter_sys=True)", "--model", str(model_dir), "--log-level", "WARNING"]
     return [
         (Served("engine-plain", engine, "smollm2", {"mlx_engine": {"decoding": "plain"}}), False),
-        (Served("engine-spec", engine, "smollm2", {"mlx_engine": {"decoding": "auto"}}), True),
+        (Served("engine-spec", engine + ["--draft", draft], "smollm2", {"mlx_engine": {"decoding": "auto"}}), True),
         (Served("mlx-lm", mlx_lm, str(model_dir)), False),
         (Served("mlx-lm-spec", mlx_lm + ["--draft-model", str(draft_dir), "--num-draft-tokens", str(MLX_LM_DRAFT_TOKENS)],
                 str(model_dir)), True),
@@ -186,10 +187,9 @@ def systems(model_dir: Path, draft: str, draft_dir: Path, py: str) -> list[tuple
 SETS = {"chat": ("summarise", "free-chat", "edit-param", "quote-doc"), "copy": COPY_HEAVY}
 
 
-def run_all(args, kit, model_dir: Path, draft_dir: Path) -> list[dict]:
+def run_all(args, kits, model_dir: Path, draft_dir: Path) -> list[dict]:
     """Every server up at once (idle ones cost no CPU); each scenario runs the
-    systems back to back in a rotating order, so machine load hits them alike.
-    The engine serves plain and speculative requests from one process."""
+    systems back to back in a rotating order, so machine load hits them alike."""
     chosen = systems(model_dir, args.draft, draft_dir, sys.executable)
     procs, urls = [], {}
     try:
@@ -200,14 +200,14 @@ def run_all(args, kit, model_dir: Path, draft_dir: Path) -> list[dict]:
                 procs.append(start(served, port))
                 urls[key] = f"http://127.0.0.1:{port}"
             asyncio.run(scenario(urls[key], served, ["free-chat"], 1, 4, 10_000))  # warm-up (first-request costs)
-        return _scenarios(args, kit, chosen, urls)
+        return _scenarios(args, kits, chosen, urls)
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(60)
 
 
-def _scenarios(args, kit, chosen, urls) -> list[dict]:
+def _scenarios(args, kits: dict, chosen, urls) -> list[dict]:
     rows, base, turn = [], 0, 0
     for set_name, workloads in SETS.items():
         for clients in args.concurrency:
@@ -219,7 +219,7 @@ def _scenarios(args, kit, chosen, urls) -> list[dict]:
             for name, served in entries[turn % len(entries):] + entries[:turn % len(entries)]:
                 if served is None:
                     kw = {"speculative_decoding_toggle": False} if name == "sdk-plain" else {"auto_speculative": True}
-                    summary = sdk_alone(kit, list(workloads), args.max_tokens, base, **kw)
+                    summary = sdk_alone(kits[name], list(workloads), args.max_tokens, base, **kw)
                 else:
                     jobs, results, wall = asyncio.run(scenario(urls[tuple(served.argv)], served, list(workloads),
                                                                clients, args.max_tokens, base))
@@ -273,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    kit = me.load_model(me.DEFAULT_MODEL)
-    me.load_draft_model(kit, args.draft)
+    kits = {"sdk-plain": me.load_model(me.DEFAULT_MODEL), "sdk-spec": me.load_model(me.DEFAULT_MODEL)}
+    me.load_draft_model(kits["sdk-spec"], args.draft)
     draft_dir = me.catalog.lookup(args.draft)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = export_for_mlx_lm(kit, Path(tmp) / "smollm2-mlx")
-        rows = run_all(args, kit, model_dir, draft_dir)
+        model_dir = export_for_mlx_lm(kits["sdk-plain"], Path(tmp) / "smollm2-mlx")
+        rows = run_all(args, kits, model_dir, draft_dir)
     text = render(rows, args.max_tokens) + "\n" + "\n".join(f"- {n}" for n in exactness(rows)) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "server.md").write_text(text)

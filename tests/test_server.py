@@ -24,6 +24,7 @@ import uvicorn
 import mlx_engine as me
 from conftest import requires_default_model
 from mlx_engine.server import create_app
+from mlx_engine.server.queue import AdmissionQueue, QueueFullError, ShuttingDownError
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -294,7 +295,7 @@ def test_cors_is_off_unless_origins_are_given(server, tkit):
         assert "access-control-allow-origin" not in other.headers
 
 
-def test_a_full_queue_is_429_and_waiters_are_served_in_order(slow_kit):
+def test_a_full_queue_is_429_and_the_waiter_gets_the_row(slow_kit):
     app = create_app(slow_kit, model_id=MODEL, max_parallel=1, queue_size=1)
     long_body = hello(max_tokens=4000, stream=True, logit_bias=no_eos(slow_kit), mlx_engine={"decoding": "plain"})
     with serve(app) as url, httpx.Client(timeout=60) as http:
@@ -312,6 +313,45 @@ def test_a_full_queue_is_429_and_waiters_are_served_in_order(slow_kit):
         t.join(60)  # the first stream's client left: its row went to the waiter
         assert waiter["r"].status_code == 200
     wait_until(lambda: slow_kit.open_generations == 0)
+
+
+def test_admission_queue_is_fifo_bounded_and_closable():
+    async def main():
+        q = AdmissionQueue(rows=2, limit=2)
+        await q.acquire(2)
+        order = []
+
+        async def wait_for(name, rows):
+            await q.acquire(rows)
+            order.append(name)
+
+        tasks = [asyncio.create_task(wait_for("a", 2)), asyncio.create_task(wait_for("b", 1))]
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFullError):
+            await q.acquire(1)
+        q.release(1)  # one row free: the head needs two, and "b" may not pass it
+        await asyncio.sleep(0.01)
+        assert order == []
+        q.release(1)
+        await asyncio.sleep(0.01)
+        assert order == ["a"]
+        q.release(2)
+        await asyncio.gather(*tasks)
+        assert order == ["a", "b"] and q.free == 1
+        waiting = asyncio.create_task(q.acquire(2))
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # a client that left the line
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert q.waiting == 0 and q.free == 1
+        late = asyncio.create_task(q.acquire(2))
+        await asyncio.sleep(0.01)
+        q.close()
+        with pytest.raises(ShuttingDownError):
+            await late
+        with pytest.raises(ShuttingDownError):
+            await q.acquire(1)
+
+    asyncio.run(main())
 
 
 def test_rows_a_host_holds_make_requests_wait_not_fail(server, tkit):
