@@ -66,6 +66,7 @@ class Result:
     text: str
     ttft: float
     tokens: int
+    error: str | None = None  # the request failed (connection dropped, HTTP error)
 
 
 def export_for_mlx_lm(kit: me.ModelKit, out: Path) -> Path:
@@ -108,6 +109,15 @@ def start(served: Served, port: int) -> subprocess.Popen:
 
 
 async def one_request(http: httpx.AsyncClient, url: str, served: Served, messages: list[dict], max_tokens: int) -> Result:
+    """One streamed request; a failure is recorded, not raised (a peer may drop connections under load)."""
+    try:
+        return await _stream(http, url, served, messages, max_tokens)
+    except httpx.HTTPError as exc:
+        logger.warning("%s: request failed: %r", served.name, exc)
+        return Result("", float("nan"), 0, error=type(exc).__name__)
+
+
+async def _stream(http: httpx.AsyncClient, url: str, served: Served, messages: list[dict], max_tokens: int) -> Result:
     body = {"model": served.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, **served.extra}
     t0, ttft, parts, tokens, chunks = time.perf_counter(), None, [], None, 0
@@ -144,10 +154,11 @@ async def scenario(url: str, served: Served, workloads: list[str], clients: int,
 
 
 def summarise(jobs, results: list[Result], wall: float) -> dict:
-    ttfts = sorted(r.ttft for r in results)
+    ttfts = sorted(r.ttft for r in results if r.error is None) or [float("nan")]
     pick = lambda q: ttfts[min(len(ttfts) - 1, int(round(q * (len(ttfts) - 1))))]  # noqa: E731
     tokens = sum(r.tokens for r in results)
-    return {"requests": len(results), "tokens": tokens, "wall": wall, "agg_tps": tokens / wall,
+    return {"requests": len(results), "failed": sum(r.error is not None for r in results), "tokens": tokens,
+            "wall": wall, "agg_tps": tokens / wall,
             "ttft_p50": pick(0.5), "ttft_p95": pick(0.95),
             "texts": {f"{w}#{i}": r.text for (w, i), r in zip(jobs, results)}}
 
@@ -233,10 +244,11 @@ def _scenarios(args, kits: dict, chosen, urls) -> list[dict]:
 def render(rows: list[dict], max_tokens: int) -> str:
     lines = [f"SmolLM2-135M-Instruct (float32 on the CPU), greedy, up to {max_tokens} new tokens per request, "
              "streamed; one run. tok/s: completion tokens of all requests / wall time.", "",
-             "| set | clients | system | requests | tokens | agg tok/s | TTFT p50 s | TTFT p95 s |",
+             "| set | clients | system | requests (failed) | tokens | agg tok/s | TTFT p50 s | TTFT p95 s |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["set"], r["clients"], r["system"])):
-        lines.append(f"| {r['set']} | {r['clients']} | {r['system']} | {r['requests']} | {r['tokens']} | "
+        failed = f" ({r['failed']})" if r.get("failed") else ""
+        lines.append(f"| {r['set']} | {r['clients']} | {r['system']} | {r['requests']}{failed} | {r['tokens']} | "
                      f"{r['agg_tps']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |")
     lines += ["", "Ratios (same set and clients):", ""]
     index = {(r["system"], r["set"], r["clients"]): r for r in rows}
