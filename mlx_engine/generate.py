@@ -212,6 +212,9 @@ def create_generator(
     min_tokens_to_keep: int | None = None,
     repetition_penalty: float | None = None,
     repetition_context_size: int = 20,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
     seed: int | None = None,
     stop_strings: list[str] | None = None,
     top_logprobs: int | None = None,
@@ -252,6 +255,9 @@ def create_generator(
     ``"required"`` or ``{"name": ...}``) / ``parallel_tool_calls``: the model's
     calls come back as ``GenerationResult.tool_calls``, their arguments held to
     each tool's schema by a grammar (docs/api.md, "Tool calls").
+    ``logit_bias`` ({token id: number}) is added to the logits;
+    ``presence_penalty`` / ``frequency_penalty`` subtract (once / per occurrence)
+    for tokens among the last ``repetition_context_size`` of the sequence.
     The generation runs on the kit's engine thread; callbacks are called there.
     """
     require_model(kit)

@@ -195,6 +195,13 @@ class ModelKit:
         self.max_parallel = DEFAULT_MAX_PARALLEL if max_parallel is None else max_parallel
 
     @property
+    def open_generations(self) -> int:
+        """How many generators on this kit are open (created and not yet ended,
+        closed or cancelled); at most ``max_parallel``. Safe from any thread."""
+        with self._activity.lock:
+            return len(self._activity.known)
+
+    @property
     def batch(self) -> RaggedBatch | None:
         """The rows of the running generations, decoded in one forward pass per
         step; None when the kit serves one generation at a time or its caches

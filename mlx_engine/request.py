@@ -61,6 +61,7 @@ def validate_request(kit: ModelKit, prompt_tokens, o: SimpleNamespace, request_i
         temp=o.temp, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, min_tokens_to_keep=o.min_tokens_to_keep,
         repetition_penalty=o.repetition_penalty, repetition_context_size=o.repetition_context_size,
         seed=o.seed, top_logprobs=o.top_logprobs, vocab_size=kit.vocab_size,
+        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty, logit_bias=o.logit_bias,
     )
     stops = StopStringMatcher.validate(o.stop_strings)
     for name, cb in (("prompt_progress_callback", o.prompt_progress_callback), ("stats_callback", o.stats_callback)):

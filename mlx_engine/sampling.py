@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -40,6 +41,9 @@ class SamplingParams:
     repetition_context_size: int = 20
     seed: int | None = None
     top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, added logit) pairs
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +87,9 @@ def validate_sampling(
     seed: int | None,
     top_logprobs: int | None,
     vocab_size: int,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict | None = None,
 ) -> SamplingParams:
     """Check every sampling argument and return them normalised (NaN and
     infinities are refused for every float). ``vocab_size`` bounds ``top_k`` and
@@ -113,6 +120,8 @@ def validate_sampling(
         0 <= (top_logprobs := _number("top_logprobs", top_logprobs, integer=True)) <= MAX_TOP_LOGPROBS
     ):
         raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    presence_penalty = None if presence_penalty is None else _number("presence_penalty", presence_penalty)
+    frequency_penalty = None if frequency_penalty is None else _number("frequency_penalty", frequency_penalty)
     return SamplingParams(
         temp=float(temp or 0.0),
         top_p=top_p,
@@ -123,7 +132,26 @@ def validate_sampling(
         repetition_context_size=repetition_context_size,
         seed=seed,
         top_logprobs=top_logprobs or None,
+        presence_penalty=presence_penalty or None,
+        frequency_penalty=frequency_penalty or None,
+        logit_bias=validate_logit_bias(logit_bias, vocab_size),
     )
+
+
+def validate_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias`` ({token id: value added to its logit}) as sorted pairs;
+    ``ValueError`` naming the bad key or value."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, Mapping):
+        raise ValueError(f"logit_bias must be a dict of token id -> number, got {type(logit_bias).__name__}")
+    pairs = []
+    for key, value in logit_bias.items():
+        tid = _number("logit_bias key", key, integer=True)
+        if not 0 <= tid < vocab_size:
+            raise ValueError(f"logit_bias key {tid} is outside the vocabulary [0, {vocab_size})")
+        pairs.append((tid, float(_number(f"logit_bias[{tid}]", value))))
+    return tuple(sorted(pairs)) or None
 
 
 _MASK64 = 2**64 - 1
@@ -219,9 +247,17 @@ def build_sampler(params: SamplingParams, seed: int | None = None) -> Sampler:
     return PositionalSampler(params.temp, sampling_filters(params), seed)
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    if params.repetition_penalty is None or params.repetition_penalty == 1.0:
-        return []
+    """mlx-lm's processors for the request: logit bias, then the repetition,
+    presence and frequency penalties, each over the last
+    ``repetition_context_size`` tokens of the sequence (prompt included)."""
+    repetition = params.repetition_penalty if params.repetition_penalty != 1.0 else None
+    size = params.repetition_context_size
     return make_logits_processors(
-        repetition_penalty=params.repetition_penalty,
-        repetition_context_size=params.repetition_context_size,
+        logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+        repetition_penalty=repetition,
+        repetition_context_size=size,
+        presence_penalty=params.presence_penalty,
+        presence_context_size=size,
+        frequency_penalty=params.frequency_penalty,
+        frequency_context_size=size,
     )

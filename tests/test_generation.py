@@ -163,6 +163,36 @@ def test_repetition_penalty_sees_cached_prompt(kit):
     assert len(set(penalised)) == len(penalised)
 
 
+def test_logit_bias_moves_the_choice_in_every_mode(kit):
+    prompt = prompt_of(kit)
+    greedy = generate_ids(kit, prompt, max_tokens=8)[0]
+    avoided = generate_ids(kit, prompt, max_tokens=8, logit_bias={greedy[0]: -100.0})[0]
+    assert avoided[0] != greedy[0]
+    forced = greedy[0] + 1
+    for mode in ({}, {"prompt_lookup_num_tokens": 4}, {"auto_speculative": True}):
+        assert generate_ids(kit, prompt, max_tokens=6, logit_bias={forced: 100.0}, **mode)[0] == [forced] * 6
+
+
+def test_presence_and_frequency_penalties_see_the_window(kit):
+    prompt = prompt_of(kit)
+    for name in ("presence_penalty", "frequency_penalty"):
+        ids = generate_ids(kit, prompt, max_tokens=30, repetition_context_size=200, **{name: 100.0})[0]
+        assert not set(ids) & set(prompt) and len(set(ids)) == len(ids), name
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(logit_bias={"a": 1.0}), "logit_bias key"),
+    (dict(logit_bias={10**6: 1.0}), "logit_bias key 1000000 is outside the vocabulary"),
+    (dict(logit_bias={1: float("nan")}), r"logit_bias\[1\]"),
+    (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
+    (dict(presence_penalty=float("inf")), "presence_penalty"),
+    (dict(frequency_penalty="high"), "frequency_penalty"),
+])
+def test_bad_bias_and_penalties(kit, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        me.create_generator(kit, prompt_of(kit), **kwargs)
+
+
 def test_top_logprobs(kit):
     results = list(me.create_generator(kit, prompt_of(kit), max_tokens=5, top_logprobs=3))
     for r in results:

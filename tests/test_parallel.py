@@ -465,3 +465,26 @@ def test_a_batch_that_cannot_release_its_rows_fails_them_and_recovers(pkit, llam
     heads = [[t.id for t in next(g).tokens] for g in gens]
     for p, w, h, g in zip(prompts, want, heads, gens):
         assert_same_or_near_tie(pkit, p, w, h + drain(g)[0])
+
+def test_rows_with_cache_buffers_of_other_widths_join_one_batch(llama_path):
+    """Prompts sharing a prefix start from branches of the prompt cache, whose
+    buffers are exact slices (any width); a row joining a batch whose buffers
+    are narrower than its own once failed the batched pass (found by 16 server
+    clients on 4 rows)."""
+    kit = me.load_model(llama_path, max_parallel=4)
+    prompts = [me.apply_chat_template(kit, [{"role": "user", "content": f"Question number {i}: what comes next?"}])
+               for i in range(16)]
+    todo, live, got = list(enumerate(prompts)), {}, {}
+    while todo or live:
+        while todo and len(live) < 4:  # a new request joins as soon as one ends
+            i, p = todo.pop(0)
+            live[i] = (me.create_generator(kit, p, max_tokens=12, speculative_decoding_toggle=False), [])
+        for i, (gen, ids) in list(live.items()):
+            r = next(gen)
+            ids += [t.id for t in r.tokens]
+            if r.stop_condition is not None:
+                got[i] = ids
+                del live[i]
+    one = me.load_model(llama_path, max_parallel=1)
+    for i, p in enumerate(prompts):
+        assert_same_or_near_tie(kit, p, solo(one, p, max_tokens=12, speculative_decoding_toggle=False), got[i])

@@ -1,0 +1,286 @@
+"""The ASGI app: OpenAI's chat and completions endpoints over a kit.
+
+``create_app(kit, ...)`` builds it from a kit the host already holds (the
+command line, ``python -m mlx_engine.server``, loads one and calls it). Each
+handler reads: check the model, build the prompt and arguments off the loop
+(params.py), wait for rows (queue.py), start the generations on threads
+(runs.py), then answer whole or as server-sent events (responses.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import mlx_engine as me
+
+from . import params
+from .drafts import draft_router
+from .errors import APIError, bad_request, from_engine, from_validation
+from .limits import BodySizeLimit
+from .queue import AdmissionQueue, QueueFullError, ShuttingDownError
+from .responses import Choice, Envelope
+from .runs import RequestRun
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URI images
+DEFAULT_QUEUE = 64
+_DISCONNECT_POLL_S = 0.2
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+@dataclass
+class Service:
+    """What the handlers share: the kit, its rows and the running requests."""
+
+    kit: me.ModelKit
+    model_id: str
+    queue: AdmissionQueue
+    api_key: str | None = None
+    models_dir: Path | None = None
+    decoding: str = "auto"
+    draft_name: str | None = None
+    runs: set = field(default_factory=set)  # RequestRun objects with a generation still open
+    outcomes: Counter = field(default_factory=Counter)  # generations completed / cancelled / failed
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise APIError(404, f"model {model!r} is not served here; GET /v1/models lists {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+    def drain(self) -> None:
+        """Stop admitting: queued and new requests get 503; running ones go on."""
+        self.queue.close()
+
+    async def stop(self, wait_s: float = 10.0) -> None:
+        """Drain, cancel what still runs and wait (bounded) for its rows."""
+        self.drain()
+        for run in list(self.runs):
+            run.cancel()
+        with anyio.move_on_after(wait_s):
+            while self.runs:
+                await asyncio.sleep(0.02)
+
+
+def create_app(kit: me.ModelKit, *, model_id: str | None = None, api_key: str | None = None,
+               max_parallel: int | None = None, queue_size: int = DEFAULT_QUEUE, models_dir: str | Path | None = None,
+               cors_origins: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               decoding: str = "auto") -> FastAPI:
+    """The OpenAI-compatible app serving ``kit`` (docs/server.md).
+
+    ``model_id``: the name clients pass as ``model`` (default: the model
+    folder's or file's name). ``api_key``: required as a bearer token when set.
+    ``max_parallel``: rows the server uses (default and at most the kit's);
+    ``queue_size``: requests that may wait for rows before 429s.
+    ``models_dir``: where draft models may be loaded from by path.
+    ``cors_origins``: allowed browser origins (none: CORS off).
+    ``decoding``: the default mode (auto, plain, prompt_lookup, draft)."""
+    rows = kit.max_parallel if max_parallel is None else max_parallel
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
+        raise ValueError(f"max_parallel must be an integer from 1 to the kit's max_parallel ({kit.max_parallel}), got {max_parallel!r}")
+    if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
+        raise ValueError(f"queue_size must be a non-negative integer, got {queue_size!r}")
+    if decoding not in ("auto", "plain", "prompt_lookup", "draft"):
+        raise ValueError(f"decoding must be auto, plain, prompt_lookup or draft, got {decoding!r}")
+    service = Service(kit, model_id or Path(kit.model_path).name, AdmissionQueue(rows, queue_size), api_key or None,
+                      Path(models_dir) if models_dir else None, decoding)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await service.stop()
+
+    app = FastAPI(title="mlx-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    _install_errors(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if cors_origins:  # added last, so outermost: its headers reach every answer, a 413 included
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type"])
+    auth = _auth_dependency(service)
+    _add_routes(app, service, auth)
+    app.include_router(draft_router(service, auth))
+    return app
+
+
+def _auth_dependency(service: Service):
+    expected = service.api_key.encode() if service.api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                           type="authentication_error", code="invalid_api_key")
+
+    return check
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request, exc: RequestValidationError):
+        return from_validation(list(exc.errors())).response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request, exc: ClientGone):
+        return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed"}}, status_code=499)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+
+def _add_routes(app: FastAPI, service: Service, auth) -> None:
+    @app.get("/health")
+    async def health():
+        return {"status": "stopping" if service.queue.closed else "ok", "model": service.model_id,
+                "running": service.queue.running, "waiting": service.queue.waiting,
+                **{k: service.outcomes[k] for k in ("completed", "cancelled", "failed")}}
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models():
+        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
+                                            "owned_by": "mlx-engine"}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat(body: ChatCompletionRequest, request: Request):
+        service.check_model(body.model)
+        prompt = await anyio.to_thread.run_sync(params.chat_prompt, service.kit, body)
+        return await _answer(service, request, body, prompt, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(body: CompletionRequest, request: Request):
+        service.check_model(body.model)
+        if body.echo:
+            raise bad_request("echo is not supported", "echo")
+        prompt = await anyio.to_thread.run_sync(params.completion_prompt, service.kit, body)
+        return await _answer(service, request, body, prompt, chat=False)
+
+
+async def _answer(service: Service, request: Request, body, prompt: params.Prompt, *, chat: bool):
+    """Admit the request, start its choices, answer whole or streamed."""
+    if body.n > service.queue.rows:
+        raise bad_request(f"n must be at most {service.queue.rows} (the server's parallel rows)", "n")
+    kwargs = params.generator_kwargs(service.kit, body, prompt, service.decoding)
+    run = await _admit(service, request, prompt, kwargs, prompt_field="messages" if chat else "prompt")
+    env = Envelope(service.model_id, chat)
+    with_logprobs = params.wants_logprobs(body)
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _events(run, env, body.n, len(prompt.tokens), with_logprobs, usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    choices = await _collect(run, request, body.n, with_logprobs)
+    return JSONResponse(env.whole(choices, len(prompt.tokens), with_logprobs))
+
+
+async def _admit(service: Service, request: Request, prompt: params.Prompt, kwargs: list[dict], *,
+                 prompt_field: str) -> RequestRun:
+    """Wait for rows (429 when the line is full, 503 when stopping), then start."""
+    try:
+        await _unless_disconnected(request, service.queue.acquire(len(kwargs)))
+    except QueueFullError:
+        raise APIError(429, f"the server is busy: {service.queue.waiting} requests are waiting; retry later",
+                       type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except ShuttingDownError:
+        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
+    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes)
+    try:
+        await run.start(prompt.tokens, kwargs)
+    except ValueError as exc:
+        err = from_engine(exc)
+        if err.param == "messages":
+            err.param = prompt_field
+        raise err from exc
+    return run
+
+
+async def _unless_disconnected(request: Request, awaitable) -> None:
+    """Await ``awaitable`` unless the client leaves first (then it is cancelled)."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+
+
+async def _collect(run: RequestRun, request: Request, n: int, with_logprobs: bool) -> list[Choice]:
+    """All results of a non-streamed request; a client that leaves cancels it."""
+    choices = [Choice(i) for i in range(n)]
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(_DISCONNECT_POLL_S)
+        run.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        async for item in run.items():
+            if item.error is not None:
+                raise APIError(500, f"generation failed: {item.error}", type="server_error")
+            choices[item.index].add(item.result, with_logprobs)
+    finally:
+        watcher.cancel()
+        run.cancel()
+    return choices
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _events(run: RequestRun, env: Envelope, n: int, prompt_len: int, with_logprobs: bool,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """The stream as OpenAI sends it: a role chunk (chat), content chunks, a
+    finish chunk per choice, a usage chunk when asked, ``[DONE]``. Leaving the
+    stream (a client disconnect cancels it) stops the generations."""
+    choices = [Choice(i) for i in range(n)]
+    offsets = [0] * n
+    try:
+        if env.chat:
+            for i in range(n):
+                yield _sse(env.chunk(i, role=True, with_usage=include_usage))
+        async for item in run.items():
+            if item.error is not None:
+                yield _sse(APIError(500, f"generation failed: {item.error}", type="server_error").body())
+                continue
+            c, r = choices[item.index], item.result
+            entries = c.add(r, with_logprobs)
+            if r.text or entries or c.finish is not None:
+                yield _sse(env.chunk(c.index, text=r.text, entries=entries if with_logprobs else None,
+                                     offset=offsets[c.index], finish=c.finish_reason, with_usage=include_usage))
+                offsets[c.index] += len(r.text)
+        if include_usage:
+            yield _sse(env.usage_chunk(choices, prompt_len))
+        yield "data: [DONE]\n\n"
+    finally:
+        run.cancel()

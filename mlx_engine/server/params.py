@@ -1,0 +1,175 @@
+"""From a request body to what the SDK takes: the prompt's token ids (and
+images) and ``create_generator``'s keyword arguments, one set per choice.
+
+Runs off the event loop (chat templates and tokenizers are CPU work). Bad
+input raises ``APIError`` (400) naming the request field; what only the engine
+can check (a schema llguidance refuses, a top_k beyond the vocabulary) comes
+back from ``create_generator`` as ``ValueError`` and is mapped the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx_engine as me
+from mlx_engine.request import DEFAULT_MAX_TOKENS
+
+from .errors import bad_request
+from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
+
+DEFAULT_LOOKUP_TOKENS = 8
+
+
+@dataclass
+class Prompt:
+    tokens: list[int]
+    images: list[str]  # data URIs, one per image placeholder (vision kits)
+
+
+def chat_prompt(kit: me.ModelKit, req: ChatCompletionRequest) -> Prompt:
+    """The conversation rendered with the model's chat template."""
+    if req.tools:
+        # Pending the library's tool calls (issue 29): refuse rather than answer without them.
+        raise bad_request("tools: tool calls are not supported by this server yet", "tools")
+    vision = isinstance(kit, me.VisionModelKit)
+    images: list[str] = []
+    messages = [_message(m, i, vision, images) for i, m in enumerate(req.messages)]
+    try:
+        tokens = me.apply_chat_template(kit, messages)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    return Prompt(tokens, images)
+
+
+def _message(m: Message, i: int, vision: bool, images: list[str]) -> dict:
+    """One message as the chat template takes it: image parts become
+    ``{"type": "image"}`` (their data goes to ``images``), text parts are
+    joined into a string on a text-only model."""
+    out: dict = {"role": "system" if m.role == "developer" else m.role}
+    content = m.content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if part.type == "text":
+                parts.append({"type": "text", "text": part.text})
+                continue
+            where = f"messages.{i}.content.{j}.image_url"
+            if not vision:
+                raise bad_request(f"{where}: this model takes text only", where)
+            if not part.image_url.url.startswith("data:"):
+                raise bad_request(f"{where}: only data: URIs are accepted (the server fetches nothing)", where)
+            images.append(part.image_url.url)
+            parts.append({"type": "image"})
+        content = parts if vision else "".join(p["text"] for p in parts)
+    out["content"] = content if content is not None else ""
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    return out
+
+
+def completion_prompt(kit: me.ModelKit, req: CompletionRequest) -> Prompt:
+    """A completion prompt: text (one string) or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise bad_request("prompt: give one prompt per request (a list of several is not supported)", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return Prompt(me.tokenize(kit, prompt), [])
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    return Prompt(list(prompt), [])
+
+
+def token_budget(kit: me.ModelKit, prompt_len: int, asked: int | None) -> int:
+    """``max_tokens``: what was asked, capped by the context left after the
+    prompt; the whole remaining context when nothing was asked."""
+    context = kit.context_length
+    if context is None:
+        return asked or DEFAULT_MAX_TOKENS
+    room = context - prompt_len
+    if room <= 0:
+        raise bad_request(f"messages: the prompt has {prompt_len} tokens, which leaves no room in the "
+                          f"model's context of {context} tokens", "messages")
+    return min(asked, room) if asked else room
+
+
+def decoding_kwargs(opts: EngineOptions, default_mode: str) -> dict:
+    """The ``mlx_engine`` extension as ``create_generator``'s decoding arguments."""
+    mode = opts.decoding or default_mode
+    ngrams = {"prompt_lookup_min_ngram": opts.prompt_lookup_min_ngram,
+              "prompt_lookup_max_ngram": opts.prompt_lookup_max_ngram}
+    if mode == "plain":
+        return {"speculative_decoding_toggle": False}
+    if mode == "draft":
+        return {"speculative_decoding_toggle": True, "num_draft_tokens": opts.num_draft_tokens}
+    if mode == "prompt_lookup":
+        return {"speculative_decoding_toggle": False, **ngrams,
+                "prompt_lookup_num_tokens": opts.prompt_lookup_num_tokens or DEFAULT_LOOKUP_TOKENS}
+    return {"auto_speculative": True, "num_draft_tokens": opts.num_draft_tokens,
+            "prompt_lookup_num_tokens": opts.prompt_lookup_num_tokens, **ngrams}
+
+
+def structured_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict:
+    """``response_format`` (and the extension's regex/grammar) as a constraint."""
+    fmt, opts = req.response_format, req.mlx_engine
+    out: dict = {"regex": opts.regex, "grammar": opts.grammar, "structured_drafting": opts.structured_drafting}
+    if fmt is None or fmt.type == "text":
+        return out
+    if fmt.type == "json_object":
+        return {**out, "json_schema": {"type": "object"}}
+    if fmt.json_schema is None:
+        raise bad_request("response_format.json_schema is required when type is 'json_schema'",
+                          "response_format.json_schema")
+    # Always enforced by the grammar, whether or not ``strict`` is set.
+    return {**out, "json_schema": fmt.json_schema.schema_}
+
+
+def generator_kwargs(kit: me.ModelKit, req: ChatCompletionRequest | CompletionRequest, prompt: Prompt,
+                     default_mode: str) -> list[dict]:
+    """``create_generator``'s keyword arguments for each of the ``n`` choices
+    (choice i samples with ``seed + i``, so seeded choices differ and repeat)."""
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    top = _top_logprobs(req)
+    base = {
+        "max_tokens": token_budget(kit, len(prompt.tokens), asked),
+        "temp": req.temperature if req.temperature is not None else 1.0,
+        "top_p": req.top_p, "top_k": req.top_k or None, "min_p": req.min_p,
+        "stop_strings": [req.stop] if isinstance(req.stop, str) else (req.stop or None),
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "logit_bias": _logit_bias(req.logit_bias),
+        "repetition_penalty": req.mlx_engine.repetition_penalty,
+        "repetition_context_size": req.mlx_engine.repetition_context_size,
+        "top_logprobs": top or None,
+        "images_b64": prompt.images or None,
+        **decoding_kwargs(req.mlx_engine, default_mode),
+        **structured_kwargs(req),
+    }
+    return [{**base, "seed": None if req.seed is None else (req.seed + i) % 2**64} for i in range(req.n)]
+
+
+def _top_logprobs(req) -> int | None:
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        return req.top_logprobs if req.logprobs else None
+    return req.logprobs
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
+
+
+def wants_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(req.logprobs) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None

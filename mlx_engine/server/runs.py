@@ -1,0 +1,130 @@
+"""Generations bridged to the event loop.
+
+``create_generator`` (which validates on the kit's engine thread) and every
+``next()`` block, so they run on threads: one pump thread per generation
+iterates it and hands each result to the loop through ``call_soon_threadsafe``.
+The loop never waits on MLX work. Cancelling (``stop_generation``) makes the
+generation end within one step with ``user_cancelled``; the pump then closes
+the iterator and, once every choice of a request has ended, gives the rows
+back to the admission queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import anyio
+
+import mlx_engine as me
+
+from .queue import AdmissionQueue
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+# While a host that embeds the server holds rows of the kit itself, the kit can
+# refuse a generation the queue admitted; retry at this interval.
+_BUSY_RETRY_S = 0.05
+
+
+@dataclass
+class Item:
+    """A result of choice ``index``, or the exception that ended it."""
+
+    index: int
+    result: me.GenerationResult | None = None
+    error: BaseException | None = None
+
+
+class RequestRun:
+    """The ``n`` generations of one HTTP request (its choices), from creation to
+    the last row given back."""
+
+    def __init__(self, kit: me.ModelKit, rows: AdmissionQueue, registry: set["RequestRun"], outcomes: Counter):
+        self.kit, self.rows, self.registry, self.outcomes = kit, rows, registry, outcomes
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Item | object] = asyncio.Queue()
+        self.request_ids: list[str] = []
+        self._live = 0
+        self._lock = threading.Lock()
+
+    async def start(self, prompt: list[int], kwargs_per_choice: list[dict]) -> None:
+        """Create one generator per choice on threads (retrying while the kit is
+        busy with a host's own generations) and start their pumps. The queue's
+        rows must already be held; on failure they are given back."""
+        gens = []
+        try:
+            for kw in kwargs_per_choice:
+                rid = f"srv-{uuid.uuid4().hex}"
+                gens.append((rid, await self._create(prompt, {**kw, "request_id": rid})))
+        except BaseException:
+            for _, gen in gens:
+                await anyio.to_thread.run_sync(gen.close)
+            self.rows.release(len(kwargs_per_choice))
+            raise
+        # From here each pump gives its own row back when its generation has ended.
+        self._live = len(gens)
+        self.registry.add(self)
+        for index, (rid, gen) in enumerate(gens):
+            self.request_ids.append(rid)
+            threading.Thread(target=self._pump, args=(index, gen), name=f"mlx-engine-server-{rid[-6:]}", daemon=True).start()
+
+    async def _create(self, prompt: list[int], kwargs: dict):
+        while True:
+            try:
+                return await anyio.to_thread.run_sync(lambda: me.create_generator(self.kit, prompt, **kwargs))
+            except me.GenerationInProgressError:
+                await asyncio.sleep(_BUSY_RETRY_S)
+
+    def _pump(self, index: int, gen) -> None:
+        """Thread: iterate one generator, hand results to the loop, close it."""
+        outcome = "failed"
+        try:
+            for result in gen:
+                if result.stop_condition is not None:
+                    outcome = "cancelled" if result.stop_condition.stop_reason == "user_cancelled" else "completed"
+                self._put(Item(index, result))
+        except BaseException as exc:  # noqa: BLE001 - reported to the client, not lost
+            logger.exception("generation %s failed", self.request_ids[index])
+            self._put(Item(index, error=exc))
+        finally:
+            gen.close()
+            self._put(_END)
+            self._call(self._ended, outcome)
+
+    def _put(self, item) -> None:
+        self._call(self.queue.put_nowait, item)
+
+    def _call(self, fn: Callable, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed (process exit): nothing is listening
+            pass
+
+    def _ended(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        self.rows.release(1)
+        self._live -= 1
+        if self._live == 0:
+            self.registry.discard(self)
+
+    def cancel(self) -> None:
+        """Ask every choice to stop (within one step); safe to call repeatedly."""
+        for rid in self.request_ids:
+            me.stop_generation(self.kit, rid)
+
+    async def items(self) -> AsyncIterator[Item]:
+        """Results of all choices in arrival order, until each has ended."""
+        ends = 0
+        while ends < len(self.request_ids):
+            item = await self.queue.get()
+            if item is _END:
+                ends += 1
+                continue
+            yield item

@@ -1,0 +1,129 @@
+"""Request bodies as pydantic models: what the OpenAI API accepts, plus the
+engine's namespaced extension (``mlx_engine``).
+
+Types are strict (``"5"`` is not an integer, ``true`` is not a number) so a
+wrong type is a 400 naming the field; unknown fields are ignored, as OpenAI's
+clients send fields a server may not know.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_CONFIG = ConfigDict(strict=True, extra="ignore")
+
+
+class _Body(BaseModel):
+    model_config = _CONFIG
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
+class Message(_Body):
+    """A chat message. ``developer`` is treated as ``system``. ``tool_calls`` and
+    ``tool_call_id`` are handed to the chat template as given."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    # ``schema`` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+Decoding = Literal["auto", "plain", "prompt_lookup", "draft"]
+
+
+class EngineOptions(_Body):
+    """The ``mlx_engine`` extension object: what OpenAI's API has no field for."""
+
+    decoding: Decoding | None = None  # None: the server's default (--decoding)
+    num_draft_tokens: int | None = Field(None, ge=1)
+    prompt_lookup_num_tokens: int | None = Field(None, ge=1)
+    prompt_lookup_min_ngram: int = Field(1, ge=1)
+    prompt_lookup_max_ngram: int = Field(3, ge=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_context_size: int = Field(20, ge=1)
+    structured_drafting: bool = True
+    regex: str | None = None
+    grammar: str | None = None  # Lark, llguidance's dialect
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    n: int = Field(1, ge=1)
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    mlx_engine: EngineOptions = EngineOptions()
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Tool calls (issue 29) are pending: accepted here so they can be refused
+    # with a clear message rather than silently ignored.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class DraftRequest(_Body):
+    """Body of the draft endpoints: a catalog name, or a path inside --models-dir."""
+
+    model: str = Field(min_length=1)

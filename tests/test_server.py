@@ -1,0 +1,495 @@
+"""The OpenAI-compatible server (mlx_engine/server, docs/server.md), talked to
+as clients do: the official ``openai`` client and raw HTTP, over a real socket
+on 127.0.0.1 (uvicorn in a thread; one test runs ``python -m mlx_engine.server``
+in a subprocess to stop it with SIGTERM under load)."""
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import uvicorn
+
+import mlx_engine as me
+from conftest import requires_default_model
+from mlx_engine.server import create_app
+from mlx_engine.server.queue import AdmissionQueue, QueueFullError, ShuttingDownError
+
+KEY = "test-key"
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(app):
+    """``app`` on a free port of 127.0.0.1 (uvicorn in a thread); yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_until(condition, timeout=30.0):
+    """Poll ``condition`` until true; a generous bound only so a broken server fails instead of hanging."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def tkit(llama_path):
+    kit = me.load_model(llama_path, max_parallel=4)
+    yield kit
+    me.unload(kit)
+
+
+@pytest.fixture(scope="module")
+def server(tkit, models_dir):
+    app = create_app(tkit, model_id=MODEL, api_key=KEY, queue_size=16, models_dir=models_dir)
+    with serve(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def slow_kit(llama_path):
+    """The tiny model with every forward pass slowed to about 5 ms, so that a
+    long generation is surely still running while a test acts on it."""
+    kit = me.load_model(llama_path, max_parallel=2)
+    cls = type(kit.model)
+
+    def slow_call(self, *args, **kwargs):
+        time.sleep(0.005)
+        return cls.__call__(self, *args, **kwargs)
+
+    kit.model.__class__ = type(f"Slow{cls.__name__}", (cls,), {"__call__": slow_call})
+    yield kit
+    me.unload(kit)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def no_eos(kit) -> dict:
+    """A logit_bias that keeps a generation going to its max_tokens."""
+    return {str(t): -100 for t in kit.eos_token_ids}
+
+
+def sdk_text(kit, prompt, **kw) -> str:
+    return "".join(r.text for r in me.create_generator(kit, prompt, **kw))
+
+
+def chat_prompt(kit, text):
+    return me.apply_chat_template(kit, [{"role": "user", "content": text}])
+
+
+# -- the official client -------------------------------------------------------------------
+def test_chat_whole_and_streamed_equal_the_sdk(client, tkit):
+    messages = [{"role": "user", "content": "Tell me about the quick brown fox."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    want = sdk_text(tkit, chat_prompt(tkit, messages[0]["content"]), max_tokens=16, speculative_decoding_toggle=False)
+    assert whole.choices[0].message.content == want
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 16 or whole.choices[0].finish_reason == "stop"
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == whole.usage.prompt_tokens
+    # The same conversation again: its prompt comes from the kit's cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    ext = usage.model_extra["mlx_engine"]
+    assert {"decoding_mode", "mode_reason", "drafted_tokens", "accepted_tokens", "time_to_first_token",
+            "generation_tps"} <= set(ext)
+
+
+def test_next_turn_reuses_the_cache_across_requests(client):
+    turn1 = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "A question"}]
+    first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=6, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And another"}]
+    second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=6, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
+def test_completions_whole_and_streamed(client, tkit):
+    prompt = "Once upon a time"
+    want = sdk_text(tkit, me.tokenize(tkit, prompt), max_tokens=10, speculative_decoding_toggle=False)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+    assert whole.choices[0].text == want and whole.object == "text_completion"
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == want
+    ids = client.completions.create(model=MODEL, prompt=me.tokenize(tkit, prompt), max_tokens=10, temperature=0)
+    assert ids.choices[0].text == want
+
+
+def test_json_schema_answers_validate(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["ok", "level", "n"], "additionalProperties": False}
+    for seed in (1, 2):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Answer as JSON."}], max_tokens=40, temperature=0.8,
+            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
+                                         max_tokens=60, temperature=0, response_format={"type": "json_object"},
+                                         extra_body={"mlx_engine": {"decoding": "plain"}})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # a random model may write a long string; what it wrote is still the start of an object
+        assert obj.choices[0].message.content.startswith("{")
+
+
+def test_seeded_sampling_repeats_and_n_choices(client, tkit):
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Say something"}], max_tokens=12, temperature=0.9,
+               logit_bias=no_eos(tkit))
+    a = client.chat.completions.create(seed=7, **ask).choices[0].message.content
+    b = client.chat.completions.create(seed=7, **ask).choices[0].message.content
+    other = client.chat.completions.create(seed=8, **ask).choices[0].message.content
+    assert a == b and a != other
+    two = client.chat.completions.create(seed=7, n=2, **ask)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content == a and two.choices[1].message.content == other  # choice i: seed + i
+    assert two.usage.completion_tokens == 24
+    assert len(two.usage.model_extra["mlx_engine"]["choices"]) == 2
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)  # greedy: the best
+        assert e.logprob <= 0 and bytes(e.bytes).decode("utf-8", "replace")
+    c = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_sixteen_clients_on_four_rows_equal_the_sdk_alone(server, tkit):
+    prompts = [f"Question number {i}: what comes next?" for i in range(16)]
+    extra = {"mlx_engine": {"decoding": "plain"}}
+
+    async def ask_all():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0) as c:
+            async def one(text):
+                stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                         max_tokens=12, temperature=0, stream=True, extra_body=extra)
+                return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+            return await asyncio.gather(*(one(t) for t in prompts))
+
+    got = asyncio.run(ask_all())
+    want = [sdk_text(tkit, chat_prompt(tkit, t), max_tokens=12, speculative_decoding_toggle=False) for t in prompts]
+    assert got == want
+    assert tkit.open_generations == 0
+
+
+# -- raw HTTP ----------------------------------------------------------------------------
+def post(url, body=None, *, key=KEY, content=None, path="/v1/chat/completions", **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+    return httpx.post(url + path, json=body, content=content, headers=headers, timeout=30, **kw)
+
+
+def hello(**fields):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, **fields}
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (hello(temperature="hot"), 400, "temperature"),
+    (hello(max_tokens="5"), 400, "max_tokens"),
+    (hello(n=2.0), 400, "n"),
+    (hello(stream=1), 400, "stream"),
+    ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    (hello(top_k=10**6), 400, "top_k"),  # checked by the engine, mapped to the field
+    (hello(seed=-1), 400, "seed"),
+    (hello(stop=[""]), 400, "stop"),
+    (hello(logit_bias={"abc": 1}), 400, "logit_bias"),
+    (hello(n=5), 400, "n"),
+    (hello(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (hello(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}), 400, "response_format"),
+    (hello(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]),
+     400, "messages.0.content.0.image_url"),
+    (hello(model="gpt-4o"), 404, "model"),
+])
+def test_bad_requests_are_openai_errors(server, body, status, param):
+    r = post(server, content=body) if isinstance(body, bytes) else post(server, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    if param:
+        assert error["param"] == param
+
+
+def test_unknown_fields_are_ignored_and_models_listed(server):
+    assert post(server, hello(some_future_field={"x": 1}, metadata={"a": "b"})).status_code == 200
+    listed = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert [m["id"] for m in listed["data"]] == [MODEL]
+
+
+def test_api_key_required_and_compared(server):
+    assert post(server, hello(), key=None).status_code == 401
+    assert post(server, hello(), key="wrong").status_code == 401
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+    assert post(server, hello()).status_code == 200
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"  # health needs no key
+
+
+def test_oversized_body_is_413(tkit):
+    with serve(create_app(tkit, model_id=MODEL, max_body_bytes=1000)) as url:
+        big = hello(messages=[{"role": "user", "content": "x" * 2000}])
+        r = post(url, big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunked():  # no Content-Length: counted as it arrives
+            yield json.dumps(big).encode()
+        r = post(url, content=chunked())
+        assert r.status_code == 413
+        assert post(url, hello()).status_code == 200
+
+
+def test_cors_is_off_unless_origins_are_given(server, tkit):
+    origin = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    assert "access-control-allow-origin" not in httpx.options(f"{server}/v1/chat/completions", headers=origin).headers
+    with serve(create_app(tkit, model_id=MODEL, cors_origins=["http://app.example"])) as url:
+        r = httpx.options(f"{url}/v1/chat/completions", headers=origin)
+        assert r.headers["access-control-allow-origin"] == "http://app.example"
+        other = httpx.options(f"{url}/v1/chat/completions", headers={**origin, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_full_queue_is_429_and_the_waiter_gets_the_row(slow_kit):
+    app = create_app(slow_kit, model_id=MODEL, max_parallel=1, queue_size=1)
+    long_body = hello(max_tokens=4000, stream=True, logit_bias=no_eos(slow_kit), mlx_engine={"decoding": "plain"})
+    with serve(app) as url, httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/chat/completions", json=long_body) as first:
+            lines = first.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)  # running
+            waiter = {}
+            t = threading.Thread(target=lambda: waiter.update(r=post(url, hello(max_tokens=3))))
+            t.start()
+            wait_until(lambda: http.get(f"{url}/health").json()["waiting"] == 1)
+            refused = post(url, hello())
+            assert refused.status_code == 429 and refused.headers["Retry-After"]
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert "r" not in waiter
+        t.join(60)  # the first stream's client left: its row went to the waiter
+        assert waiter["r"].status_code == 200
+    wait_until(lambda: slow_kit.open_generations == 0)
+
+
+def test_admission_queue_is_fifo_bounded_and_closable():
+    async def main():
+        q = AdmissionQueue(rows=2, limit=2)
+        await q.acquire(2)
+        order = []
+
+        async def wait_for(name, rows):
+            await q.acquire(rows)
+            order.append(name)
+
+        tasks = [asyncio.create_task(wait_for("a", 2)), asyncio.create_task(wait_for("b", 1))]
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFullError):
+            await q.acquire(1)
+        q.release(1)  # one row free: the head needs two, and "b" may not pass it
+        await asyncio.sleep(0.01)
+        assert order == []
+        q.release(1)
+        await asyncio.sleep(0.01)
+        assert order == ["a"]
+        q.release(2)
+        await asyncio.gather(*tasks)
+        assert order == ["a", "b"] and q.free == 1
+        waiting = asyncio.create_task(q.acquire(2))
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # a client that left the line
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert q.waiting == 0 and q.free == 1
+        late = asyncio.create_task(q.acquire(2))
+        await asyncio.sleep(0.01)
+        q.close()
+        with pytest.raises(ShuttingDownError):
+            await late
+        with pytest.raises(ShuttingDownError):
+            await q.acquire(1)
+
+    asyncio.run(main())
+
+
+def test_rows_a_host_holds_make_requests_wait_not_fail(server, tkit):
+    held = [me.create_generator(tkit, chat_prompt(tkit, "host"), max_tokens=2) for _ in range(tkit.max_parallel)]
+    answer = {}
+    t = threading.Thread(target=lambda: answer.update(r=post(server, hello(max_tokens=3))))
+    t.start()
+    wait_until(lambda: httpx.get(f"{server}/health").json()["running"] == 1)
+    assert "r" not in answer  # admitted by the server, waiting for the kit
+    for g in held:
+        g.close()
+    t.join(60)
+    assert answer["r"].status_code == 200
+    wait_until(lambda: tkit.open_generations == 0)
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(slow_kit):
+    body = hello(max_tokens=4000, stream=True, logit_bias=no_eos(slow_kit), mlx_engine={"decoding": "plain"})
+    with serve(create_app(slow_kit, model_id=MODEL)) as url, httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(4):
+                next(lines)
+            assert slow_kit.open_generations == 1
+        wait_until(lambda: slow_kit.open_generations == 0)
+        health = http.get(f"{url}/health").json()
+        assert health["running"] == 0 and health["cancelled"] == 1
+
+
+# -- vision --------------------------------------------------------------------------------
+def test_an_image_part_on_a_vision_kit(tmp_path_factory):
+    from fixtures.tiny_vlm import image_b64, make_qwen2_vl
+
+    path = make_qwen2_vl(tmp_path_factory.mktemp("vlm") / "qwen2_vl")
+    kit = me.load_model(path)
+    red = image_b64((255, 0, 0))
+    prompt = list(kit.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+        add_generation_prompt=True))
+    want = sdk_text(kit, prompt, images_b64=[red], max_tokens=6, speculative_decoding_toggle=False)
+    with serve(create_app(kit, model_id=MODEL)) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{red}"}},
+                 {"type": "text", "text": "What colour?"}]
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=6,
+                                      temperature=0, extra_body={"mlx_engine": {"decoding": "plain"}})
+        assert r.choices[0].message.content == want
+        bad = [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, parts[1]]
+        with pytest.raises(openai.BadRequestError, match="data: URIs"):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": bad}], max_tokens=2)
+        broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"no").decode()}},
+                  parts[1]]
+        with pytest.raises(openai.BadRequestError, match="images_b64"):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": broken}], max_tokens=2)
+    me.unload(kit)
+
+
+# -- draft models over HTTP ----------------------------------------------------------------
+def test_draft_management(server, tkit, models_dir, draft_path, foreign_tokenizer_path):
+    def call(method, path, body=None):
+        return httpx.request(method, f"{server}/v1/mlx_engine/draft{path}", json=body,
+                             headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+    assert call("GET", "").json() == {"loaded": False, "model": None}
+    ok = call("POST", "/check", {"model": "draft"}).json()
+    assert ok["compatible"] is True and ok["reasons"] == [], ok
+    foreign = call("POST", "/check", {"model": str(foreign_tokenizer_path)}).json()
+    assert foreign["compatible"] is False and any("tokenizers differ" in r for r in foreign["reasons"])
+    for outside in ("../../etc", "/etc/passwd", str(models_dir.parent)):
+        r = call("POST", "", {"model": outside})
+        assert r.status_code == 403 and r.json()["error"]["param"] == "model"
+    assert call("POST", "", {"model": "foreign"}).json()["error"]["code"] == "incompatible_draft_model"
+    assert call("POST", "", {"model": "draft"}).json() == {"loaded": True, "model": "draft"}
+    r = post(server, hello(max_tokens=8, temperature=0, mlx_engine={"decoding": "draft"}))
+    assert r.json()["usage"]["mlx_engine"]["decoding_mode"] == "draft_model"
+    assert call("DELETE", "").json() == {"loaded": False, "model": None}
+    assert tkit.draft is None
+    r = post(server, hello(mlx_engine={"decoding": "draft"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mlx_engine.decoding"
+
+
+def test_paths_are_refused_without_models_dir(tkit):
+    with serve(create_app(tkit, model_id=MODEL)) as url:
+        r = httpx.post(f"{url}/v1/mlx_engine/draft", json={"model": "/tmp"})
+        assert r.status_code == 403
+
+
+# -- stopping --------------------------------------------------------------------------------
+@requires_default_model
+def test_sigterm_under_load_cancels_and_exits_0():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_engine.server", "--model", me.DEFAULT_MODEL, "--port", str(port), "--model-id", MODEL,
+         "--max-parallel", "2", "--queue", "4", "--shutdown-grace", "1", "--log-level", "warning"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env={**os.environ, "MLX_ENGINE_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(url) or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None
+        outcomes = {}
+
+        def client(name, max_tokens):
+            body = hello(max_tokens=max_tokens, stream=True, mlx_engine={"decoding": "plain"})
+            try:
+                with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+                    lines = [ln for ln in r.iter_lines() if ln]
+                    outcomes[name] = (r.status_code, lines[-1] if lines else "")
+            except httpx.HTTPError:  # cut off when the grace period ended
+                outcomes[name] = ("cut", "")
+
+        threads = [threading.Thread(target=client, args=(name, n)) for name, n in (("a", 2000), ("b", 2000))]
+        for t in threads:
+            t.start()
+        wait_until(lambda: _health(url)["running"] == 2)
+        threads.append(threading.Thread(target=client, args=("queued", 3)))
+        threads[-1].start()
+        wait_until(lambda: _health(url)["waiting"] == 1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert outcomes["queued"][0] == 503  # admitted nothing more
+        for name in ("a", "b"):  # 2000 tokens take far longer than the 1 s grace: cancelled, cut off
+            assert outcomes[name][1] != "data: [DONE]"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _health(url) -> dict:
+    return httpx.get(f"{url}/health").json()
+
+
+def _up(url) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
