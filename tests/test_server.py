@@ -354,6 +354,15 @@ def test_bad_requests_are_openai_errors(server, body, status, param):
         assert error["param"] == param
 
 
+def test_empty_tools_are_no_tools(server, tkit):
+    """Some clients always send ``tools``; an empty list renders and answers as none."""
+    r = post(server, hello(tools=[], tool_choice="auto", temperature=0, max_tokens=6))
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert "tool_calls" not in message
+    assert message["content"] == sdk_text(tkit, chat_prompt(tkit, "hello"), max_tokens=6, speculative_decoding_toggle=False)
+
+
 def test_unknown_fields_are_ignored_and_models_listed(server):
     assert post(server, hello(some_future_field={"x": 1}, metadata={"a": "b"})).status_code == 200
     listed = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
