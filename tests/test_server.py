@@ -185,6 +185,90 @@ def test_seeded_sampling_repeats_and_n_choices(client, tkit):
     assert len(two.usage.model_extra["mlx_engine"]["choices"]) == 2
 
 
+# -- tool calls ----------------------------------------------------------------------------
+# Bounded strings: the random-weight model would otherwise write one until max_tokens.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "expression": {"type": "string", "maxLength": 8}},
+                                          "required": ["expression"], "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def streamed_calls(chunks) -> dict:
+    """``delta.tool_calls`` reassembled as the openai client's users do: index -> (id, name, arguments)."""
+    parts: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                if d.id is not None:  # id, type and name come once, on a call's first delta
+                    assert d.index not in parts and d.type == "function" and d.function.name
+                    parts[d.index] = [d.id, d.function.name, ""]
+                else:
+                    assert d.type is None and d.function.name is None
+                parts[d.index][2] += d.function.arguments
+    return {i: (cid, name, json.loads(args)) for i, (cid, name, args) in parts.items()}
+
+
+def test_tool_calls_whole_streamed_and_per_choice(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    common = dict(model=MODEL, messages=messages, max_tokens=120, temperature=0, tools=TOOLS,
+                  tool_choice="required", parallel_tool_calls=False)
+    whole = client.chat.completions.create(**common, n=2)
+    for choice in whole.choices:  # n > 1: each choice makes its own call
+        msg = choice.message
+        assert choice.finish_reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+        call = msg.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    first, second = (c.message.tool_calls[0] for c in whole.choices)
+    assert first.id != second.id and (first.function.name, first.function.arguments) == (
+        second.function.name, second.function.arguments)  # greedy: the same call
+
+    chunks = list(client.chat.completions.create(**common, stream=True))
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["tool_calls"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    calls = streamed_calls(chunks)
+    assert list(calls) == [0] and calls[0][0].startswith("call_")
+    assert calls[0][1:] == (first.function.name, json.loads(first.function.arguments))
+
+
+@requires_default_model
+def test_tool_call_round_trip_on_the_default_model(smollm):
+    """A required call validates, a named one calls that tool, and the next request
+    with the assistant's call and the tool's result renders and answers as the SDK does."""
+    with serve(create_app(smollm, model_id=MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                                    tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+            assert answer.choices[0].finish_reason == "tool_calls"
+            call = answer.choices[0].message.tool_calls[0]
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert call.function.name == "get_weather"
+
+        history = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "get_weather",
+                                                                 "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}]
+        follow = client.chat.completions.create(model=MODEL, messages=history, max_tokens=24, temperature=0,
+                                                tools=TOOLS, tool_choice="none")
+        prompt = me.apply_chat_template(smollm, history, tools=TOOLS)
+        assert follow.usage.prompt_tokens == len(prompt)
+        want = sdk_text(smollm, prompt, max_tokens=24, tools=TOOLS, tool_choice="none",
+                        speculative_decoding_toggle=False)
+        assert follow.choices[0].message.content == want and want.strip()
+        assert follow.choices[0].message.tool_calls is None
+
+
 def test_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                        temperature=0, logprobs=True, top_logprobs=3)
@@ -243,7 +327,19 @@ def hello(**fields):
     (hello(stop=[""]), 400, "stop"),
     (hello(logit_bias={"abc": 1}), 400, "logit_bias"),
     (hello(n=5), 400, "n"),
-    (hello(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (hello(tools="get_weather"), 400, "tools"),
+    (hello(tools=[{"type": "function"}]), 400, "tools.0"),
+    (hello(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, "tools.0.function.name"),
+    (hello(tools=TOOLS + TOOLS[:1]), 400, "tools.2.function.name"),
+    (hello(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "(unclosed"}}}}}]), 400, "tools.0.function.parameters"),  # by the engine
+    (hello(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400, "tool_choice"),
+    (hello(tools=TOOLS, tool_choice="sometimes"), 400, "tool_choice"),
+    (hello(tool_choice="required"), 400, "tool_choice"),
+    (hello(tools=TOOLS, parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
+    (hello(tools=TOOLS, response_format={"type": "json_object"}), 400, "tools"),
+    (hello(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]),
+     400, "messages.0.tool_calls.0.function"),
     (hello(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}), 400, "response_format"),
     (hello(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]),
      400, "messages.0.content.0.image_url"),
@@ -256,6 +352,15 @@ def test_bad_requests_are_openai_errors(server, body, status, param):
     assert error["message"] and error["type"]
     if param:
         assert error["param"] == param
+
+
+def test_empty_tools_are_no_tools(server, tkit):
+    """Some clients always send ``tools``; an empty list renders and answers as none."""
+    r = post(server, hello(tools=[], tool_choice="auto", temperature=0, max_tokens=6))
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert "tool_calls" not in message
+    assert message["content"] == sdk_text(tkit, chat_prompt(tkit, "hello"), max_tokens=6, speculative_decoding_toggle=False)
 
 
 def test_unknown_fields_are_ignored_and_models_listed(server):

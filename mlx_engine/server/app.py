@@ -260,8 +260,8 @@ def _sse(obj) -> str:
 
 async def _events(run: RequestRun, env: Envelope, n: int, prompt_len: int, with_logprobs: bool,
                   include_usage: bool) -> AsyncIterator[str]:
-    """The stream as OpenAI sends it: a role chunk (chat), content chunks, a
-    finish chunk per choice, a usage chunk when asked, ``[DONE]``. Leaving the
+    """The stream as OpenAI sends it: a role chunk (chat), content and
+    ``tool_calls`` delta chunks, a finish chunk per choice, a usage chunk when asked, ``[DONE]``. Leaving the
     stream (a client disconnect cancels it) stops the generations."""
     choices = [Choice(i) for i in range(n)]
     offsets = [0] * n
@@ -275,9 +275,10 @@ async def _events(run: RequestRun, env: Envelope, n: int, prompt_len: int, with_
                 continue
             c, r = choices[item.index], item.result
             entries = c.add(r, with_logprobs)
-            if r.text or entries or c.finish is not None:
+            if r.text or entries or r.tool_call_deltas or c.finish is not None:
                 yield _sse(env.chunk(c.index, text=r.text, entries=entries if with_logprobs else None,
-                                     offset=offsets[c.index], finish=c.finish_reason, with_usage=include_usage))
+                                     offset=offsets[c.index], finish=c.finish_reason, with_usage=include_usage,
+                                     tool_deltas=r.tool_call_deltas))
                 offsets[c.index] += len(r.text)
         if include_usage:
             yield _sse(env.usage_chunk(choices, prompt_len))

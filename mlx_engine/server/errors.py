@@ -52,9 +52,14 @@ def from_engine(exc: ValueError) -> APIError:
     """The engine's ``ValueError`` (it names the argument first) as a 400 naming
     the request field."""
     message = str(exc)
-    match = re.match(r"[A-Za-z_]+", message)
-    name = match.group(0) if match else None
-    return bad_request(message, _ENGINE_FIELDS.get(name, name) if name else None)
+    match = re.match(r"([A-Za-z_]+)((?:\[\d+\]|\.[A-Za-z_]+)*)", message)
+    if not match:
+        return bad_request(message)
+    name, path = match.groups()
+    if name in _ENGINE_FIELDS:
+        return bad_request(message, _ENGINE_FIELDS[name])
+    # An item's path as pydantic writes it: ``tools[1].function.name`` -> ``tools.1.function.name``.
+    return bad_request(message, name + re.sub(r"\[(\d+)\]", r".\1", path))
 
 
 def from_validation(errors: list[dict]) -> APIError:

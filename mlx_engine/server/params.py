@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import mlx_engine as me
 from mlx_engine.request import DEFAULT_MAX_TOKENS
 
-from .errors import bad_request
+from mlx_engine.tools import tool_format, validate_tool_request
+
+from .errors import bad_request, from_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
 
 DEFAULT_LOOKUP_TOKENS = 8
@@ -27,15 +29,18 @@ class Prompt:
 
 
 def chat_prompt(kit: me.ModelKit, req: ChatCompletionRequest) -> Prompt:
-    """The conversation rendered with the model's chat template."""
-    if req.tools:
-        # Pending the library's tool calls (issue 29): refuse rather than answer without them.
-        raise bad_request("tools: tool calls are not supported by this server yet", "tools")
+    """The conversation rendered with the model's chat template (with the
+    request's tools, checked first so a bad one is a 400 before any wait)."""
+    tools = tool_kwargs(req)
+    try:
+        validate_tool_request(tools["tools"], tools["tool_choice"], tools["parallel_tool_calls"], tool_format(kit))
+    except ValueError as exc:
+        raise from_engine(exc) from exc
     vision = isinstance(kit, me.VisionModelKit)
     images: list[str] = []
     messages = [_message(m, i, vision, images) for i, m in enumerate(req.messages)]
     try:
-        tokens = me.apply_chat_template(kit, messages)
+        tokens = me.apply_chat_template(kit, messages, tools=tools["tools"])
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
     return Prompt(tokens, images)
@@ -62,10 +67,21 @@ def _message(m: Message, i: int, vision: bool, images: list[str]) -> dict:
             parts.append({"type": "image"})
         content = parts if vision else "".join(p["text"] for p in parts)
     out["content"] = content if content is not None else ""
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
+    if m.tool_calls is not None:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
     return out
+
+
+def tool_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as ``create_generator``
+    takes them. An empty ``tools`` list is no tools (some clients always send one)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return {}
+    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    return {"tools": req.tools or None, "tool_choice": req.tool_choice, "parallel_tool_calls": parallel}
 
 
 def completion_prompt(kit: me.ModelKit, req: CompletionRequest) -> Prompt:
@@ -147,6 +163,7 @@ def generator_kwargs(kit: me.ModelKit, req: ChatCompletionRequest | CompletionRe
         "images_b64": prompt.images or None,
         **decoding_kwargs(req.mlx_engine, default_mode),
         **structured_kwargs(req),
+        **tool_kwargs(req),
     }
     return [{**base, "seed": None if req.seed is None else (req.seed + i) % 2**64} for i in range(req.n)]
 

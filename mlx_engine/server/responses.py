@@ -24,10 +24,12 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)  # chat-style entries, one per token
     finish: me.GenerationStopCondition | None = None
     stats: me.GenerationStats | None = None
+    tool_calls: list[me.ToolCall] = field(default_factory=list)
 
     def add(self, r: me.GenerationResult, with_logprobs: bool) -> list[dict]:
         """Record a result; returns its logprob entries (empty unless asked)."""
         self.text.append(r.text)
+        self.tool_calls.extend(r.tool_calls)
         entries = token_logprobs(r) if with_logprobs else []
         self.logprobs.extend(entries)
         if r.stop_condition is not None:
@@ -36,7 +38,33 @@ class Choice:
 
     @property
     def finish_reason(self) -> str | None:
-        return None if self.finish is None else FINISH_REASONS[self.finish.stop_reason]
+        """OpenAI's reason; ``tool_calls`` when an answer that ended normally made calls."""
+        if self.finish is None:
+            return None
+        reason = FINISH_REASONS[self.finish.stop_reason]
+        return "tool_calls" if self.tool_calls and reason == "stop" else reason
+
+    def message(self) -> dict:
+        """The whole answer's ``message``: content null when there are only calls."""
+        text = "".join(self.text)
+        if not self.tool_calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text or None,
+                "tool_calls": [{"id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments_json}} for c in self.tool_calls]}
+
+
+def delta_tool_calls(deltas: list[me.ToolCallDelta]) -> list[dict]:
+    """Streamed call pieces as OpenAI's ``delta.tool_calls``: ``id``, ``type`` and
+    the name only on a call's first piece, argument fragments on every one."""
+    out = []
+    for d in deltas:
+        if d.id is not None:
+            out.append({"index": d.index, "id": d.id, "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}})
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
 
 
 def _entry(text: str, logprob: float) -> dict:
@@ -100,19 +128,22 @@ class Envelope:
             lp = None
             if with_logprobs:
                 lp = {"content": c.logprobs} if self.chat else completion_logprobs(c.logprobs)
-            body = {"message": {"role": "assistant", "content": "".join(c.text)}} if self.chat else {"text": "".join(c.text)}
+            body = {"message": c.message()} if self.chat else {"text": "".join(c.text)}
             out.append({"index": c.index, **body, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": out, "usage": usage(prompt_len, choices)}
 
     def chunk(self, index: int, *, text: str | None = None, role: bool = False, entries: list[dict] | None = None,
-              offset: int = 0, finish: str | None = None, with_usage: bool = False) -> dict:
+              offset: int = 0, finish: str | None = None, with_usage: bool = False,
+              tool_deltas: list[me.ToolCallDelta] | None = None) -> dict:
         """One stream chunk for choice ``index``."""
         lp = None
         if entries is not None:
             lp = {"content": entries} if self.chat else completion_logprobs(entries, offset)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if tool_deltas:
+                delta["tool_calls"] = delta_tool_calls(tool_deltas)
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             head = self._head("chat.completion.chunk")
         else:

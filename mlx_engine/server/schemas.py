@@ -37,14 +37,29 @@ class ImagePart(_Body):
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 
 
+class CalledFunction(_Body):
+    name: str = Field(min_length=1)
+    # OpenAI sends JSON text; a dict is taken too (the chat template gets a dict either way).
+    arguments: str | dict[str, Any] = "{}"
+
+
+class AssistantToolCall(_Body):
+    """A call an earlier assistant message made (OpenAI's ``message.tool_calls[i]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Body):
-    """A chat message. ``developer`` is treated as ``system``. ``tool_calls`` and
-    ``tool_call_id`` are handed to the chat template as given."""
+    """A chat message. ``developer`` is treated as ``system``. An assistant's
+    ``tool_calls`` (content may be null) and a ``tool`` message's
+    ``tool_call_id`` go to the chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
 
 
@@ -110,8 +125,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Tool calls (issue 29) are pending: accepted here so they can be refused
-    # with a clear message rather than silently ignored.
+    # Tool definitions are checked by the SDK (mlx_engine.tools.validate_tools),
+    # whose messages name the bad item (``tools[1].function.name ...``).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
