@@ -91,7 +91,7 @@ def _gemma2(h: GGUFHeader, config: dict) -> None:
     config["attn_logit_softcapping"] = meta_float(h, "gemma2.attn_logit_softcapping", 50.0)
     config["final_logit_softcapping"] = meta_float(h, "gemma2.final_logit_softcapping", 30.0)
     window = meta_int(h, "gemma2.attention.sliding_window", 4096)
-    logger.warning(
+    logger.info(
         "gemma2 in mlx-lm attends globally on every layer; llama.cpp uses a %d-token window on alternate layers, "
         "so outputs past %d tokens differ from it",
         window,

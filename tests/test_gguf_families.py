@@ -1,0 +1,121 @@
+"""GGUF files of every mapped family and of the quantization types llama.cpp's
+``gguf`` package writes: tiny random-weight models converted as llama.cpp's
+converter does (fixtures/gguf_families.py) must compute what the mlx-lm model
+they were made from computes, and SentencePiece files must tokenize exactly as
+SentencePiece itself."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import generate_ids
+from fixtures.gguf_families import FAMILIES, make_family
+
+import mlx_engine as me
+
+PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
+
+
+def _logits(model, ids):
+    return model(mx.array(ids)[None]).astype(mx.float32)
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory):
+    cache = {}
+
+    def get(family, qtype="F32"):
+        if (family, qtype) not in cache:
+            cache[family, qtype] = make_family(family, tmp_path_factory.mktemp(f"{family}-{qtype}"), qtype)
+        return cache[family, qtype]
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_computes_what_its_source_model_computes(family_files, family):
+    """Names, q/k permutation (llama), gemma's 1 + w norms, Llama 3 rope_freqs,
+    gemma3's sliding window (8 tokens here, shorter than the prompt), phi3's
+    fused projections: a float32 file gives the source model's logits."""
+    path, reference, _ = family_files(family)
+    kit = me.load_model(path)
+    ids = me.tokenize(kit, PROMPT)
+    assert len(ids) > 16
+    expected = _logits(reference, ids)
+    scale = mx.abs(expected).max().item()
+    assert mx.abs(_logits(kit.model, ids) - expected).max().item() <= 1e-5 * max(scale, 1.0) * 10
+
+
+# Relative RMS rounding error of one weight for each type, on Gaussian weights
+# (block absmax ~ 2.5 sigma): b-bit symmetric blocks step absmax / 2**(b-1), a
+# uniform rounding error has RMS step / sqrt(12); F16/BF16 keep 11/8 mantissa bits.
+_STEP = {"F16": 2**-11, "BF16": 2**-8, "Q8_0": 2.5 / 128, "Q5_1": 5.0 / 31, "Q5_0": 2.5 / 16, "Q4_1": 5.0 / 15, "Q4_0": 2.5 / 8}
+
+
+@pytest.mark.parametrize("qtype", list(_STEP))
+def test_quantized_types_stay_within_their_precision(family_files, qtype):
+    """Every matrix in ``qtype`` (vectors stay F32, as llama.cpp keeps them): the
+    logits' relative RMS error is bounded by the per-weight error summed over the
+    16 quantized matrices in quadrature, with a factor 2 of margin; a wrongly
+    decoded tensor gives an error near 1.4 (an unrelated output)."""
+    path, reference, _ = family_files("llama", qtype)
+    kit = me.load_model(path)
+    ids = me.tokenize(kit, PROMPT)
+    expected, got = _logits(reference, ids), _logits(kit.model, ids)
+    rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
+    bound = 2 * math.sqrt(16) * _STEP[qtype] / math.sqrt(12)
+    assert rel <= bound, (qtype, rel, bound)
+
+
+def test_sentencepiece_tokenizer_matches_sentencepiece(family_files):
+    """Scores, byte fallback (characters outside the vocabulary), the space
+    prefix, BOS, user-defined tokens kept whole, and decoding back."""
+    import sentencepiece as spm
+
+    path, _, model_file = family_files("mistral")
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    kit = me.load_model(path, vocab_only=True)
+    texts = ["Hello world!", "Grüße aus München 🙂 日本語", "   leading spaces and\ttabs\n\n", "ǅ⌘ unseen Ωmega", "a  b   c"]
+    for text in texts:
+        assert me.tokenize(kit, text) == [sp.bos_id(), *sp.encode(text)], text
+        assert kit.tokenizer.decode(me.tokenize(kit, text), skip_special_tokens=True) == sp.decode(sp.encode(text))
+    turn = kit.tokenizer.get_vocab()["<start_of_turn>"]
+    assert turn in me.tokenize(kit, "x<start_of_turn>user")
+    assert kit.tokenizer.bos_token_id == sp.bos_id() and sp.eos_id() in kit.eos_token_ids
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama3"])
+def test_greedy_output_identical_across_decoding_modes(family_files, family):
+    """gemma3's sliding-window layers use rotating caches: prompt lookup must
+    still give the plain greedy tokens (the plan falls back where it cannot
+    rewind)."""
+    path, _, _ = family_files(family, "Q8_0")
+    kit = me.load_model(path)
+    prompt = me.tokenize(kit, PROMPT * 2)
+    plain, _ = generate_ids(kit, prompt, max_tokens=12, temp=0.0)
+    lookup, _ = generate_ids(kit, prompt, max_tokens=12, temp=0.0, prompt_lookup_num_tokens=3)
+    assert lookup == plain
+
+
+def test_mixed_types_in_one_file(tmp_path):
+    """Q4_K_M-style files mix types; here Q5_0, Q8_0, Q4_1, BF16 and F16 tensors
+    in one file, read tensor by tensor."""
+    import gguf
+    from fixtures.gguf_families import bpe_metadata, gguf_tensors, reference_model, write_gguf, _arch_metadata
+
+    (tmp_path / "bpe").mkdir()
+    tok = bpe_metadata(tmp_path / "bpe")
+    model, config = reference_model("qwen3", len(tok["tokenizer.ggml.tokens"]))
+    tensors = gguf_tensors(model, config, "qwen3")
+    types = ["Q5_0", "Q8_0", "Q4_1", "BF16", "F16"]
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, "qwen3", tensors, {**_arch_metadata("qwen3", config), **tok}, qtype=types)
+    header = gguf.GGUFReader(path)
+    assert {t.tensor_type.name for t in header.tensors} >= set(types)
+    kit = me.load_model(path)
+    ids = me.tokenize(kit, PROMPT)
+    expected, got = _logits(model, ids), _logits(kit.model, ids)
+    rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
+    assert rel <= 2 * math.sqrt(16) * _STEP["Q4_1"] / math.sqrt(12)
+    assert np.isfinite(np.array(got)).all()
