@@ -6,7 +6,7 @@ transformers' GGUF *reader*, which imports torch; the metadata comes from the
 engine's own bounded header walk (gguf.py), each field type-checked here.
 
 Own code remains where a test shows the converter differs from the model's own
-tokenizer (tests/test_gguf_families.py):
+tokenizer (tests/test_gguf_families.py, docs/gguf.md):
 
 - ``tokenizer.ggml.pre`` values the converter does not know (``smollm``,
   ``starcoder``, ``refact``) split digits one by one before GPT-2's split, as

@@ -119,3 +119,29 @@ def test_mixed_types_in_one_file(tmp_path):
     rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
     assert rel <= 2 * math.sqrt(16) * _STEP["Q4_1"] / math.sqrt(12)
     assert np.isfinite(np.array(got)).all()
+
+
+def test_digit_splitting_pre_tokenizers_split_digits_one_by_one(tmp_path):
+    """``tokenizer.ggml.pre = smollm`` (SmolLM, StarCoder) splits digits one by one
+    before GPT-2's split, as those models' own tokenizer.json does. transformers'
+    converter does not know the name and keeps digit runs whole, so a vocabulary
+    with multi-digit merges tokenizes differently there (the engine replaces that
+    part of the converter's tokenizer)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    from fixtures.gguf_families import bpe_metadata, gguf_tensors, reference_model, write_gguf, _arch_metadata
+
+    (tmp_path / "bpe").mkdir()
+    tok = bpe_metadata(tmp_path / "bpe", extra_text=" 123 456 12 34 1234 " * 20, pre="smollm")
+    original = Tokenizer.from_file(str(tmp_path / "bpe" / "tokenizer.json"))
+    original.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    model, config = reference_model("llama", len(tok["tokenizer.ggml.tokens"]))
+    path = write_gguf(tmp_path / "s.gguf", "llama", gguf_tensors(model, config, "llama"), {**_arch_metadata("llama", config), **tok})
+    kit = me.load_model(path, vocab_only=True)
+    text = "x = 1234 and 12, 34 then 123456"
+    assert me.tokenize(kit, text) == original.encode(text).ids
+    fields = {"tokenizer_type": "gpt2", "pre_tokenizer_type": "smollm", "tokens": tok["tokenizer.ggml.tokens"],
+              "merges": tok["tokenizer.ggml.merges"], "token_type": tok["tokenizer.ggml.token_type"].tolist()}  # fmt: skip
+    assert convert_gguf_tokenizer("llama", fields)[0].encode(text).ids != original.encode(text).ids  # the converter alone differs
