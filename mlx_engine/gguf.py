@@ -1,12 +1,12 @@
-"""Reading GGUF files: header checks, config, tokenizer and weights.
+"""Reading GGUF files: header checks, typed metadata and tensors.
 
-MLX reads GGUF tensors natively (``mx.load``), but it silently drops tensors of
-unknown types and reports unsupported ones without naming them, so the header
-is walked here first: every structural problem, unsupported tensor type or
-unsupported architecture becomes a ``ModelLoadError`` naming the file, before
-any weights are read. The tokenizer is rebuilt from the metadata with
-``tokenizers`` (no Hugging Face files needed), and the weights are renamed onto
-mlx-lm's model classes.
+The header is walked here first, with bounds on every count and size, so every
+structural problem or unsupported tensor type becomes a ``ModelLoadError``
+naming the file (and the tensor) before any weights are read. Tensors then come
+either from MLX's own reader (``mx.load``, for files of MLX-native types only:
+it silently drops tensors of types it does not know) or one at a time through
+llama.cpp's ``gguf`` package decoders. Families and tokenizers: gguf_models.py
+and gguf_tokenizer.py; the whole rule: docs/gguf.md.
 """
 
 from __future__ import annotations
@@ -305,15 +305,15 @@ def read_native(h: GGUFHeader) -> dict:
 def read_decoded(h: GGUFHeader, dtype: str = "float32") -> Iterator[tuple[str, Any]]:
     """Each tensor as an MLX array, decoded one at a time by llama.cpp's
     ``gguf.quants.dequantize`` from the memory-mapped file, so that reading
-    holds at most the weights made so far plus one tensor. F16 stays float16;
-    every other type becomes ``dtype`` (float32 on the CPU)."""
+    holds at most the weights made so far plus one tensor. F32 and F16 stay as
+    stored; every other type becomes ``dtype`` (float32 on the CPU)."""
     import mlx.core as mx
 
     data = np.memmap(h.path, dtype=np.uint8, mode="r")
     try:
         for info in h.tensors.values():
             array = _decode(h, info, data[info.offset : info.offset + info.n_bytes])
-            if array.dtype != np.float16 or dtype != "float32":
+            if info.type_name not in ("F32", "F16"):
                 array = array.astype(dtype, copy=False)
             yield info.name, mx.array(array)
             del array
@@ -329,8 +329,9 @@ def _decode(h: GGUFHeader, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
         return raw.view(np.float32).reshape(shape)
     if info.type_name == "F16":
         return raw.view(np.float16).reshape(shape)
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
     try:
-        return quants.dequantize(raw.reshape(-1, info.n_bytes // int(np.prod(shape[:-1]))), GGMLQuantizationType[info.type_name]).reshape(shape)
+        return quants.dequantize(raw.reshape(rows, info.n_bytes // rows), GGMLQuantizationType[info.type_name]).reshape(shape)
     except Exception as exc:  # noqa: BLE001 - any decoder failure names the tensor
         raise ModelLoadError(f"GGUF file {str(h.path)!r}: could not decode tensor {info.name!r} ({info.type_name}): {exc}") from exc
 

@@ -87,15 +87,19 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(family_files):
 
 @pytest.mark.parametrize("family", ["gemma3", "llama3"])
 def test_greedy_output_identical_across_decoding_modes(family_files, family):
-    """gemma3's sliding-window layers use rotating caches: prompt lookup must
-    still give the plain greedy tokens (the plan falls back where it cannot
-    rewind)."""
+    """gemma3's sliding-window layers use rotating caches, which cannot be
+    rewound once full: the plan falls back to plain decoding and says so; Llama
+    3 (rope_freqs) speculates; both give the plain greedy tokens."""
     path, _, _ = family_files(family, "Q8_0")
     kit = me.load_model(path)
     prompt = me.tokenize(kit, PROMPT * 2)
     plain, _ = generate_ids(kit, prompt, max_tokens=12, temp=0.0)
-    lookup, _ = generate_ids(kit, prompt, max_tokens=12, temp=0.0, prompt_lookup_num_tokens=3)
+    lookup, last = generate_ids(kit, prompt, max_tokens=12, temp=0.0, prompt_lookup_num_tokens=3)
     assert lookup == plain
+    if family == "gemma3":  # the 8-token window is full: the plan says why it decodes plainly
+        assert "rotating KV cache" in last.stats.mode_reason, last.stats.mode_reason
+    else:
+        assert last.stats.decoding_mode == "prompt_lookup"
 
 
 def test_mixed_types_in_one_file(tmp_path):
