@@ -149,3 +149,26 @@ def test_digit_splitting_pre_tokenizers_split_digits_one_by_one(tmp_path):
     fields = {"tokenizer_type": "gpt2", "pre_tokenizer_type": "smollm", "tokens": tok["tokenizer.ggml.tokens"],
               "merges": tok["tokenizer.ggml.merges"], "token_type": tok["tokenizer.ggml.token_type"].tolist()}  # fmt: skip
     assert convert_gguf_tokenizer("llama", fields)[0].encode(text).ids != original.encode(text).ids  # the converter alone differs
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_parallel_requests_equal_their_solo_outputs(family_files, family):
+    """Batched rows carry their own RoPE offsets (an array): Llama 3's factored
+    RoPE and gemma3's sliding-window caches must give each request what it gets
+    alone."""
+    from conftest import assert_same_or_near_tie
+
+    path, _, _ = family_files(family, "Q8_0")
+    solo_kit, kit = me.load_model(path, max_parallel=1), me.load_model(path, max_parallel=4)
+    prompts = [me.tokenize(kit, t) for t in (PROMPT, "def add(a, b):", "The quick brown fox " * 3)]
+    want = [generate_ids(solo_kit, p, max_tokens=10, temp=0.0)[0] for p in prompts]
+    gens = [me.create_generator(kit, p, max_tokens=10, temp=0.0) for p in prompts]
+    got, done = [[] for _ in gens], [False] * len(gens)
+    while not all(done):  # round-robin: every request is open at once
+        for i, g in enumerate(gens):
+            if not done[i]:
+                r = next(g)
+                got[i] += [t.id for t in r.tokens]
+                done[i] = r.stop_condition is not None
+    for p, w, ids in zip(prompts, want, got):
+        assert_same_or_near_tie(kit, p, w, ids)
