@@ -15,7 +15,6 @@ import functools
 import logging
 import math
 import mmap
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path

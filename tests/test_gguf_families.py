@@ -9,8 +9,8 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import generate_ids
-from fixtures.gguf_families import FAMILIES, make_family
+from conftest import assert_same_or_near_tie, generate_ids
+from fixtures.gguf_families import FAMILIES, arch_metadata, bpe_metadata, gguf_tensors, make_family, reference_model, write_gguf
 
 import mlx_engine as me
 
@@ -106,7 +106,6 @@ def test_mixed_types_in_one_file(tmp_path):
     """Q4_K_M-style files mix types; here Q5_0, Q8_0, Q4_1, BF16 and F16 tensors
     in one file, read tensor by tensor."""
     import gguf
-    from fixtures.gguf_families import bpe_metadata, gguf_tensors, reference_model, write_gguf, _arch_metadata
 
     (tmp_path / "bpe").mkdir()
     tok = bpe_metadata(tmp_path / "bpe")
@@ -114,7 +113,7 @@ def test_mixed_types_in_one_file(tmp_path):
     tensors = gguf_tensors(model, config, "qwen3")
     types = ["Q5_0", "Q8_0", "Q4_1", "BF16", "F16"]
     path = tmp_path / "mixed.gguf"
-    write_gguf(path, "qwen3", tensors, {**_arch_metadata("qwen3", config), **tok}, qtype=types)
+    write_gguf(path, "qwen3", tensors, {**arch_metadata("qwen3", config), **tok}, qtype=types)
     header = gguf.GGUFReader(path)
     assert {t.tensor_type.name for t in header.tensors} >= set(types)
     kit = me.load_model(path)
@@ -133,7 +132,6 @@ def test_digit_splitting_pre_tokenizers_split_digits_one_by_one(tmp_path):
     part of the converter's tokenizer)."""
     from tokenizers import Tokenizer, pre_tokenizers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
-    from fixtures.gguf_families import bpe_metadata, gguf_tensors, reference_model, write_gguf, _arch_metadata
 
     (tmp_path / "bpe").mkdir()
     tok = bpe_metadata(tmp_path / "bpe", extra_text=" 123 456 12 34 1234 " * 20, pre="smollm")
@@ -142,7 +140,7 @@ def test_digit_splitting_pre_tokenizers_split_digits_one_by_one(tmp_path):
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     model, config = reference_model("llama", len(tok["tokenizer.ggml.tokens"]))
-    path = write_gguf(tmp_path / "s.gguf", "llama", gguf_tensors(model, config, "llama"), {**_arch_metadata("llama", config), **tok})
+    path = write_gguf(tmp_path / "s.gguf", "llama", gguf_tensors(model, config, "llama"), {**arch_metadata("llama", config), **tok})
     kit = me.load_model(path, vocab_only=True)
     text = "x = 1234 and 12, 34 then 123456"
     assert me.tokenize(kit, text) == original.encode(text).ids
@@ -156,7 +154,6 @@ def test_parallel_requests_equal_their_solo_outputs(family_files, family):
     """Batched rows carry their own RoPE offsets (an array): Llama 3's factored
     RoPE and gemma3's sliding-window caches must give each request what it gets
     alone."""
-    from conftest import assert_same_or_near_tie
 
     path, _, _ = family_files(family, "Q8_0")
     solo_kit, kit = me.load_model(path, max_parallel=1), me.load_model(path, max_parallel=4)
@@ -172,3 +169,42 @@ def test_parallel_requests_equal_their_solo_outputs(family_files, family):
                 done[i] = r.stop_condition is not None
     for p, w, ids in zip(prompts, want, got):
         assert_same_or_near_tie(kit, p, w, ids)
+
+
+def _q4_k_exact(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` rounded to values Q4_K holds exactly, and those values' Q4_K bytes,
+    written here from the format's layout (ggml-common.h ``block_q4_K``): every
+    sub-block scale 1 and min 1, ``dmin = 8 d``, so a value is ``d * (q - 8)``."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows, cols // 256, 256)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / 7).astype(np.float16).astype(np.float32)
+    q = np.clip(np.round(blocks / d) + 8, 0, 15).astype(np.uint8)
+    exact = (d * (q.astype(np.float32) - 8)).reshape(rows, cols)
+    head = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2),
+                           (8 * d).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)], axis=-1)  # fmt: skip
+    scales = np.broadcast_to(np.array([1] * 8 + [0x11] * 4, np.uint8), (rows, cols // 256, 12))
+    chunks = q.reshape(rows, cols // 256, 4, 2, 32)  # per 64 values: 32 low nibbles, then 32 high
+    qs = (chunks[:, :, :, 0] | (chunks[:, :, :, 1] << 4)).reshape(rows, cols // 256, 128)
+    return exact, np.concatenate([head, scales, qs], axis=-1).reshape(rows, -1)
+
+
+def test_q4_k_bytes_written_from_the_format_decode_exactly(tmp_path):
+    """A K-quant tensor (256-value blocks) in a file of F32 ones: the decoded
+    matrix is exactly the one its bytes encode, so the model computes what the
+    source model with those weights computes (an encoder written from the
+    format, not llama.cpp's, so the check is independent of the decoder)."""
+    import gguf
+
+    (tmp_path / "bpe").mkdir()
+    tok = bpe_metadata(tmp_path / "bpe")
+    model, config = reference_model("qwen3", len(tok["tokenizer.ggml.tokens"]))
+    exact, raw = _q4_k_exact(np.array(model.model.layers[0].mlp.down_proj.weight))
+    model.model.layers[0].mlp.down_proj.weight = mx.array(exact)
+    tensors = gguf_tensors(model, config, "qwen3")
+    tensors["blk.0.ffn_down.weight"] = (raw, "Q4_K")
+    write_gguf(tmp_path / "k.gguf", "qwen3", tensors, {**arch_metadata("qwen3", config), **tok})
+    assert {t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "k.gguf").tensors} == {"F32", "Q4_K"}
+    kit = me.load_model(tmp_path / "k.gguf")
+    assert np.array_equal(np.array(kit.model.model.layers[0].mlp.down_proj.weight), exact)
+    ids = me.tokenize(kit, PROMPT)
+    assert mx.abs(_logits(kit.model, ids) - _logits(model, ids)).max().item() < 1e-4
