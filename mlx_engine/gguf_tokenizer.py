@@ -11,9 +11,10 @@ tokenizer (tests/test_gguf_families.py, docs/gguf.md):
 - ``tokenizer.ggml.pre`` values the converter does not know (``smollm``,
   ``starcoder``, ``refact``) split digits one by one before GPT-2's split, as
   those models' ``tokenizer.json`` do; the converter splits digit runs whole.
-- SentencePiece vocabularies of the ``llama`` kind get llama.cpp's space prefix
-  (always one, even before leading spaces); the converter's Metaspace drops it
-  when the text starts with a space, unlike SentencePiece and llama.cpp.
+- SentencePiece vocabularies get llama.cpp's space prefix as the file's
+  ``add_space_prefix`` flag says (absent: on, as llama.cpp): always one, even
+  before leading spaces. The converter's Metaspace drops it when the text starts
+  with a space, and its gemma builder ignores the flag.
 - The converter builds no post-processor: BOS/EOS are added here from the
   ``add_bos_token``/``add_eos_token`` flags (SentencePiece files without the
   flag add BOS, as llama.cpp does).
@@ -88,7 +89,7 @@ def tokenizer_fields(h: GGUFHeader) -> dict:
 
 def _backend(h: GGUFHeader, fields: dict):
     from tokenizers import pre_tokenizers
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_SENTENCEPIECE_BUILDERS, convert_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
     converter_fields = {k: v for k, v in fields.items() if v is not None}
     if "unknown_token_id" in fields:
@@ -99,8 +100,9 @@ def _backend(h: GGUFHeader, fields: dict):
         backend, _ = convert_gguf_tokenizer(h.architecture, converter_fields)
     except Exception as exc:  # noqa: BLE001 - the converter's own errors, named with the file
         raise ModelLoadError(f"GGUF file {str(h.path)!r}: could not build its tokenizer: {exc}") from exc
-    if fields["tokenizer_type"] == "llama" and h.architecture not in GGUF_SENTENCEPIECE_BUILDERS:
-        _spm_space_prefix(backend, meta_flag(h, "tokenizer.ggml.add_space_prefix") if "tokenizer.ggml.add_space_prefix" in h.metadata else True)
+    if fields["tokenizer_type"] == "llama":
+        has_flag = "tokenizer.ggml.add_space_prefix" in h.metadata
+        _spm_space_prefix(backend, meta_flag(h, "tokenizer.ggml.add_space_prefix") if has_flag else True)
     if fields["tokenizer_type"] == "gpt2" and fields["pre_tokenizer_type"] in _DIGITS_FIRST:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
@@ -109,10 +111,10 @@ def _backend(h: GGUFHeader, fields: dict):
 
 
 def _spm_space_prefix(backend, add_space_prefix: bool) -> None:
-    """SentencePiece's dummy prefix, as llama.cpp adds it: always one space
-    before a text (and after each special token), even one that starts with
-    spaces. The converter's ``Metaspace(prepend_scheme="first")`` skips it
-    when the text already starts with a space, so "   x" lost a token."""
+    """SentencePiece's dummy prefix, as llama.cpp adds it when the file asks:
+    always one space before a text (and after each special token), even one
+    that starts with spaces. The converter's ``Metaspace(prepend_scheme="first")``
+    skips it when the text already starts with a space, so "   x" lost a token."""
     from tokenizers import normalizers
 
     replace = normalizers.Replace(pattern=" ", content="\u2581")
