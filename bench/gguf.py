@@ -4,7 +4,9 @@ The default model's weights (SmolLM2-135M-Instruct, shipped as Q4_1) are
 re-encoded as F16 and Q8_0 with llama.cpp's ``gguf`` package, and as Q4_K_M by
 llama.cpp's own quantizer when ``--llama-cpp-python`` names a Python with
 ``llama-cpp-python`` installed. For each file, in a fresh process: load time,
-peak resident memory added by the load, greedy decode tokens/s (the engine
+peak memory during the load (MLX's allocator peak, the numpy/Python peak
+traced by ``tracemalloc``, and the resident-set growth, which this machine's
+proactive page reclaim can understate), greedy decode tokens/s (the engine
 dequantizes every type to float32 on the CPU, so decode speed should be the
 same within noise); and, with ``--llama-cpp-python``, llama.cpp itself on the
 same file and prompt for reference (not a goal: MLX's CPU backend is not what
@@ -28,17 +30,24 @@ RESULTS = Path(__file__).parent / "results"
 PROMPT = "Explain in three sentences why the sky is blue."
 
 _ENGINE_RUN = r"""
-import json, resource, sys, time
+import json, resource, sys, time, tracemalloc
 import mlx_engine as me
-path, n = sys.argv[1], int(sys.argv[2])
+import mlx.core as mx
+path, n, trace = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "trace"
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mx.reset_peak_memory()
+if trace:  # a separate run: tracing every allocation slows the load several times
+    tracemalloc.start()
 t = time.perf_counter(); kit = me.load_model(path); load_s = time.perf_counter() - t
 peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+numpy_peak, mlx_peak, weights = tracemalloc.get_traced_memory()[1], mx.get_peak_memory(), mx.get_active_memory()
+tracemalloc.stop()
 prompt = me.apply_chat_template(kit, [{"role": "user", "content": %r}])
 last = None
 for last in me.create_generator(kit, prompt, max_tokens=n, temp=0.0):
     pass
-print(json.dumps({"load_s": load_s, "peak_load_mib": peak_kib / 1024, "decode_tok_s": last.stats.generation_tps,
+print(json.dumps({"load_s": load_s, "peak_rss_mib": peak_kib / 1024, "mlx_peak_mib": mlx_peak / 2**20,
+                  "numpy_peak_mib": numpy_peak / 2**20, "weights_mib": weights / 2**20, "decode_tok_s": last.stats.generation_tps,
                   "tokens": last.stats.generated_tokens, "compute_dtype": str(kit.compute_dtype)}))
 """ % PROMPT
 
@@ -120,7 +129,9 @@ def main() -> None:
         files["Q4_K_M (llama.cpp)"] = dst
     rows = []
     for label, path in files.items():
-        row = {"file": label, "size_mb": path.stat().st_size / 1e6, **_run(sys.executable, _ENGINE_RUN, path, args.tokens)}
+        memory = _run(sys.executable, _ENGINE_RUN, path, 1, "trace")
+        row = {"file": label, "size_mb": path.stat().st_size / 1e6, **_run(sys.executable, _ENGINE_RUN, path, args.tokens, "time")}
+        row.update({k: memory[k] for k in ("peak_rss_mib", "mlx_peak_mib", "numpy_peak_mib", "weights_mib")})
         if args.llama_cpp_python:
             ref = _run(args.llama_cpp_python, _LLAMA_CPP_RUN, path, args.tokens, args.llama_cpp_threads)
             row["llama_cpp_tok_s"] = (ref["tokens"] - 1) / ref["decode_s"]  # after the first token, as the engine's
@@ -129,10 +140,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gguf.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| file | MB | load s | peak load MiB | engine decode tok/s | llama.cpp decode tok/s |", "|---|---|---|---|---|---|"]
+    lines = ["| file | MB | load s | weights MiB | MLX peak MiB | numpy peak MiB | RSS growth MiB | engine tok/s | llama.cpp tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = f"{r['llama_cpp_tok_s']:.1f}" if "llama_cpp_tok_s" in r else "-"
-        lines.append(f"| {r['file']} | {r['size_mb']:.0f} | {r['load_s']:.2f} | {r['peak_load_mib']:.0f} | {r['decode_tok_s']:.1f} | {ref} |")
+        lines.append(f"| {r['file']} | {r['size_mb']:.0f} | {r['load_s']:.2f} | {r['weights_mib']:.0f} | {r['mlx_peak_mib']:.0f} | "
+                     f"{r['numpy_peak_mib']:.0f} | {r['peak_rss_mib']:.0f} | {r['decode_tok_s']:.1f} | {ref} |")
     (RESULTS / "gguf.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
