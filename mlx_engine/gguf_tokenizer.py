@@ -89,7 +89,16 @@ def tokenizer_fields(h: GGUFHeader) -> dict:
 
 def _backend(h: GGUFHeader, fields: dict):
     from tokenizers import pre_tokenizers
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError as exc:  # transformers 4.x kept an older converter elsewhere, not tested here
+        import transformers
+
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: reading its tokenizer needs transformers' GGUF tokenizer converter "
+            f"(transformers.integrations.gguf, transformers 5.x); installed: transformers {transformers.__version__}"
+        ) from exc
 
     converter_fields = {k: v for k, v in fields.items() if v is not None}
     if "unknown_token_id" in fields:
