@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import catalog, gguf
+from . import catalog, gguf, gguf_models, gguf_tokenizer
 from .errors import ModelLoadError
 from .model_checks import check_config_fields, check_model_files, check_weights_match_config
 
@@ -117,7 +117,7 @@ def _existing_path(model_path, what: str) -> Path:
 def read_config(path: Path) -> dict:
     """The model's config.json, or for a GGUF file the equivalent built from its metadata."""
     if gguf.is_gguf(path):
-        return gguf.config_from_header(gguf.read_header(path))
+        return gguf_models.config_from_header(gguf.read_header(path))
     check_model_files(path)
     try:
         with open(path / "config.json", encoding="utf-8") as f:
@@ -152,7 +152,7 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     (passed explicitly, so transformers never asks on stdin). A GGUF file's is
     rebuilt from its metadata (gguf.py)."""
     if gguf.is_gguf(path):
-        return gguf.load_tokenizer(gguf.read_header(path))
+        return gguf_tokenizer.load_tokenizer(gguf.read_header(path))
     from mlx_lm.utils import _load_tokenizer, _tokenizer_defaults
 
     try:
@@ -169,8 +169,8 @@ def load_weights(path: Path, trust_remote_code: bool, lazy: bool = False) -> tup
 
     if gguf.is_gguf(path):
         header = gguf.read_header(path)
-        config = gguf.config_from_header(header)
-        return gguf.load_model(header, config), config
+        config = gguf_models.config_from_header(header)
+        return gguf_models.load_model(header, config), config
 
     files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:

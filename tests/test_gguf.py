@@ -139,7 +139,7 @@ def _patch_tensor_type(path, tensor: bytes, type_id: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("type_id, type_name", [(12, "Q4_K"), (16, "IQ2_XXS"), (30, "BF16"), (99, "unknown type 99")])
+@pytest.mark.parametrize("type_id, type_name", [(16, "IQ2_XXS"), (34, "TQ1_0"), (39, "MXFP4"), (99, "unknown type 99")])
 def test_unsupported_tensor_type_names_type_and_tensor(tmp_path, llama_path, type_id, type_name):
     path = make_gguf(llama_path, tmp_path / "k.gguf")
     _patch_tensor_type(path, b"blk.0.attn_q.weight", type_id)
@@ -331,6 +331,19 @@ def test_smollm2_metadata(smollm):
     assert 130e6 < smollm.num_params < 140e6
     assert me.tokenize(smollm, "12345") == [33, 34, 35, 36, 37]  # SmolLM2 splits digits one by one
     assert me.tokenize(smollm, "<|im_start|>")[0] == 1
+
+
+# Ids the engine's own BPE rebuild gave before the tokenizer came from
+# transformers' GGUF converter: the default model must tokenize exactly as before.
+_SMOLLM2_TEXT = '<|im_start|>user\nGrüße aus München 🙂 日本語  —  x = 12345;\t\ttabs\n\n\n   spaces <|im_end|>\n<|endoftext|> ünïcödé ½ ℃ \u200b end'
+_SMOLLM2_IDS = [1, 4093, 198, 27302, 7170, 34878, 85, 253, 376, 30919, 94, 7554, 47526, 17097, 241, 115, 40993, 179, 120, 248, 216, 1841, 216, 1792, 446, 216, 33, 34, 35, 36, 37, 43, 197, 197, 100, 7366, 1116, 11181, 5600, 216, 2, 198, 0, 5549, 137, 94, 25972, 83, 7466, 84, 2756, 216, 16738, 4636, 222, 221, 459, 229, 1112]
+
+
+@requires_default_model
+def test_smollm2_tokenizes_as_before(smollm):
+    assert me.tokenize(smollm, _SMOLLM2_TEXT) == _SMOLLM2_IDS
+    assert me.tokenize(smollm, _SMOLLM2_TEXT, add_special_tokens=False) == _SMOLLM2_IDS
+    assert smollm.tokenizer.decode(_SMOLLM2_IDS) == _SMOLLM2_TEXT
 
 
 @requires_default_model

@@ -1,0 +1,210 @@
+"""GGUF files of every mapped family and of the quantization types llama.cpp's
+``gguf`` package writes: tiny random-weight models converted as llama.cpp's
+converter does (fixtures/gguf_families.py) must compute what the mlx-lm model
+they were made from computes, and SentencePiece files must tokenize exactly as
+SentencePiece itself."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import assert_same_or_near_tie, generate_ids
+from fixtures.gguf_families import FAMILIES, arch_metadata, bpe_metadata, gguf_tensors, make_family, reference_model, write_gguf
+
+import mlx_engine as me
+
+PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
+
+
+def _logits(model, ids):
+    return model(mx.array(ids)[None]).astype(mx.float32)
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory):
+    cache = {}
+
+    def get(family, qtype="F32"):
+        if (family, qtype) not in cache:
+            cache[family, qtype] = make_family(family, tmp_path_factory.mktemp(f"{family}-{qtype}"), qtype)
+        return cache[family, qtype]
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_computes_what_its_source_model_computes(family_files, family):
+    """Names, q/k permutation (llama), gemma's 1 + w norms, Llama 3 rope_freqs,
+    gemma3's sliding window (8 tokens here, shorter than the prompt), phi3's
+    fused projections: a float32 file gives the source model's logits."""
+    path, reference, _ = family_files(family)
+    kit = me.load_model(path)
+    ids = me.tokenize(kit, PROMPT)
+    assert len(ids) > 16
+    expected = _logits(reference, ids)
+    scale = mx.abs(expected).max().item()
+    assert mx.abs(_logits(kit.model, ids) - expected).max().item() <= 1e-5 * max(scale, 1.0) * 10
+
+
+# Relative RMS rounding error of one weight for each type, on Gaussian weights
+# (block absmax ~ 2.5 sigma): b-bit symmetric blocks step absmax / 2**(b-1), a
+# uniform rounding error has RMS step / sqrt(12); F16/BF16 keep 11/8 mantissa bits.
+_STEP = {"F16": 2**-11, "BF16": 2**-8, "Q8_0": 2.5 / 128, "Q5_1": 5.0 / 31, "Q5_0": 2.5 / 16, "Q4_1": 5.0 / 15, "Q4_0": 2.5 / 8}
+
+
+@pytest.mark.parametrize("qtype", list(_STEP))
+def test_quantized_types_stay_within_their_precision(family_files, qtype):
+    """Every matrix in ``qtype`` (vectors stay F32, as llama.cpp keeps them): the
+    logits' relative RMS error is bounded by the per-weight error summed over the
+    16 quantized matrices in quadrature, with a factor 2 of margin; a wrongly
+    decoded tensor gives an error near 1.4 (an unrelated output)."""
+    path, reference, _ = family_files("llama", qtype)
+    kit = me.load_model(path)
+    ids = me.tokenize(kit, PROMPT)
+    expected, got = _logits(reference, ids), _logits(kit.model, ids)
+    rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
+    bound = 2 * math.sqrt(16) * _STEP[qtype] / math.sqrt(12)
+    assert rel <= bound, (qtype, rel, bound)
+
+
+def test_sentencepiece_tokenizer_matches_sentencepiece(family_files):
+    """Scores, byte fallback (characters outside the vocabulary), the space
+    prefix, BOS, user-defined tokens kept whole, and decoding back."""
+    import sentencepiece as spm
+
+    path, _, model_file = family_files("mistral")
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    kit = me.load_model(path, vocab_only=True)
+    texts = ["Hello world!", "Grüße aus München 🙂 日本語", "   leading spaces and\ttabs\n\n", "ǅ⌘ unseen Ωmega", "a  b   c"]
+    for text in texts:
+        assert me.tokenize(kit, text) == [sp.bos_id(), *sp.encode(text)], text
+        assert kit.tokenizer.decode(me.tokenize(kit, text), skip_special_tokens=True) == sp.decode(sp.encode(text))
+    turn = kit.tokenizer.get_vocab()["<start_of_turn>"]
+    assert turn in me.tokenize(kit, "x<start_of_turn>user")
+    assert kit.tokenizer.bos_token_id == sp.bos_id() and sp.eos_id() in kit.eos_token_ids
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama3"])
+def test_greedy_output_identical_across_decoding_modes(family_files, family):
+    """gemma3's sliding-window layers use rotating caches, which cannot be
+    rewound once full: the plan falls back to plain decoding and says so; Llama
+    3 (rope_freqs) speculates; both give the plain greedy tokens."""
+    path, _, _ = family_files(family, "Q8_0")
+    kit = me.load_model(path)
+    prompt = me.tokenize(kit, PROMPT * 2)
+    plain, _ = generate_ids(kit, prompt, max_tokens=12, temp=0.0)
+    lookup, last = generate_ids(kit, prompt, max_tokens=12, temp=0.0, prompt_lookup_num_tokens=3)
+    assert lookup == plain
+    if family == "gemma3":  # the 8-token window is full: the plan says why it decodes plainly
+        assert "rotating KV cache" in last.stats.mode_reason, last.stats.mode_reason
+    else:
+        assert last.stats.decoding_mode == "prompt_lookup"
+
+
+def test_mixed_types_in_one_file(tmp_path):
+    """Q4_K_M-style files mix types; here Q5_0, Q8_0, Q4_1, BF16 and F16 tensors
+    in one file, read tensor by tensor."""
+    import gguf
+
+    (tmp_path / "bpe").mkdir()
+    tok = bpe_metadata(tmp_path / "bpe")
+    model, config = reference_model("qwen3", len(tok["tokenizer.ggml.tokens"]))
+    tensors = gguf_tensors(model, config, "qwen3")
+    types = ["Q5_0", "Q8_0", "Q4_1", "BF16", "F16"]
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, "qwen3", tensors, {**arch_metadata("qwen3", config), **tok}, qtype=types)
+    header = gguf.GGUFReader(path)
+    assert {t.tensor_type.name for t in header.tensors} >= set(types)
+    kit = me.load_model(path)
+    ids = me.tokenize(kit, PROMPT)
+    expected, got = _logits(model, ids), _logits(kit.model, ids)
+    rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
+    assert rel <= 2 * math.sqrt(16) * _STEP["Q4_1"] / math.sqrt(12)
+    assert np.isfinite(np.array(got)).all()
+
+
+def test_digit_splitting_pre_tokenizers_split_digits_one_by_one(tmp_path):
+    """``tokenizer.ggml.pre = smollm`` (SmolLM, StarCoder) splits digits one by one
+    before GPT-2's split, as those models' own tokenizer.json does. transformers'
+    converter does not know the name and keeps digit runs whole, so a vocabulary
+    with multi-digit merges tokenizes differently there (the engine replaces that
+    part of the converter's tokenizer)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    (tmp_path / "bpe").mkdir()
+    tok = bpe_metadata(tmp_path / "bpe", extra_text=" 123 456 12 34 1234 " * 20, pre="smollm")
+    original = Tokenizer.from_file(str(tmp_path / "bpe" / "tokenizer.json"))
+    original.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    model, config = reference_model("llama", len(tok["tokenizer.ggml.tokens"]))
+    path = write_gguf(tmp_path / "s.gguf", "llama", gguf_tensors(model, config, "llama"), {**arch_metadata("llama", config), **tok})
+    kit = me.load_model(path, vocab_only=True)
+    text = "x = 1234 and 12, 34 then 123456"
+    assert me.tokenize(kit, text) == original.encode(text).ids
+    fields = {"tokenizer_type": "gpt2", "pre_tokenizer_type": "smollm", "tokens": tok["tokenizer.ggml.tokens"],
+              "merges": tok["tokenizer.ggml.merges"], "token_type": tok["tokenizer.ggml.token_type"].tolist()}  # fmt: skip
+    assert convert_gguf_tokenizer("llama", fields)[0].encode(text).ids != original.encode(text).ids  # the converter alone differs
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_parallel_requests_equal_their_solo_outputs(family_files, family):
+    """Batched rows carry their own RoPE offsets (an array): Llama 3's factored
+    RoPE and gemma3's sliding-window caches must give each request what it gets
+    alone."""
+
+    path, _, _ = family_files(family, "Q8_0")
+    solo_kit, kit = me.load_model(path, max_parallel=1), me.load_model(path, max_parallel=4)
+    prompts = [me.tokenize(kit, t) for t in (PROMPT, "def add(a, b):", "The quick brown fox " * 3)]
+    want = [generate_ids(solo_kit, p, max_tokens=10, temp=0.0)[0] for p in prompts]
+    gens = [me.create_generator(kit, p, max_tokens=10, temp=0.0) for p in prompts]
+    got, done = [[] for _ in gens], [False] * len(gens)
+    while not all(done):  # round-robin: every request is open at once
+        for i, g in enumerate(gens):
+            if not done[i]:
+                r = next(g)
+                got[i] += [t.id for t in r.tokens]
+                done[i] = r.stop_condition is not None
+    for p, w, ids in zip(prompts, want, got):
+        assert_same_or_near_tie(kit, p, w, ids)
+
+
+def _q4_k_exact(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` rounded to values Q4_K holds exactly, and those values' Q4_K bytes,
+    written here from the format's layout (ggml-common.h ``block_q4_K``): every
+    sub-block scale 1 and min 1, ``dmin = 8 d``, so a value is ``d * (q - 8)``."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows, cols // 256, 256)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / 7).astype(np.float16).astype(np.float32)
+    q = np.clip(np.round(blocks / d) + 8, 0, 15).astype(np.uint8)
+    exact = (d * (q.astype(np.float32) - 8)).reshape(rows, cols)
+    head = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(rows, -1, 2),
+                           (8 * d).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)], axis=-1)  # fmt: skip
+    scales = np.broadcast_to(np.array([1] * 8 + [0x11] * 4, np.uint8), (rows, cols // 256, 12))
+    chunks = q.reshape(rows, cols // 256, 4, 2, 32)  # per 64 values: 32 low nibbles, then 32 high
+    qs = (chunks[:, :, :, 0] | (chunks[:, :, :, 1] << 4)).reshape(rows, cols // 256, 128)
+    return exact, np.concatenate([head, scales, qs], axis=-1).reshape(rows, -1)
+
+
+def test_q4_k_bytes_written_from_the_format_decode_exactly(tmp_path):
+    """A K-quant tensor (256-value blocks) in a file of F32 ones: the decoded
+    matrix is exactly the one its bytes encode, so the model computes what the
+    source model with those weights computes (an encoder written from the
+    format, not llama.cpp's, so the check is independent of the decoder)."""
+    import gguf
+
+    (tmp_path / "bpe").mkdir()
+    tok = bpe_metadata(tmp_path / "bpe")
+    model, config = reference_model("qwen3", len(tok["tokenizer.ggml.tokens"]))
+    exact, raw = _q4_k_exact(np.array(model.model.layers[0].mlp.down_proj.weight))
+    model.model.layers[0].mlp.down_proj.weight = mx.array(exact)
+    tensors = gguf_tensors(model, config, "qwen3")
+    tensors["blk.0.ffn_down.weight"] = (raw, "Q4_K")
+    write_gguf(tmp_path / "k.gguf", "qwen3", tensors, {**arch_metadata("qwen3", config), **tok})
+    assert {t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "k.gguf").tensors} == {"F32", "Q4_K"}
+    kit = me.load_model(tmp_path / "k.gguf")
+    assert np.array_equal(np.array(kit.model.model.layers[0].mlp.down_proj.weight), exact)
+    ids = me.tokenize(kit, PROMPT)
+    assert mx.abs(_logits(kit.model, ids) - _logits(model, ids)).max().item() < 1e-4
