@@ -234,11 +234,28 @@ def mlx_name(name: str, h: GGUFHeader) -> str:
     raise ModelLoadError(f"GGUF file {str(h.path)!r} has a tensor {name!r} the loader does not know how to map")
 
 
-def load_model(h: GGUFHeader, config: dict):
+# MLX affine bits for a decoded type whose weights stay quantized (Metal):
+# two bits more than the source's own weight bits (MLX has no 7-bit format, so
+# 5-bit types take 8), in groups of 32. An affine grid only reproduces a GGUF
+# block's levels where the block uses its extreme codes, so the same bit width
+# loses as much again as the file's own rounding; two more bits keep the added
+# error small (docs/gguf.md gives the measured logit differences).
+# F32, F16 and BF16 stay float16.
+REQUANT_BITS = {
+    "Q2_K": 4, "Q3_K": 5, "Q4_0": 6, "Q4_1": 6, "Q4_K": 6, "IQ4_NL": 6, "IQ4_XS": 6,
+    "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 8,
+}
+REQUANT_GROUP = 32
+
+
+def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = None):
     """Build the mlx-lm model for ``config`` and load the file's tensors into it.
     A file of MLX-native types only keeps Q4_0/Q4_1/Q8_0 quantized (as MLX's
-    reader gives them; ``compute_dtype`` decides later); any other file is
-    decoded tensor by tensor to float32 on the CPU, float16 elsewhere."""
+    reader gives them; ``compute_dtype`` decides later). Any other file is
+    decoded tensor by tensor: to float32 on the CPU (the fast path there);
+    elsewhere (``keep_quantized``, by default off the CPU) to float16, with the
+    matrices of quantized types re-quantized to MLX's affine format by
+    ``REQUANT_BITS``."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
@@ -246,19 +263,25 @@ def load_model(h: GGUFHeader, config: dict):
     family = FAMILIES[h.architecture]
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
+    if keep_quantized is None:
+        keep_quantized = mx.default_device() != mx.cpu
     if all_mlx_native(h):
         tensors = iter(read_native(h).items())
     else:
-        tensors = read_decoded(h, "float32" if mx.default_device() == mx.cpu else "float16")
-    weights, rope_freqs = {}, None
+        tensors = read_decoded(h, "float16" if keep_quantized else "float32")
+    weights, source_types, rope_freqs = {}, {}, None
     for name, value in tensors:
         if name == "rope_freqs.weight":
             rope_freqs = value
             continue
         key = mlx_name(name, h)
         weights[key] = value - family.norm_shift if family.norm_shift and key.endswith("norm.weight") else value
+        if name in h.tensors:
+            source_types[key] = h.tensors[name].type_name
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+    if keep_quantized and not all_mlx_native(h):
+        weights = requantize(model, weights, source_types, h)
     bits = {
         k[: -len(".scales")]: weights[k[: -len(".scales")] + ".weight"].shape[-1] * 32 // (v.shape[-1] * 32)
         for k, v in weights.items()
@@ -275,6 +298,30 @@ def load_model(h: GGUFHeader, config: dict):
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader) -> dict:
+    """``weights`` with each Linear/Embedding matrix of a type in
+    ``REQUANT_BITS`` replaced by MLX's quantized triple (``.weight``,
+    ``.scales``, ``.biases``); the choice per type is logged."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    modules = dict(model.named_modules())
+    out, chosen = dict(weights), {}
+    for key, value in weights.items():
+        stem = key[: -len(".weight")]
+        n_bits = REQUANT_BITS.get(source_types.get(key, ""))
+        if not (n_bits and key.endswith(".weight") and isinstance(modules.get(stem), (nn.Linear, nn.Embedding))):
+            continue
+        if value.ndim != 2 or value.shape[-1] % REQUANT_GROUP:
+            continue
+        out[key], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(value, group_size=REQUANT_GROUP, bits=n_bits)
+        chosen[source_types[key]] = n_bits
+    if chosen:
+        logger.info("GGUF %s: kept quantized in MLX's affine format, groups of %d (%s); other tensors float16", h.path.name,
+                    REQUANT_GROUP, ", ".join(f"{t} -> {b}-bit" for t, b in sorted(chosen.items())))
+    return out
 
 
 class FactoredRoPE:

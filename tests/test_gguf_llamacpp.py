@@ -65,3 +65,37 @@ def test_q4_k_m_of_another_family_answers():
     plain, last = generate_ids(kit, prompt, max_tokens=10, temp=0.0)
     assert len(plain) == 10 and last.stop_condition.stop_reason == "token_limit"
     assert generate_ids(kit, prompt, max_tokens=10, temp=0.0, prompt_lookup_num_tokens=3)[0] == plain
+
+
+@pytest.mark.parametrize("name", ["llama-Q4_K_M.gguf", "qwen3-Q4_K_M.gguf", "llama-Q2_K.gguf", "llama-Q6_K.gguf", "llama-IQ4_XS.gguf"])
+def test_decoded_types_kept_quantized_for_metal(name):
+    """Off the CPU a decoded file keeps its matrices quantized in MLX's affine
+    format (``REQUANT_BITS``; forced here, where the CPU would decode to
+    float32). Every Linear/Embedding of a listed type becomes a quantized layer
+    of its rule's width, and the logits stay within the re-quantization's own
+    rounding of the float32-decoded model's: half an MLX step of a block
+    spanning ~5 sigma, RMS 5 / ((2**b - 1) sqrt(12)) per weight, summed in
+    quadrature over the model's matmuls, with a factor 2 (measured 1.5% to 21%
+    across the fixtures; a wrongly packed tensor gives ~1.4)."""
+    import mlx.nn as nn
+
+    from mlx_engine import gguf, gguf_models
+
+    h = gguf.read_header(FIXTURES / name)
+    config = gguf_models.config_from_header(h)
+    decoded = gguf_models.load_model(h, config, keep_quantized=False)
+    kept = gguf_models.load_model(h, config, keep_quantized=True)
+    types = {gguf_models.mlx_name(n, h)[: -len(".weight")]: t.type_name for n, t in h.tensors.items()}
+    widths = []
+    for path, module in kept.named_modules():
+        if path in types and types[path] in gguf_models.REQUANT_BITS:
+            assert isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)), path
+            assert module.bits == gguf_models.REQUANT_BITS[types[path]], path
+            widths.append(module.bits)
+    assert widths
+    tokens = REFS["files"][name]["tokens"]
+    expected = decoded(mx.array(tokens)[None]).astype(mx.float32)
+    got = kept(mx.array(tokens)[None]).astype(mx.float32)
+    rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
+    per_weight = 5 / ((2 ** min(widths) - 1) * math.sqrt(12))
+    assert rel <= 2 * math.sqrt(len(widths)) * per_weight, (name, rel)
