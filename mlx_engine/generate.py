@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import uuid
 import weakref
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -21,9 +21,7 @@ from .model_kit import KitOptions, ModelKit, validate_max_parallel
 from .pipeline import Generation
 from .prompt_cache import PromptCacheOptions
 from .request import (
-    DEFAULT_MAX_TOKENS,
-    ProgressCallback,
-    StatsCallback,
+    GenerationOptions,
     require_idle,
     require_model,
     validate_request,
@@ -200,43 +198,7 @@ def stop_generation(kit: ModelKit, request_id: str) -> bool:
 
 
 # -- generation ---------------------------------------------------------------
-def create_generator(
-    kit: ModelKit,
-    prompt_tokens: list[int],
-    *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temp: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    min_tokens_to_keep: int | None = None,
-    repetition_penalty: float | None = None,
-    repetition_context_size: int = 20,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    logit_bias: dict[int, float] | None = None,
-    seed: int | None = None,
-    stop_strings: list[str] | None = None,
-    top_logprobs: int | None = None,
-    prompt_progress_callback: ProgressCallback | None = None,
-    stats_callback: StatsCallback | None = None,
-    request_id: str | None = None,
-    num_draft_tokens: int | None = None,
-    speculative_decoding_toggle: bool | None = None,
-    prompt_lookup_num_tokens: int | None = None,
-    prompt_lookup_min_ngram: int = 1,
-    prompt_lookup_max_ngram: int = 3,
-    prompt_lookup_num_candidates: int = 4,
-    auto_speculative: bool = False,
-    images_b64: list[str] | None = None,
-    json_schema: dict | str | None = None,
-    regex: str | None = None,
-    grammar: str | None = None,
-    structured_drafting: bool = True,
-    tools: list[dict] | None = None,
-    tool_choice: str | dict | None = None,
-    parallel_tool_calls: bool = True,
-) -> Iterator[GenerationResult]:
+def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iterator[GenerationResult]:
     """Stream the continuation of ``prompt_tokens``.
 
     Arguments are checked before anything runs; a bad one raises ``ValueError``
@@ -259,20 +221,28 @@ def create_generator(
     ``presence_penalty`` / ``frequency_penalty`` subtract (once / per occurrence)
     for tokens among the last ``repetition_context_size`` of the sequence.
     The generation runs on the kit's engine thread; callbacks are called there.
+    The keyword arguments are ``GenerationOptions``' fields (request.py), the
+    one place their names and defaults are declared; an unknown one raises
+    ``ValueError`` naming it.
     """
+    opts = GenerationOptions.from_kwargs(options)
     require_model(kit)
     if isinstance(prompt_tokens, mx.array):
         prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
-    options = SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("kit", "prompt_tokens")})
-    validate_request_id(request_id)
+    validate_request_id(opts.request_id)
     thread = _worker_of(kit)
-    generation = thread.call(_start, kit, prompt_tokens, options)
+    generation = thread.call(_start, kit, prompt_tokens, opts)
     if kit.max_parallel == 1:
         return worker.WorkerIterator(thread, generation.alone())
     return RequestStream(thread, _scheduler_of(kit, thread), generation, generation.request_id)
 
 
-def _start(kit: ModelKit, prompt_tokens, options: SimpleNamespace) -> Generation:
+# The keyword arguments, introspectable (help(), IDEs) though declared once, in GenerationOptions.
+create_generator.__signature__ = inspect.signature(create_generator).replace(parameters=[
+    *list(inspect.signature(create_generator).parameters.values())[:2], *GenerationOptions.keyword_parameters()])
+
+
+def _start(kit: ModelKit, prompt_tokens, options: GenerationOptions) -> Generation:
     """Validate (on the kit's engine thread) and create the generation."""
     request = validate_request(kit, prompt_tokens, options, options.request_id or uuid.uuid4().hex)
     return Generation(kit, request)
