@@ -107,8 +107,7 @@ def branch(cache: SequenceCache, n: int, make: Callable[[], SequenceCache]) -> S
     out = make()
     for src, dst in zip(cache.layers, out.layers):
         if src.keys is not None and n:
-            dst.keys, dst.values = src.keys[..., :n, :], src.values[..., :n, :]
-            dst.offset = n
+            dst.state = (src.keys[..., :n, :], src.values[..., :n, :], n)
     out.tokens = list(cache.tokens[:n])
     return out
 
