@@ -82,13 +82,13 @@ def load_model(
 
 
 def _attach_worker(kit: ModelKit, thread: worker.MLXWorker) -> worker.MLXWorker:
-    kit._worker = thread
+    kit.attach_worker(thread)
     weakref.finalize(kit, worker.release, thread)  # the thread serves another kit once this one is gone
     return thread
 
 
 def _worker_of(kit: ModelKit) -> worker.MLXWorker:
-    return kit._worker or _attach_worker(kit, worker.acquire())
+    return kit.worker or _attach_worker(kit, worker.acquire())
 
 
 def _load_model(model_path, kit_options: KitOptions, seed, max_image_pixels) -> ModelKit:
@@ -194,7 +194,7 @@ def _when_idle(kit: ModelKit, fn: Callable, *args) -> None:
 def stop_generation(kit: ModelKit, request_id: str) -> bool:
     """Ask the generation with ``request_id`` to stop; safe from any thread.
     It ends with ``user_cancelled``. Returns False when no such request exists."""
-    return kit._activity.cancel(request_id)
+    return kit.activity.cancel(request_id)
 
 
 # -- generation ---------------------------------------------------------------
@@ -250,7 +250,7 @@ def _start(kit: ModelKit, prompt_tokens, options: GenerationOptions) -> Generati
 
 def _scheduler_of(kit: ModelKit, thread: worker.MLXWorker) -> Scheduler:
     """The kit's scheduler, stepped by its engine thread (scheduler.py)."""
-    if kit._scheduler is None:
-        kit._scheduler = Scheduler(kit)
-        thread.job = kit._scheduler
-    return kit._scheduler
+    if kit.scheduler is None:
+        kit.attach_scheduler(Scheduler(kit))
+        thread.job = kit.scheduler
+    return kit.scheduler

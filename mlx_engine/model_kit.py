@@ -195,6 +195,29 @@ class ModelKit:
         self.max_parallel = DEFAULT_MAX_PARALLEL if max_parallel is None else max_parallel
 
     @property
+    def activity(self) -> Activity:
+        """The request registry: open, running and cancelled requests."""
+        return self._activity
+
+    @property
+    def worker(self):
+        """The engine thread that runs this kit's MLX work (worker.MLXWorker), once attached."""
+        return self._worker
+
+    def attach_worker(self, thread) -> None:
+        """Give the kit its engine thread (generate.py does, at load or first use)."""
+        self._worker = thread
+
+    @property
+    def scheduler(self):
+        """The scheduler of its parallel requests (scheduler.Scheduler), once made."""
+        return self._scheduler
+
+    def attach_scheduler(self, scheduler) -> None:
+        """Give the kit the scheduler of its parallel requests (made with the first one)."""
+        self._scheduler = scheduler
+
+    @property
     def open_generations(self) -> int:
         """How many generators on this kit are open (created and not yet ended,
         closed or cancelled); at most ``max_parallel``. Safe from any thread."""

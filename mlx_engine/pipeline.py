@@ -58,7 +58,7 @@ class Generation(Generator[Launch | Turn | GenerationResult, Round | None, None]
     def __init__(self, kit: ModelKit, request: Request):
         self._kit, self._request = kit, request
         self._started = True  # nothing to end (``__del__``) unless registered
-        kit._activity.register(request.request_id, kit.max_parallel)
+        kit.activity.register(request.request_id, kit.max_parallel)
         self._gen: Driver = run(kit, request)
         self._started = False
 
@@ -83,7 +83,7 @@ class Generation(Generator[Launch | Turn | GenerationResult, Round | None, None]
         self._gen.close()
         if not self._started:
             self._started = True
-            self._kit._activity.end(self._request.request_id)
+            self._kit.activity.end(self._request.request_id)
 
     def __del__(self) -> None:
         """An unstarted generation nobody holds any more (its creator was
@@ -91,7 +91,7 @@ class Generation(Generator[Launch | Turn | GenerationResult, Round | None, None]
         (no MLX work: a finalizer may run on any thread)."""
         if not self._started:
             self._started = True
-            self._kit._activity.end(self._request.request_id)
+            self._kit.activity.end(self._request.request_id)
 
 
 class _Alone(Iterator[GenerationResult]):
@@ -133,7 +133,7 @@ class _Cancelled(Exception):
 
 def run(kit: ModelKit, req: Request) -> Driver:
     """Run a validated request on the kit (on its engine thread)."""
-    act = kit._activity
+    act = kit.activity
     steps = prepared = None
     model_work = False  # whether the caches may hold a half-recorded forward pass
     try:
@@ -189,7 +189,7 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
             except Exception:
                 logger.exception("request %r: a clean-up step failed", request_id)
     finally:
-        kit._activity.end(request_id)
+        kit.activity.end(request_id)
 
 
 def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
@@ -253,7 +253,7 @@ def _process_prompt(
     report(0.0)
     hidden = int(kit.config.get("text_config", kit.config).get("hidden_size", 4096) or 4096)
     chunk = prefill_chunk(kit.vocab_size, hidden)
-    if len(kit._activity.active) > 1:
+    if len(kit.activity.active) > 1:
         # Other requests decode between our chunks: smaller chunks keep their
         # stalls short, at a small cost in prefill speed.
         chunk = min(chunk, INTERLEAVED_PREFILL_CHUNK)
@@ -352,7 +352,7 @@ class _ToolCalls:
 
 def _stop_requested(kit: ModelKit, request_id: str) -> bool:
     """Cancelled by stop_generation, or the process is exiting."""
-    return kit._activity.is_cancelled(request_id) or worker.shutting_down.is_set()
+    return kit.activity.is_cancelled(request_id) or worker.shutting_down.is_set()
 
 
 def _reset_caches(kit: ModelKit, prepared: _Prepared | None) -> None:

@@ -180,7 +180,7 @@ def require_idle(kit: ModelKit) -> None:
     """``GenerationInProgressError`` while a generation is open on ``kit``:
     created and not yet finished or closed, iterated or not (its plan may
     rely on the model and draft model as they were when it was created)."""
-    open_ = sorted(kit._activity.known)
+    open_ = sorted(kit.activity.known)
     if open_:
         names = ", ".join(repr(a) for a in open_)
         raise GenerationInProgressError(

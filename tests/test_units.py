@@ -200,3 +200,13 @@ def test_create_generator_options_are_declared_once_and_unknown_names_are_refuse
         me.create_generator(None, [1, 2], tmep=0.5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         GenerationOptions(temp=0.5).temp = 1.0
+
+
+def test_stop_condition_tokens_default_is_not_shared():
+    from mlx_engine.results import GenerationStopCondition
+
+    a, b = GenerationStopCondition("eos_token"), GenerationStopCondition("token_limit")
+    a.stop_tokens.append(7)
+    assert b.stop_tokens == [] and a == ("eos_token", None, [7])
+    assert GenerationStopCondition("stop_string", "x", [1, 2]).stop_tokens == [1, 2]
+    assert repr(b) == "GenerationStopCondition(stop_reason='token_limit', stop_string=None, stop_tokens=[])"
