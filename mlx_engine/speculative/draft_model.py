@@ -16,7 +16,8 @@ from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
 from ..batch_cache import release_row
 from ..cache import SequenceCache
-from ..model_kit import DraftModel, ModelKit, param_count, prepare_weights, smoke_test
+from ..draft_pool import DraftModel
+from ..model_kit import ModelKit, param_count, prepare_weights, smoke_test
 from . import costs
 from .loop import DrafterUnavailable, PendingDrafts
 from .policy import DraftLengthPolicy
