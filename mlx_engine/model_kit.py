@@ -216,11 +216,11 @@ class ModelKit:
         """The request's prompt as the cache sees it (see PromptPlan)."""
         return PromptPlan(prompt, prompt)
 
-    def prefill_prompt(self, cache: SequenceCache, todo: list[int], on_chunk=None,
+    def prefill_prompt(self, plan: PromptPlan, cache: SequenceCache, todo: list[int], on_chunk=None,
                        chunk_size: int = PREFILL_CHUNK) -> Iterator[None]:
-        """Feed ``todo``, the part of the last planned prompt (all but its last
-        token) that ``cache`` lacks, yielding after each chunk (the scheduler
-        lets the other requests take a step there)."""
+        """Feed ``todo``, the part of ``plan``'s prompt (all but its last token)
+        that ``cache`` lacks, yielding after each chunk (the scheduler lets the
+        other requests take a step there)."""
         for i in range(0, len(todo), chunk_size):
             cache.prefill(todo[i : i + chunk_size], on_chunk, chunk_size)
             yield

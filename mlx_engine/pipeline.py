@@ -24,7 +24,7 @@ from .batch_cache import release_row
 from .cache import SequenceCache, common_prefix_length
 from .context import prefill_chunk
 from .errors import CallbackError
-from .model_kit import ModelKit
+from .model_kit import ModelKit, PromptPlan
 from .plan import build_drafter
 from .request import Request
 from .results import (GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall,
@@ -120,6 +120,7 @@ class _Alone(Iterator[GenerationResult]):
 
 
 class _Prepared(NamedTuple):
+    plan: PromptPlan  # the prompt as planned (plan_prompt), handed to the kit's prefill
     prompt: list[int]  # the real ids (a vision kit's images expanded)
     cache: SequenceCache  # the prompt cache's entry this request decodes into
     todo: list[int]  # the part of the prompt that cache lacks (all but the last token)
@@ -211,7 +212,7 @@ def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
     except BaseException:
         kit.prompt_cache.release(entry)
         raise
-    return _Prepared(prompt, entry, todo, drafter, draft_drafter)
+    return _Prepared(plan, prompt, entry, todo, drafter, draft_drafter)
 
 
 def _process_prompt(
@@ -257,7 +258,7 @@ def _process_prompt(
         # Other requests decode between our chunks: smaller chunks keep their
         # stalls short, at a small cost in prefill speed.
         chunk = min(chunk, INTERLEAVED_PREFILL_CHUNK)
-    for _ in kit.prefill_prompt(prepared.cache, prepared.todo, chunk_done(1.0), chunk):
+    for _ in kit.prefill_prompt(prepared.plan, prepared.cache, prepared.todo, chunk_done(1.0), chunk):
         yield TURN
     if draft_drafter is not None:
         draft_drafter.prefill(prompt, chunk_done(draft_weight))
