@@ -7,7 +7,7 @@ import logging
 import uuid
 import weakref
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import mlx.core as mx
 
@@ -22,7 +22,7 @@ from .pipeline import Generation
 from .prompt_cache import PromptCacheOptions
 from .request import (
     GenerationOptions,
-    require_idle,
+    WhenIdle,
     require_model,
     validate_request,
     validate_request_id,
@@ -163,7 +163,7 @@ def unload(kit: ModelKit) -> None:
     or close it first."""
     if not isinstance(kit, ModelKit):
         raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
-    _worker_of(kit).call(_when_idle, kit, kit.unload)
+    _worker_of(kit).call(WhenIdle(kit, kit.unload))
 
 
 def load_draft_model(kit: ModelKit, path: str | Path) -> None:
@@ -171,7 +171,7 @@ def load_draft_model(kit: ModelKit, path: str | Path) -> None:
     ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit.
     All or nothing: when loading fails, the previous draft model stays loaded."""
     require_model(kit)
-    _worker_of(kit).call(_when_idle, kit, load_draft, kit, path)
+    _worker_of(kit).call(WhenIdle(kit, load_draft, kit, path))
 
 
 def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
@@ -181,14 +181,7 @@ def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
 
 def unload_draft_model(kit: ModelKit) -> None:
     """Release the draft model (no-op when none is loaded); the main cache stays."""
-    _worker_of(kit).call(_when_idle, kit, unload_draft, kit)
-
-
-def _when_idle(kit: ModelKit, fn: Callable, *args) -> None:
-    """Run ``fn`` (on the kit's thread, after any close queued before it) unless a
-    generation is open."""
-    require_idle(kit)
-    fn(*args)
+    _worker_of(kit).call(WhenIdle(kit, unload_draft, kit))
 
 
 def stop_generation(kit: ModelKit, request_id: str) -> bool:

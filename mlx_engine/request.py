@@ -189,6 +189,22 @@ def require_idle(kit: ModelKit) -> None:
         )
 
 
+class WhenIdle:
+    """A call to run on the kit's engine thread (after any close queued before
+    it) unless a generation is open: ``action(*args)`` after ``require_idle``.
+    A value, so a worker can tell which action it carries (a sharded kit's
+    worker runs its own release inline once a rank has failed)."""
+
+    __slots__ = ("kit", "action", "args")
+
+    def __init__(self, kit: ModelKit, action: Callable, *args):
+        self.kit, self.action, self.args = kit, action, args
+
+    def __call__(self) -> None:
+        require_idle(self.kit)
+        self.action(*self.args)
+
+
 def validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
     """The prompt as a list of Python ints. Any sequence of integers is accepted
     (ints, numpy or MLX integer scalars, a 1-D integer array); text, mappings and

@@ -29,6 +29,7 @@ from .. import loading, worker
 from ..errors import DistributedConfigError, ShardedKitError
 from ..cache import CacheOptions
 from ..model_kit import KitOptions, ModelKit, materialize, param_count
+from ..request import WhenIdle
 from . import sharding
 from .control import ControlClient, ControlServer, break_ring_sockets, rank0_host
 from .protocol import FollowerExit, FollowerLoop, MirroredModel, PassCounter
@@ -87,8 +88,9 @@ class ShardWorker(worker.MLXWorker):
     def submit(self, fn: Callable, *args, **kwargs) -> worker.Task:
         if self.health.failure is not None:
             # unload() runs the kit's release either directly or through the
-            # API's idle check (generate._when_idle(kit, release)).
-            releasing = self.release is not None and (fn == self.release or args[1:2] == (self.release,))
+            # API's idle check (a WhenIdle carrying it).
+            releasing = self.release is not None and (
+                fn == self.release or (isinstance(fn, WhenIdle) and fn.action == self.release))
             if releasing or _closes_generator(fn):
                 # Unloading a dead kit or closing its generators touches no rank: run it here.
                 task = worker.Task(fn, args, kwargs)
