@@ -1,14 +1,16 @@
 """Sharded kits: 1 rank against 2 ranks on this machine (loopback, ring backend).
 
-    .venv/bin/python -m bench.distributed [--reps 2] [--max-tokens 128] [--quick]
+    .venv/bin/python -m bench.distributed [--reps 2] [--max-tokens 128] [--quick] [--models-only]
 
-Runs the toy pair (models/pystd-target, models/pystd-draft; the target has 6 heads
-and a 1024-wide MLP, so it shards over 2 ranks) on an echo and an open-generation
+Runs a random-weight pair written by fixtures/tiny_models.py (SHARDING_PAIR: a llama
+target 384 wide, 8 layers, 6 heads, which shards over 2 ranks, as SmolLM2-135M's 9
+heads do not; a 2-layer draft on its tokenizer) on an echo and an open-generation
 prompt in every decoding mode, first in this process, then as a 2-rank job started
 with mlx.launch (this file is also each rank's program). Reports generation tok/s,
 the 2-rank / 1-rank ratio, tokens per target forward pass, and each kit's speed-up
-of prompt lookup and the draft model over its own plain decoding. Writes
-bench/results/distributed.{md,json}.
+of prompt lookup and the draft model over its own plain decoding (random weights:
+the ratios measure the sharding's cost, not a draft's quality). Writes
+bench/results/distributed.{md,json}; ``--models-only`` just writes the pair.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import mlx_engine as me  # noqa: E402
 
-TARGET, DRAFT = ROOT / "models" / "pystd-target", ROOT / "models" / "pystd-draft"
+SHARDING_PAIR = ROOT / "bench" / "results" / "raw" / "sharding-pair"
+TARGET, DRAFT = SHARDING_PAIR / "target", SHARDING_PAIR / "draft"
 MODES = {
     "plain": {},
     "lookup": {"prompt_lookup_num_tokens": 8},
@@ -33,6 +36,16 @@ MODES = {
     "auto": {"auto_speculative": True, "draft": True},
 }
 RESULTS = ROOT / "bench" / "results"
+
+
+def make_models() -> None:
+    """Write the random-weight pair (seeded: the same weights every time) unless present."""
+    from fixtures.tiny_models import make_model
+
+    if not (TARGET / "model.safetensors").exists():
+        make_model(TARGET, "llama", hidden=384, layers=8, heads=6, kv_heads=6, scale=3.0, seed=11)
+    if not (DRAFT / "model.safetensors").exists():
+        make_model(DRAFT, "llama", hidden=128, layers=2, heads=4, kv_heads=2, scale=3.0, seed=12, tokenizer_from=TARGET)
 
 
 def workloads(kit) -> dict[str, list[int]]:
@@ -103,7 +116,7 @@ def launch_two_ranks(reps: int, max_tokens: int) -> dict:
 
 def render(one: dict, two: dict, reps: int, max_tokens: int, load: str) -> str:
     lines = [
-        f"Toy pair (pystd-target 8 layers / 384 wide, float32 compute), {max_tokens} new tokens, greedy, median of {reps} "
+        f"Random-weight pair (target 8 layers / 384 wide / 6 heads, float32), {max_tokens} new tokens, greedy, median of {reps} "
         f"runs after a warm-up, {os.cpu_count()} CPU cores shared by both ranks; load average before/after: {load}.",
         "",
         "| workload / mode | 1 rank tok/s | 2 ranks tok/s | 2 / 1 | tokens per pass (1 rank / 2 ranks) | speed-up over own plain (1 rank / 2 ranks) | same tokens as 1 rank |",
@@ -133,11 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="1 run, 64 tokens")
+    ap.add_argument("--models-only", action="store_true", help=f"write the model pair to {SHARDING_PAIR} and stop")
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)  # set when running as a rank
     args = ap.parse_args(argv)
     reps, max_tokens = (1, 64) if args.quick else (args.reps, args.max_tokens)
     if args.job:
         return rank_job(args.job, reps, max_tokens)
+    make_models()
+    if args.models_only:
+        print(f"{TARGET}\n{DRAFT}")
+        return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     print("1 rank (this process)", file=sys.stderr)

@@ -21,7 +21,8 @@ accept lengths), and one learner, ``FollowTheLeader``, shows what learning a
 fixed length online costs even with full information.
 
 ``--lookup`` does the same for prompt lookup and the router without a draft
-model: the greedy outputs of the toy pair's workloads (and, with ``--chat``,
+model: the greedy outputs of ``bench.run``'s workloads on the default model (the
+retired toy pair's until it was deleted; and, with ``--chat``,
 SmolLM2's ``bench.chat`` workloads) are recorded once to ``--traces``; then
 fixed lookup lengths and the engine's own ``AutoRouter`` are replayed on them
 (every proposal checked against the recorded output), priced with round costs
@@ -160,9 +161,9 @@ class Fixed:
 
 
 # -- prompt lookup and the router ------------------------------------------------
-def record_traces(path: Path, tokens: int, chat: bool, toy_model: Path) -> dict:
-    """Greedy outputs of the bench workloads (the toy model's ``bench.run``
-    workloads, and with ``chat`` SmolLM2's ``bench.chat`` ones; ``tokens`` long,
+def record_traces(path: Path, tokens: int, chat: bool, toy_model: str | Path) -> dict:
+    """Greedy outputs of the bench workloads (``toy_model``'s ``bench.run``
+    workloads, the default model unless told, and with ``chat`` SmolLM2's ``bench.chat`` ones; ``tokens`` long,
     replayed as far as each benchmark generates: 128 and 200), saved as JSON:
     ``name -> {"prompt": [...], "output": [...]}``. Greedy output does not
     depend on the decoding mode, so prompt lookup makes them faster."""
@@ -258,8 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lookup", action="store_true", help="replay prompt lookup and the router (no draft model)")
     p.add_argument("--chat", action="store_true", help="with --lookup: also SmolLM2's bench.chat workloads")
     p.add_argument("--traces", type=Path, default=Path("bench/results/raw/lookup_traces.json"))
-    p.add_argument("--toy-model", type=Path, default=Path("models/pystd-target"),
-                   help="with --lookup: the toy target whose bench.run workloads are replayed")
+    p.add_argument("--toy-model", default=DEFAULT_MODEL,
+                   help="with --lookup: the model whose bench.run workloads are replayed (the default model; "
+                        "the name is kept from the retired toy pair it once was)")
     p.add_argument("--only", help="with --lookup: comma-separated substrings of workload names")
     p.add_argument("--prior-lines", metavar="toy=JUMP+SLOPEk,chat=...",
                    help="with --lookup: the verify-cost measurement the router starts from (default: --cost-lines); "

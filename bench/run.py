@@ -508,9 +508,6 @@ def render_docs(report: dict, results_md: str, out_dir: Path, docs_path: Path) -
         "not), so outputs and timings compare like for like.",
         "- **Exact** means the greedy tokens equal mlx-lm's token for token; otherwise the first differing position "
         "and mlx-lm's top-2 logit gap there are listed (a near-zero gap is a float near-tie, not a bug).",
-        *(["- The pystd demo models were trained on 512-token windows (`training/train_demo_models.py --seq-len`), "
-           "so the 1024-token workloads also test how well they generalise past that length."]
-          if "pystd" in models["target"]["path"] else []),
         "- The CPU is shared with other work (see the load average above), so numbers are noisy: treat differences "
         "of a few percent as noise, and compare ratios from the same run rather than absolute tok/s across runs.",
         "- **Against mlx-lm doing the same job** pairs each engine system with its mlx-lm counterpart "

@@ -1,7 +1,7 @@
 """Structured-output benchmark: ``python -m bench.structured [--reps 5]``.
 
 What a JSON schema costs and what forced-span drafting gives back, on the
-bundled toy target and on SmolLM2-135M-Instruct (float32 on the CPU), greedy:
+default model, SmolLM2-135M-Instruct (float32 on the CPU), greedy:
 
 - ``free``: unconstrained plain decoding (the reference speed);
 - ``schema``: constrained plain decoding, forced-span drafting off;
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
              "(95% bootstrap interval); forced = grammar-forced drafts accepted/drafted.", "",
              "| model | system | new tokens | gen tok/s | vs free | vs schema | forced | output vs schema |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
-    for name, path in (("pystd-target", "models/pystd-target"), ("smollm2-135m", me.DEFAULT_MODEL)):
+    for name, path in (("smollm2-135m", me.DEFAULT_MODEL),):
         kit = me.load_model(path)
         lines += bench_model(name, kit, args.reps, args.max_tokens)
         me.unload(kit)

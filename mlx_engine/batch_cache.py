@@ -99,8 +99,7 @@ class RaggedBatch:
         stacked = [_stack_row(layer, self.rows, kv.keys, kv.values, n) for layer, kv in zip(self.layers, cache.layers)]
         for layer, kv, (keys, values) in zip(self.layers, cache.layers, stacked):
             layer.keys, layer.values = keys, values
-            kv.keys = kv.values = None
-            kv.offset = 0
+            kv.state = (None, None, 0)
         self.rows.append(cache)
 
     def leave(self, cache: SequenceCache) -> None:
@@ -111,13 +110,12 @@ class RaggedBatch:
         keep = mx.array([i for i in range(len(self.rows)) if i != b])
         for layer, kv in zip(self.layers, cache.layers):
             if layer.keys is None or n == 0:
-                kv.keys = kv.values = None
-                kv.offset = 0
+                kv.state = (None, None, 0)
             else:
                 # ``take`` copies, so the row's arrays do not keep the batch's alive.
                 k = layer.keys if alone else mx.take(layer.keys, mx.array([b]), axis=0)
                 v = layer.values if alone else mx.take(layer.values, mx.array([b]), axis=0)
-                kv.keys, kv.values, kv.offset = k, v, n
+                kv.state = (k, v, n)
             if alone:
                 layer.keys = layer.values = None
             elif layer.keys is not None:

@@ -363,9 +363,11 @@ def _touch(path: Path) -> None:
 
 
 def _compact(layer: KVCache) -> KVCache:
-    """The layer with exactly its tokens' keys and values (no spare buffer)."""
+    """The layer with exactly its tokens' keys and values (no spare buffer).
+    Needed: mlx-lm's ``KVCache.state`` (what ``save_prompt_cache`` writes) is
+    the whole step-allocated buffer, not the first ``offset`` positions."""
     out = KVCache()
     if layer.keys is not None:
-        out.keys, out.values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
-        out.offset = layer.offset
+        o = layer.offset
+        out.state = (layer.keys[..., :o, :], layer.values[..., :o, :], o)
     return out

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import uuid
 import weakref
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Callable, Iterator
+from typing import Iterator
 
 import mlx.core as mx
 
@@ -21,10 +21,8 @@ from .model_kit import KitOptions, ModelKit, validate_max_parallel
 from .pipeline import Generation
 from .prompt_cache import PromptCacheOptions
 from .request import (
-    DEFAULT_MAX_TOKENS,
-    ProgressCallback,
-    StatsCallback,
-    require_idle,
+    GenerationOptions,
+    WhenIdle,
     require_model,
     validate_request,
     validate_request_id,
@@ -84,13 +82,13 @@ def load_model(
 
 
 def _attach_worker(kit: ModelKit, thread: worker.MLXWorker) -> worker.MLXWorker:
-    kit._worker = thread
+    kit.attach_worker(thread)
     weakref.finalize(kit, worker.release, thread)  # the thread serves another kit once this one is gone
     return thread
 
 
 def _worker_of(kit: ModelKit) -> worker.MLXWorker:
-    return kit._worker or _attach_worker(kit, worker.acquire())
+    return kit.worker or _attach_worker(kit, worker.acquire())
 
 
 def _load_model(model_path, kit_options: KitOptions, seed, max_image_pixels) -> ModelKit:
@@ -165,7 +163,7 @@ def unload(kit: ModelKit) -> None:
     or close it first."""
     if not isinstance(kit, ModelKit):
         raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
-    _worker_of(kit).call(_when_idle, kit, kit.unload)
+    _worker_of(kit).call(WhenIdle(kit, kit.unload))
 
 
 def load_draft_model(kit: ModelKit, path: str | Path) -> None:
@@ -173,7 +171,7 @@ def load_draft_model(kit: ModelKit, path: str | Path) -> None:
     ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit.
     All or nothing: when loading fails, the previous draft model stays loaded."""
     require_model(kit)
-    _worker_of(kit).call(_when_idle, kit, load_draft, kit, path)
+    _worker_of(kit).call(WhenIdle(kit, load_draft, kit, path))
 
 
 def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
@@ -183,60 +181,17 @@ def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
 
 def unload_draft_model(kit: ModelKit) -> None:
     """Release the draft model (no-op when none is loaded); the main cache stays."""
-    _worker_of(kit).call(_when_idle, kit, unload_draft, kit)
-
-
-def _when_idle(kit: ModelKit, fn: Callable, *args) -> None:
-    """Run ``fn`` (on the kit's thread, after any close queued before it) unless a
-    generation is open."""
-    require_idle(kit)
-    fn(*args)
+    _worker_of(kit).call(WhenIdle(kit, unload_draft, kit))
 
 
 def stop_generation(kit: ModelKit, request_id: str) -> bool:
     """Ask the generation with ``request_id`` to stop; safe from any thread.
     It ends with ``user_cancelled``. Returns False when no such request exists."""
-    return kit._activity.cancel(request_id)
+    return kit.activity.cancel(request_id)
 
 
 # -- generation ---------------------------------------------------------------
-def create_generator(
-    kit: ModelKit,
-    prompt_tokens: list[int],
-    *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temp: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    min_tokens_to_keep: int | None = None,
-    repetition_penalty: float | None = None,
-    repetition_context_size: int = 20,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    logit_bias: dict[int, float] | None = None,
-    seed: int | None = None,
-    stop_strings: list[str] | None = None,
-    top_logprobs: int | None = None,
-    prompt_progress_callback: ProgressCallback | None = None,
-    stats_callback: StatsCallback | None = None,
-    request_id: str | None = None,
-    num_draft_tokens: int | None = None,
-    speculative_decoding_toggle: bool | None = None,
-    prompt_lookup_num_tokens: int | None = None,
-    prompt_lookup_min_ngram: int = 1,
-    prompt_lookup_max_ngram: int = 3,
-    prompt_lookup_num_candidates: int = 4,
-    auto_speculative: bool = False,
-    images_b64: list[str] | None = None,
-    json_schema: dict | str | None = None,
-    regex: str | None = None,
-    grammar: str | None = None,
-    structured_drafting: bool = True,
-    tools: list[dict] | None = None,
-    tool_choice: str | dict | None = None,
-    parallel_tool_calls: bool = True,
-) -> Iterator[GenerationResult]:
+def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iterator[GenerationResult]:
     """Stream the continuation of ``prompt_tokens``.
 
     Arguments are checked before anything runs; a bad one raises ``ValueError``
@@ -259,20 +214,28 @@ def create_generator(
     ``presence_penalty`` / ``frequency_penalty`` subtract (once / per occurrence)
     for tokens among the last ``repetition_context_size`` of the sequence.
     The generation runs on the kit's engine thread; callbacks are called there.
+    The keyword arguments are ``GenerationOptions``' fields (request.py), the
+    one place their names and defaults are declared; an unknown one raises
+    ``ValueError`` naming it.
     """
+    opts = GenerationOptions.from_kwargs(options)
     require_model(kit)
     if isinstance(prompt_tokens, mx.array):
         prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
-    options = SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("kit", "prompt_tokens")})
-    validate_request_id(request_id)
+    validate_request_id(opts.request_id)
     thread = _worker_of(kit)
-    generation = thread.call(_start, kit, prompt_tokens, options)
+    generation = thread.call(_start, kit, prompt_tokens, opts)
     if kit.max_parallel == 1:
         return worker.WorkerIterator(thread, generation.alone())
     return RequestStream(thread, _scheduler_of(kit, thread), generation, generation.request_id)
 
 
-def _start(kit: ModelKit, prompt_tokens, options: SimpleNamespace) -> Generation:
+# The keyword arguments, introspectable (help(), IDEs) though declared once, in GenerationOptions.
+create_generator.__signature__ = inspect.signature(create_generator).replace(parameters=[
+    *list(inspect.signature(create_generator).parameters.values())[:2], *GenerationOptions.keyword_parameters()])
+
+
+def _start(kit: ModelKit, prompt_tokens, options: GenerationOptions) -> Generation:
     """Validate (on the kit's engine thread) and create the generation."""
     request = validate_request(kit, prompt_tokens, options, options.request_id or uuid.uuid4().hex)
     return Generation(kit, request)
@@ -280,7 +243,7 @@ def _start(kit: ModelKit, prompt_tokens, options: SimpleNamespace) -> Generation
 
 def _scheduler_of(kit: ModelKit, thread: worker.MLXWorker) -> Scheduler:
     """The kit's scheduler, stepped by its engine thread (scheduler.py)."""
-    if kit._scheduler is None:
-        kit._scheduler = Scheduler(kit)
-        thread.job = kit._scheduler
-    return kit._scheduler
+    if kit.scheduler is None:
+        kit.attach_scheduler(Scheduler(kit))
+        thread.job = kit.scheduler
+    return kit.scheduler

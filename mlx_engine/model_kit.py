@@ -1,11 +1,11 @@
 """ModelKit: a loaded text model, its tokenizer and the caches kept between
-requests, plus an optional draft model."""
+requests, plus an optional draft model (draft_pool.DraftModel) and its request
+registry (activity.Activity)."""
 
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -13,70 +13,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import loading
-from .batch_cache import RaggedBatch, can_batch, release_row
-from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache, common_prefix_length
+from .activity import Activity
+from .batch_cache import RaggedBatch, can_batch
+from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache
+from .draft_pool import DraftModel  # re-exported: tests import it from here
 from .context import fit_context
 from .disk_cache import DiskCache, model_identity
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
-from .errors import GenerationInProgressError, ModelLoadError
+from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class DraftModel:
-    """A loaded draft model and the cache kept in step with the main one."""
-
-    path: Path
-    model: nn.Module
-    cache: SequenceCache
-    num_params: int
-    step_cost: float | None = None  # seconds per chained draft step, measured when first needed
-    spare: list[SequenceCache] = field(default_factory=list)  # more caches, for parallel requests
-    lent: list[SequenceCache] = field(default_factory=list)  # caches running requests draft with
-    batch: RaggedBatch | None = None  # rows of the lent caches while parallel requests draft
-    # Draft tokens proposed and accepted on this kit so far (decaying counts): a
-    # request's adaptive draft length starts from what this draft has delivered,
-    # not from a generic prior (a weak draft then costs nothing from round one).
-    drafted_seen: float = 0.0
-    accepted_seen: float = 0.0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """One drafted round's outcome, from any request."""
-        self.drafted_seen = self.drafted_seen * DRAFT_HISTORY_DECAY + drafted
-        self.accepted_seen = self.accepted_seen * DRAFT_HISTORY_DECAY + accepted
-
-    def acceptance_prior(self, default: float) -> float:
-        """Share of this draft's tokens accepted so far; ``default`` until enough are seen."""
-        if self.drafted_seen < DRAFT_HISTORY_MIN_TOKENS:
-            return default
-        return self.accepted_seen / self.drafted_seen
-
-    def lend(self, prompt: list[int], make) -> SequenceCache:
-        """An idle draft cache for a request (the one sharing the longest prefix
-        with ``prompt``; a new one from ``make()`` when all are lent)."""
-        idle = [c for c in [self.cache, *self.spare] if not any(c is x for x in self.lent)]
-        cache = max(idle, key=lambda c: common_prefix_length(c.tokens, prompt)) if idle else make()
-        self.lent.append(cache)
-        return cache
-
-    def batch_for_drafting(self) -> RaggedBatch | None:
-        """The batch the draft passes of parallel requests share (None when the
-        draft model's caches cannot be batched)."""
-        if self.batch is None and can_batch(self.cache):
-            self.batch = RaggedBatch(self.model, len(self.cache.layers))
-        return self.batch
-
-    def give_back(self, cache: SequenceCache) -> None:
-        release_row(self.batch, cache)
-        self.lent = [c for c in self.lent if c is not cache]
-        if cache is not self.cache and not any(c is cache for c in self.spare):
-            self.spare = (self.spare + [cache])[-MAX_SPARE_DRAFT_CACHES:]
-
-
-MAX_SPARE_DRAFT_CACHES = 7
-DRAFT_HISTORY_DECAY = 0.995  # per drafted round: the last few hundred rounds count
-DRAFT_HISTORY_MIN_TOKENS = 32
 
 
 @dataclass
@@ -87,53 +33,6 @@ class PromptPlan:
 
     ids: list[int]
     keys: list[int]
-
-
-@dataclass
-class Activity:
-    """The kit's request bookkeeping, safe from any thread: the requests created
-    and not yet ended (``known``, at most the kit's ``max_parallel``), those
-    running (``active``), and those asked to stop. A request is registered when
-    its generator is created and ended when the generator finishes, fails or is
-    closed, started or not."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    active: set[str] = field(default_factory=set)
-    known: set[str] = field(default_factory=set)
-    cancelled: set[str] = field(default_factory=set)
-
-    def register(self, request_id: str, capacity: int = 1) -> None:
-        with self.lock:
-            if request_id in self.known:
-                raise ValueError(f"request_id {request_id!r} is already in use on this kit")
-            if len(self.known) >= capacity:
-                open_ = ", ".join(repr(r) for r in sorted(self.known))
-                raise GenerationInProgressError(
-                    f"this kit already has {len(self.known)} open generation(s) ({open_}), its max_parallel of "
-                    f"{capacity}; finish or close one first"
-                )
-            self.known.add(request_id)
-
-    def begin(self, request_id: str) -> None:
-        with self.lock:
-            self.active.add(request_id)
-
-    def end(self, request_id: str) -> None:
-        with self.lock:
-            self.active.discard(request_id)
-            self.known.discard(request_id)
-            self.cancelled.discard(request_id)
-
-    def cancel(self, request_id: str) -> bool:
-        """Ask ``request_id`` to stop; False when no such request exists."""
-        with self.lock:
-            if request_id not in self.known:
-                return False
-            self.cancelled.add(request_id)
-            return True
-
-    def is_cancelled(self, request_id: str) -> bool:
-        return request_id in self.cancelled
 
 
 @dataclass(frozen=True)
@@ -193,6 +92,29 @@ class ModelKit:
     def _init_batching(self, max_parallel: int | None) -> None:
         """``max_parallel`` concurrent generations (see ``batch``)."""
         self.max_parallel = DEFAULT_MAX_PARALLEL if max_parallel is None else max_parallel
+
+    @property
+    def activity(self) -> Activity:
+        """The request registry: open, running and cancelled requests."""
+        return self._activity
+
+    @property
+    def worker(self):
+        """The engine thread that runs this kit's MLX work (worker.MLXWorker), once attached."""
+        return self._worker
+
+    def attach_worker(self, thread) -> None:
+        """Give the kit its engine thread (generate.py does, at load or first use)."""
+        self._worker = thread
+
+    @property
+    def scheduler(self):
+        """The scheduler of its parallel requests (scheduler.Scheduler), once made."""
+        return self._scheduler
+
+    def attach_scheduler(self, scheduler) -> None:
+        """Give the kit the scheduler of its parallel requests (made with the first one)."""
+        self._scheduler = scheduler
 
     @property
     def open_generations(self) -> int:
@@ -294,11 +216,11 @@ class ModelKit:
         """The request's prompt as the cache sees it (see PromptPlan)."""
         return PromptPlan(prompt, prompt)
 
-    def prefill_prompt(self, cache: SequenceCache, todo: list[int], on_chunk=None,
+    def prefill_prompt(self, plan: PromptPlan, cache: SequenceCache, todo: list[int], on_chunk=None,
                        chunk_size: int = PREFILL_CHUNK) -> Iterator[None]:
-        """Feed ``todo``, the part of the last planned prompt (all but its last
-        token) that ``cache`` lacks, yielding after each chunk (the scheduler
-        lets the other requests take a step there)."""
+        """Feed ``todo``, the part of ``plan``'s prompt (all but its last token)
+        that ``cache`` lacks, yielding after each chunk (the scheduler lets the
+        other requests take a step there)."""
         for i in range(0, len(todo), chunk_size):
             cache.prefill(todo[i : i + chunk_size], on_chunk, chunk_size)
             yield

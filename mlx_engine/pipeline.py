@@ -1,7 +1,8 @@
 """The request pipeline after validation: prompt → the one loop → results.
 
-``Generation`` is what ``create_generator`` returns (wrapped to run on the kit's
-engine thread). Running it: ``_prepare`` expands the prompt (images), brings the
+``Generation`` is the request's driver, a generator conversation with the
+scheduler (scheduler.py) or, for a kit serving one generation at a time, with
+``Generation.alone()``, the public ``Iterator[GenerationResult]``. Running it: ``_prepare`` expands the prompt (images), brings the
 cache to its longest common prefix, checks that the cache can be rewound before
 any draft work and builds the drafter; ``_process_prompt`` prefills what the
 caches lack, in chunks, with progress and cancellation; ``decode``
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Generator
 from typing import Callable, Iterator, NamedTuple
 
 import mlx.core as mx
@@ -22,14 +24,14 @@ from .batch_cache import release_row
 from .cache import SequenceCache, common_prefix_length
 from .context import prefill_chunk
 from .errors import CallbackError
-from .model_kit import ModelKit
+from .model_kit import ModelKit, PromptPlan
 from .plan import build_drafter
 from .request import Request
 from .results import (GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall,
                       ToolCallDelta, TopLogprob)
 from .sampling import Sampler, build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
-from .speculative.loop import TURN, Drafter, Launch, Step, decode, forward_alone
+from .speculative.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
 from .stop_strings import TextStream
 from .structured import GrammarConstraint
 from .tools import ToolCallStream
@@ -39,35 +41,39 @@ logger = logging.getLogger(__name__)
 INTERLEAVED_PREFILL_CHUNK = 256  # prompt tokens per step while other requests decode
 
 
-class Generation(Iterator[GenerationResult]):
-    """One request's run: results, ``TURN`` between prompt chunks and a
-    ``Launch`` for each forward pass its loop needs (scheduler.py runs them,
-    batched with other requests'). ``alone()`` runs the launches itself, for a
-    kit that serves one generation at a time. The request id is known to the
+#: What a request's run yields: results, ``TURN`` between prompt chunks, a
+#: ``Launch`` for each forward pass; the caller sends back each launch's round.
+Driver = Generator[Launch | Turn | GenerationResult, Round | None, None]
+
+
+class Generation(Generator[Launch | Turn | GenerationResult, Round | None, None]):
+    """One request's run, the internal driver: results, ``TURN`` between prompt
+    chunks and a ``Launch`` for each forward pass its loop needs, resumed with
+    ``send(round)`` (scheduler.py runs the launches, batched with other
+    requests'). ``alone()`` is the public iterator of its results, running the
+    launches itself, for a kit that serves one generation at a time. The request id is known to the
     kit from creation until the run ends or is closed, started or not, so a
     generator that is dropped unstarted never leaves its id behind."""
 
     def __init__(self, kit: ModelKit, request: Request):
         self._kit, self._request = kit, request
         self._started = True  # nothing to end (``__del__``) unless registered
-        kit._activity.register(request.request_id, kit.max_parallel)
-        self._gen: Iterator = run(kit, request)
+        kit.activity.register(request.request_id, kit.max_parallel)
+        self._gen: Driver = run(kit, request)
         self._started = False
 
     @property
     def request_id(self) -> str:
         return self._request.request_id
 
-    def __iter__(self) -> Generation:
-        return self
-
-    def __next__(self):
+    def send(self, rnd: Round | None):
+        """Resume the run (with the round of the launch it last yielded)."""
         self._started = True  # from here on, run() ends the request itself
-        return next(self._gen)
+        return self._gen.send(rnd)
 
-    def throw(self, exc: BaseException):
+    def throw(self, exc, *args):
         """Raise ``exc`` where the request waits for its forward pass (which failed)."""
-        return self._gen.throw(exc)
+        return self._gen.throw(exc, *args)
 
     def alone(self) -> Iterator[GenerationResult]:
         """The results, running each launch on the request's own cache."""
@@ -77,7 +83,7 @@ class Generation(Iterator[GenerationResult]):
         self._gen.close()
         if not self._started:
             self._started = True
-            self._kit._activity.end(self._request.request_id)
+            self._kit.activity.end(self._request.request_id)
 
     def __del__(self) -> None:
         """An unstarted generation nobody holds any more (its creator was
@@ -85,7 +91,7 @@ class Generation(Iterator[GenerationResult]):
         (no MLX work: a finalizer may run on any thread)."""
         if not self._started:
             self._started = True
-            self._kit._activity.end(self._request.request_id)
+            self._kit.activity.end(self._request.request_id)
 
 
 class _Alone(Iterator[GenerationResult]):
@@ -102,11 +108,11 @@ class _Alone(Iterator[GenerationResult]):
                 item = next(gen)
                 continue
             try:
-                forward_alone(item)
+                rnd = forward_alone(item)
             except BaseException as exc:
                 item = gen.throw(exc)  # the request's own cleanup runs; the error reaches the caller
                 continue
-            item = next(gen)
+            item = gen.send(rnd)
         return item
 
     def close(self) -> None:
@@ -114,6 +120,7 @@ class _Alone(Iterator[GenerationResult]):
 
 
 class _Prepared(NamedTuple):
+    plan: PromptPlan  # the prompt as planned (plan_prompt), handed to the kit's prefill
     prompt: list[int]  # the real ids (a vision kit's images expanded)
     cache: SequenceCache  # the prompt cache's entry this request decodes into
     todo: list[int]  # the part of the prompt that cache lacks (all but the last token)
@@ -125,9 +132,9 @@ class _Cancelled(Exception):
     pass
 
 
-def run(kit: ModelKit, req: Request) -> Iterator:
+def run(kit: ModelKit, req: Request) -> Driver:
     """Run a validated request on the kit (on its engine thread)."""
-    act = kit._activity
+    act = kit.activity
     steps = prepared = None
     model_work = False  # whether the caches may hold a half-recorded forward pass
     try:
@@ -183,7 +190,7 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
             except Exception:
                 logger.exception("request %r: a clean-up step failed", request_id)
     finally:
-        kit._activity.end(request_id)
+        kit.activity.end(request_id)
 
 
 def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
@@ -205,7 +212,7 @@ def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
     except BaseException:
         kit.prompt_cache.release(entry)
         raise
-    return _Prepared(prompt, entry, todo, drafter, draft_drafter)
+    return _Prepared(plan, prompt, entry, todo, drafter, draft_drafter)
 
 
 def _process_prompt(
@@ -247,18 +254,18 @@ def _process_prompt(
     report(0.0)
     hidden = int(kit.config.get("text_config", kit.config).get("hidden_size", 4096) or 4096)
     chunk = prefill_chunk(kit.vocab_size, hidden)
-    if len(kit._activity.active) > 1:
+    if len(kit.activity.active) > 1:
         # Other requests decode between our chunks: smaller chunks keep their
         # stalls short, at a small cost in prefill speed.
         chunk = min(chunk, INTERLEAVED_PREFILL_CHUNK)
-    for _ in kit.prefill_prompt(prepared.cache, prepared.todo, chunk_done(1.0), chunk):
+    for _ in kit.prefill_prompt(prepared.plan, prepared.cache, prepared.todo, chunk_done(1.0), chunk):
         yield TURN
     if draft_drafter is not None:
         draft_drafter.prefill(prompt, chunk_done(draft_weight))
     report(100.0)
 
 
-def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats, sampler: Sampler) -> Iterator:
+def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats, sampler: Sampler) -> Decoding:
     """The one verify/accept/rewind loop for this request."""
 
     def on_fallback(reason: str) -> None:
@@ -273,10 +280,10 @@ def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationS
                   prepared.drafter, stats, on_fallback, constraint)
 
 
-def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t_start: float, processed: int):
+def _results(kit, req: Request, steps: Decoding, stats: GenerationStats, t_start: float, processed: int) -> Driver:
     """Streamed results for the loop's tokens, ending with exactly one final
     result: an end token, a stop string, a complete grammar, the token limit or
-    cancellation."""
+    cancellation. The loop's launches pass through (their rounds back in)."""
     stream = TextStream(kit.tokenizer.detokenizer, req.stop_strings)
     calls = _ToolCalls(req)
     t_first, n = None, 0
@@ -287,9 +294,15 @@ def _results(kit, req: Request, steps: Iterator[Step], stats: GenerationStats, t
         result = GenerationResult(text, tokens, tops, tool_calls=made, tool_call_deltas=deltas)
         return _finish(result, stop, stats, req.stats_cb, t_start, t_first, processed)
 
-    for step in steps:
+    rnd = None
+    while True:
+        try:
+            step = steps.send(rnd)
+        except StopIteration:
+            return
+        rnd = None
         if isinstance(step, Launch):
-            yield step  # a forward pass, for the scheduler
+            rnd = yield step  # a forward pass, for the scheduler; its round goes back to the loop
             continue
         t_first = t_first or time.perf_counter()
         if _stop_requested(kit, req.request_id):
@@ -340,7 +353,7 @@ class _ToolCalls:
 
 def _stop_requested(kit: ModelKit, request_id: str) -> bool:
     """Cancelled by stop_generation, or the process is exiting."""
-    return kit._activity.is_cancelled(request_id) or worker.shutting_down.is_set()
+    return kit.activity.is_cancelled(request_id) or worker.shutting_down.is_set()
 
 
 def _reset_caches(kit: ModelKit, prepared: _Prepared | None) -> None:

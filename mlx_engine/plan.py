@@ -128,7 +128,7 @@ def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
         return []
     n = len(prompt) - 1
     pc = kit.prompt_cache
-    return [e.tokens for e in pc.entries if not pc._is_busy(e) and common_prefix_length(e.tokens, prompt) < n]
+    return [e.tokens for e in pc.entries if not pc.is_busy(e) and common_prefix_length(e.tokens, prompt) < n]
 
 
 def build_drafter(

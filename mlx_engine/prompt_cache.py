@@ -107,8 +107,7 @@ def branch(cache: SequenceCache, n: int, make: Callable[[], SequenceCache]) -> S
     out = make()
     for src, dst in zip(cache.layers, out.layers):
         if src.keys is not None and n:
-            dst.keys, dst.values = src.keys[..., :n, :], src.values[..., :n, :]
-            dst.offset = n
+            dst.state = (src.keys[..., :n, :], src.values[..., :n, :], n)
     out.tokens = list(cache.tokens[:n])
     return out
 
@@ -145,7 +144,8 @@ class PromptCache:
     def active(self) -> SequenceCache:
         return self.entries[-1]
 
-    def _is_busy(self, entry: SequenceCache) -> bool:
+    def is_busy(self, entry: SequenceCache) -> bool:
+        """Whether a running request holds ``entry``."""
         return any(e is entry for e in self.busy)
 
     def select(self, keys: list[int]) -> tuple[SequenceCache, CacheHit]:
@@ -153,7 +153,7 @@ class PromptCache:
         are ``keys``, made the most recently used and busy until ``release``;
         evicts past the budget. Entries busy with other requests are not
         shared (their keys and values may be rows of the running batch)."""
-        idle = [e for e in self.entries if not self._is_busy(e)] or [self.make()]
+        idle = [e for e in self.entries if not self.is_busy(e)] or [self.make()]
         best = max(reversed(idle), key=lambda e: common_prefix_length(e.tokens, keys))
         shared = common_prefix_length(best.tokens, keys)
         entry, source = self._entry_for(best, shared, keys)
@@ -185,7 +185,7 @@ class PromptCache:
         known = entry.tokens[: _known_length(entry.tokens)]
         self.entries = [
             e for e in self.entries
-            if e is entry or self._is_busy(e) or not _is_prefix(e.tokens, known)
+            if e is entry or self.is_busy(e) or not _is_prefix(e.tokens, known)
         ]
         self._evict()
 
@@ -195,7 +195,7 @@ class PromptCache:
         while len(self.entries) > 1 and (
             len(self.entries) > self.max_entries or self.memory_bytes() > self.budget_bytes
         ):
-            idle = [e for e in self.entries[:-1] if not self._is_busy(e)]
+            idle = [e for e in self.entries[:-1] if not self.is_busy(e)]
             if not idle:
                 return
             old = idle[0]
@@ -214,7 +214,7 @@ class PromptCache:
 
     def clear(self) -> None:
         """Forget every idle cached sequence (the disk tier is kept)."""
-        self.entries = [e for e in self.entries if self._is_busy(e)] or [self.make()]
+        self.entries = [e for e in self.entries if self.is_busy(e)] or [self.make()]
 
     def flush(self) -> None:
         """Write every entry to the disk tier (at unload, for persistence)."""

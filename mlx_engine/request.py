@@ -1,19 +1,21 @@
 """Validating a request: every ``create_generator`` argument is checked here,
 before the generator is returned, and becomes one frozen ``Request``.
 
-``validate_request`` takes ``create_generator``'s keyword arguments exactly as
-received (a namespace built from its signature, the one list of their names and
-defaults), checks them against the kit and plans the decoding. A bad argument raises ``ValueError`` naming it; nothing here touches
-the model or its caches.
+``GenerationOptions`` declares ``create_generator``'s keyword arguments once
+(names, types, defaults; the function's signature is built from it), and
+``validate_request`` checks them against the kit and plans the decoding. A bad
+argument raises ``ValueError`` naming it; nothing here touches the model or its
+caches.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import numbers
 from collections.abc import Mapping, Set
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Callable
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -30,6 +32,64 @@ DEFAULT_MAX_TOKENS = 256
 
 ProgressCallback = Callable[[float], "bool | None"]
 StatsCallback = Callable[[GenerationStats], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions:
+    """``create_generator``'s keyword arguments as given, before validation
+    (docs/api.md, "Generating"; the decoding ones in docs/decoding.md)."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temp: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens_to_keep: int | None = None
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop_strings: list[str] | None = None
+    top_logprobs: int | None = None
+    prompt_progress_callback: ProgressCallback | None = None
+    stats_callback: StatsCallback | None = None
+    request_id: str | None = None
+    num_draft_tokens: int | None = None
+    speculative_decoding_toggle: bool | None = None
+    prompt_lookup_num_tokens: int | None = None
+    prompt_lookup_min_ngram: int = 1
+    prompt_lookup_max_ngram: int = 3
+    prompt_lookup_num_candidates: int = 4
+    auto_speculative: bool = False
+    images_b64: list[str] | None = None
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    structured_drafting: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> GenerationOptions:
+        """The options named in ``kwargs``; an unknown name is a ``ValueError`` naming it."""
+        names = [f.name for f in fields(cls)]
+        for name in kwargs:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"create_generator got an unknown argument {name!r}{hint}; "
+                                 f"it takes: {', '.join(names)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def keyword_parameters(cls) -> list[inspect.Parameter]:
+        """The options as keyword-only parameters, for ``create_generator``'s signature."""
+        return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                  default=f.default if f.default is not MISSING else inspect.Parameter.empty)
+                for f in fields(cls)]
 
 
 @dataclass(frozen=True)
@@ -50,7 +110,7 @@ class Request:
     tools: ToolSpec | None = None  # tools whose calls are parsed out of the text
 
 
-def validate_request(kit: ModelKit, prompt_tokens, o: SimpleNamespace, request_id: str) -> Request:
+def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request_id: str) -> Request:
     """Check every argument (``o``: create_generator's keyword arguments) against
     the kit; ``ValueError`` naming the first bad one."""
     prompt = validate_prompt(kit, prompt_tokens)
@@ -120,13 +180,29 @@ def require_idle(kit: ModelKit) -> None:
     """``GenerationInProgressError`` while a generation is open on ``kit``:
     created and not yet finished or closed, iterated or not (its plan may
     rely on the model and draft model as they were when it was created)."""
-    open_ = sorted(kit._activity.known)
+    open_ = sorted(kit.activity.known)
     if open_:
         names = ", ".join(repr(a) for a in open_)
         raise GenerationInProgressError(
             f"generation {names} is still open on this kit (created, not yet finished or closed); "
             "finish or close it first"
         )
+
+
+class WhenIdle:
+    """A call to run on the kit's engine thread (after any close queued before
+    it) unless a generation is open: ``action(*args)`` after ``require_idle``.
+    A value, so a worker can tell which action it carries (a sharded kit's
+    worker runs its own release inline once a rank has failed)."""
+
+    __slots__ = ("kit", "action", "args")
+
+    def __init__(self, kit: ModelKit, action: Callable, *args):
+        self.kit, self.action, self.args = kit, action, args
+
+    def __call__(self) -> None:
+        require_idle(self.kit)
+        self.action(*self.args)
 
 
 def validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:

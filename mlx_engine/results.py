@@ -56,14 +56,22 @@ class ToolCallDelta(NamedTuple):
     arguments: str
 
 
-class GenerationStopCondition(NamedTuple):
-    """Why generation ended. ``stop_string`` is set for ``stop_string``; ``stop_tokens``
-    holds the token ids that triggered the stop (the EOS id, or the tokens whose
-    text completed the stop string)."""
-
+class _StopConditionFields(NamedTuple):
     stop_reason: StopReason
     stop_string: str | None = None
-    stop_tokens: list[int] = []
+    stop_tokens: list[int] | None = None
+
+
+class GenerationStopCondition(_StopConditionFields):
+    """Why generation ended. ``stop_string`` is set for ``stop_string``; ``stop_tokens``
+    holds the token ids that triggered the stop (the EOS id, or the tokens whose
+    text completed the stop string; a new empty list by default, never one
+    shared between conditions)."""
+
+    __slots__ = ()
+
+    def __new__(cls, stop_reason: StopReason, stop_string: str | None = None, stop_tokens: list[int] | None = None):
+        return super().__new__(cls, stop_reason, stop_string, [] if stop_tokens is None else stop_tokens)
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """Continuous batching: a kit's open generations advance together, one step at a time.
 
-Each generation is the pipeline's generator (pipeline.run). It yields results,
-``TURN`` between prompt chunks, and a ``Launch`` when its loop needs a forward
-pass. A step resumes every running generation until it yields one of the
-latter two, delivering its results to its stream, then runs all the launches
-of the step as one batched forward pass (rows of the kit's ``RaggedBatch``) or,
-for caches that cannot join a batch, one pass each. A newly admitted request
+Each generation is the pipeline's generator (pipeline.Generation). It yields
+results, ``TURN`` between prompt chunks, and a ``Launch`` when its loop needs a
+forward pass. A step resumes every running generation until it yields one of
+the latter two, delivering its results to its stream, then runs all the
+launches of the step as one batched forward pass (rows of the kit's
+``RaggedBatch``) or, for caches that cannot join a batch, one pass each; the
+next step resumes each generation with ``send(round)``, its launch's queued
+round. A newly admitted request
 therefore prefills one chunk per step while the others keep decoding, and
 requests finish, fail or are cancelled without disturbing the rest.
 
@@ -24,12 +26,12 @@ import queue
 import sys
 import weakref
 from collections import deque
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 from . import worker
 from .batch_cache import RaggedBatch, can_batch
 from .results import GenerationResult
-from .speculative.loop import TURN, Launch, PendingDrafts, forward_alone, resolve_pending
+from .speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +45,9 @@ class _Live:
     The worker appends to ``out``; the stream reads ``out[0]`` and removes it
     only when it hands it over (see ``RequestStream.__next__``)."""
 
-    __slots__ = ("gen", "out", "wake", "request_id", "cache", "paused")
+    __slots__ = ("gen", "out", "wake", "request_id", "cache", "paused", "round")
 
-    def __init__(self, gen: Iterator, request_id: str):
+    def __init__(self, gen: Generator, request_id: str):
         self.gen = gen
         self.out: deque = deque()
         # One token per append: the stream blocks only inside C (SimpleQueue.get),
@@ -54,6 +56,7 @@ class _Live:
         self.request_id = request_id
         self.cache = None  # the cache of its last launch (a row of the batch, once decoding)
         self.paused = False  # skipped for its backlog; the consumer wakes the worker when it catches up
+        self.round: Round | None = None  # its last launch's round, sent to it when it resumes
 
     @property
     def backlog(self) -> int:
@@ -70,6 +73,10 @@ class _Live:
         while not self.out:
             self.wake.get()
         return self.out[0]
+
+
+#: A launch of the step, its generation and its lazy ids (pending drafts computed).
+_Resolved = tuple[_Live, Launch, "mx.array | None"]
 
 
 class Scheduler:
@@ -96,7 +103,7 @@ class Scheduler:
     def busy(self) -> bool:
         return any(not r.paused for r in self.live)
 
-    def admit(self, gen: Iterator, request_id: str) -> _Live:
+    def admit(self, gen: Generator, request_id: str) -> _Live:
         live = _Live(gen, request_id)
         self.live.append(live)
         return live
@@ -128,8 +135,9 @@ class Scheduler:
         """Resume ``live`` until it asks for a forward pass (returned), yields its
         turn, or ends (its stream gets the end, or its exception)."""
         while True:
+            rnd, live.round = live.round, None
             try:
-                item = next(live.gen)
+                item = live.gen.send(rnd)
             except StopIteration:
                 self._finish(live, _END)
                 return None
@@ -157,19 +165,19 @@ class Scheduler:
 
     def _forward(self, launches: list[tuple[_Live, Launch]]) -> None:
         """One forward pass for the batch's rows (joining rows that can), one
-        pass for each cache that cannot join; then every round is queued."""
+        pass for each cache that cannot join; each row's round is kept for its
+        generation's next resumption."""
         batch: RaggedBatch | None = self.kit.batch
-        launches = self._draft(launches)
         together, alone = [], []
-        for live, launch in launches:
+        for live, launch, ids in self._draft(launches):
             if batch is None or not (launch.cache in batch or can_batch(launch.cache)):
-                alone.append((live, launch))
+                alone.append((live, launch, ids))
             elif launch.cache in batch or self._attempt(live, batch.join, launch.cache):
-                together.append((live, launch))
+                together.append((live, launch, ids))
         if together:
             self._feed_together(batch, together)
-        for live, launch in alone:
-            self._attempt(live, forward_alone, launch)
+        for live, launch, ids in alone:
+            self._attempt(live, _run_alone, live, launch, ids)
 
     def _attempt(self, live: _Live, fn: Callable, *args) -> bool:
         """Run one request's part of a step; if it raises, that request fails alone."""
@@ -181,15 +189,16 @@ class Scheduler:
             self._fail(live, exc)
             return False
 
-    def _draft(self, launches: list[tuple[_Live, Launch]]) -> list[tuple[_Live, Launch]]:
+    def _draft(self, launches: list[tuple[_Live, Launch]]) -> list[_Resolved]:
         """Compute the step's pending drafts together (batched draft passes).
         Drafts are proposals the main model verifies, so when the shared draft
         pass fails the draft caches are dropped (each drafter re-syncs its cache
         from its history) and each request drafts alone; the requests whose
-        own drafting fails fail alone. Returns the launches still running."""
+        own drafting fails fail alone. Returns the launches still running, each
+        with its lazy ids."""
         try:
-            resolve_pending([launch for _, launch in launches])
-            return launches
+            ids = resolve_pending([launch for _, launch in launches])
+            return [(live, launch, i) for (live, launch), i in zip(launches, ids)]
         except Exception:
             logger.exception("a batched draft pass failed; drafting each request alone")
         draft = self.kit.draft
@@ -197,12 +206,15 @@ class Scheduler:
             for cache in draft.batch.rows:
                 cache.reset()
             draft.batch = None
-        return [(live, l) for live, l in launches if self._attempt(live, _draft_alone, l)]
+        resolved: list[_Resolved] = []
+        for live, launch in launches:
+            self._attempt(live, _draft_alone, live, launch, resolved)
+        return resolved
 
-    def _feed_together(self, batch: RaggedBatch, together: list[tuple[_Live, Launch]]) -> None:
+    def _feed_together(self, batch: RaggedBatch, together: list[_Resolved]) -> None:
         """The rows' shared forward pass, then each row's own sampling."""
         try:
-            out = batch.feed([(l.cache, l.known, l.lazy) for _, l in together])
+            out = batch.feed([(launch.cache, launch.known, ids) for _, launch, ids in together])
         except Exception:
             # Not attributable to one row. A failed pass records nothing (a row's
             # tokens grow after the model ran; buffer positions past a row's
@@ -210,21 +222,21 @@ class Scheduler:
             logger.exception("a batched forward pass failed; running its rows one at a time")
             self._retry_alone(batch, together)
             return
-        for (live, launch), (logits, start) in zip(together, out):
-            self._attempt(live, _finish_launch, launch, logits, start)
+        for (live, launch, ids), (logits, start) in zip(together, out):
+            self._attempt(live, _finish_launch, live, launch, logits, start, ids)
 
-    def _retry_alone(self, batch: RaggedBatch, together: list[tuple[_Live, Launch]]) -> None:
+    def _retry_alone(self, batch: RaggedBatch, together: list[_Resolved]) -> None:
         """Take the rows out of the batch and run each launch on its own cache
         (they rejoin at the next step)."""
         try:
-            for _, launch in together:
+            for _, launch, _ in together:
                 batch.leave(launch.cache)
         except Exception as exc:
             logger.exception("the batch could not hand its rows back")
             self._fail_batch(exc)
             return
-        for live, launch in together:
-            self._attempt(live, forward_alone, launch)
+        for live, launch, ids in together:
+            self._attempt(live, _run_alone, live, launch, ids)
 
     def _fail_batch(self, exc: Exception) -> None:
         """The batch itself is broken: every request holding a row of it gets
@@ -260,14 +272,19 @@ class Scheduler:
         live.push(_END)
 
 
-def _draft_alone(launch: Launch) -> None:
+def _draft_alone(live: _Live, launch: Launch, resolved: list[_Resolved]) -> None:
     """Compute a launch's pending drafts on its own draft cache."""
-    if isinstance(launch.lazy, PendingDrafts):
-        launch.lazy = launch.lazy.materialize()
+    resolved.append((live, launch, lazy_ids(launch)))
 
 
-def _finish_launch(launch: Launch, logits, start: int) -> None:
-    launch.round = launch.finish(logits, start)
+def _run_alone(live: _Live, launch: Launch, ids) -> None:
+    """Run a launch on its own cache; its round waits for the row's resumption."""
+    live.round = forward_alone(launch, ids)
+
+
+def _finish_launch(live: _Live, launch: Launch, logits, start: int, ids) -> None:
+    """Sample a row of a shared pass; its round waits for the row's resumption."""
+    live.round = launch.finish(logits, start, ids)
 
 
 def _wake() -> None:

@@ -119,7 +119,6 @@ class VisionModelKit(ModelKit):
         self.vlm: nn.Module | None = None
         self.processor = None
         self._images: OrderedDict[str, _ImageEntry] = OrderedDict()
-        self._plan: VisionPromptPlan | None = None
         vocab = self.tokenizer.get_vocab()
         self.placeholder_token, self.image_token = _image_tokens(self.model_type, self.config, vocab)
         self.placeholder_id = vocab.get(self.placeholder_token)
@@ -149,7 +148,6 @@ class VisionModelKit(ModelKit):
         self.vlm = None
         self.processor = None
         self._images.clear()
-        self._plan = None
         super().unload()
 
     # -- requests -----------------------------------------------------------
@@ -179,8 +177,7 @@ class VisionModelKit(ModelKit):
 
     def plan_prompt(self, prompt: list[int], images: list[DecodedImage] | None) -> VisionPromptPlan:
         if not images:
-            self._plan = VisionPromptPlan(list(prompt), list(prompt))
-            return self._plan
+            return VisionPromptPlan(list(prompt), list(prompt))
         ids: list[int] = []
         keys: list[int] = []
         spans: list[tuple[int, _ImageEntry]] = []
@@ -199,21 +196,20 @@ class VisionModelKit(ModelKit):
             spans.append((start, entry))
         if keys[-1] < 0:
             raise ValueError("prompt_tokens must not end with an image; put text after the image (chat templates do)")
-        self._plan = VisionPromptPlan(ids, keys, spans)
-        return self._plan
+        return VisionPromptPlan(ids, keys, spans)
 
-    def prefill_prompt(self, cache, todo: list[int], on_chunk=None, chunk_size: int = PREFILL_CHUNK):
-        """Bring ``cache`` to all but the last position of the last planned
-        prompt, feeding input embeddings so image positions get their features.
-        ``todo`` are the real token ids of that part. All chunks run at once (a
-        vision kit runs one generation at a time)."""
-        self._prefill(cache, todo, on_chunk, chunk_size)
+    def prefill_prompt(self, plan: VisionPromptPlan, cache, todo: list[int], on_chunk=None,
+                       chunk_size: int = PREFILL_CHUNK):
+        """Bring ``cache`` to all but the last position of ``plan``'s prompt
+        (from ``plan_prompt``), feeding input embeddings so image positions get
+        their features. ``todo`` are the real token ids of that part. All chunks
+        run at once (a vision kit runs one generation at a time)."""
+        self._prefill(plan, cache, todo, on_chunk, chunk_size)
         yield
 
-    def _prefill(self, cache, todo: list[int], on_chunk, chunk_size: int) -> None:
-        plan = self._plan
+    def _prefill(self, plan: VisionPromptPlan, cache, todo: list[int], on_chunk, chunk_size: int) -> None:
         start = len(cache.tokens)
-        if plan is None or cache.tokens != plan.keys[:start] or plan.ids[start:-1] != list(todo):
+        if cache.tokens != plan.keys[:start] or plan.ids[start:-1] != list(todo):
             raise RuntimeError("prefill_prompt does not follow plan_prompt for this cache")
         positions = self._set_positions(plan)
         end = len(plan.ids) - 1

@@ -84,8 +84,15 @@ class DoneFlag:
         return True
 
 
-class _Task:
-    """One call handed to a worker, and its outcome."""
+class Task:
+    """One call handed to a worker, and its outcome.
+
+    Not a ``concurrent.futures.Future``: a Future is waited on and read under
+    a ``threading.Condition`` (the lock hazard ``DoneFlag`` avoids) and keeps
+    its exception, whose traceback then holds the task and the call's
+    arguments in a cycle; here ``done`` is a ``DoneFlag`` and the outcome is
+    read as plain attributes (``WorkerIterator`` hands a result over with no
+    call in between) and cleared when handed over."""
 
     __slots__ = ("fn", "args", "kwargs", "done", "result", "error")
 
@@ -115,7 +122,7 @@ class MLXWorker:
     """A daemon thread that runs the calls handed to it, one at a time."""
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[_Task] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[Task] = queue.SimpleQueue()
         # The kit's scheduler (scheduler.py): stepped whenever it is busy, with
         # the calls handed to the worker run between its steps.
         self.job = None
@@ -144,10 +151,10 @@ class MLXWorker:
     def is_current(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def submit(self, fn: Callable[..., T], *args, **kwargs) -> _Task:
+    def submit(self, fn: Callable[..., T], *args, **kwargs) -> Task:
         if shutting_down.is_set():
             raise ProcessExiting("the process is exiting; mlx-engine accepts no more work")
-        task = _Task(fn, args, kwargs)
+        task = Task(fn, args, kwargs)
         self._tasks.put(task)
         return task
 
@@ -188,7 +195,7 @@ class WorkerIterator(Iterator[T]):
     def __init__(self, worker: MLXWorker, gen: Iterator[T]):
         self._worker = worker
         self._gen: Iterator[T] | None = gen
-        self._pending: _Task | None = None
+        self._pending: Task | None = None
 
     def __iter__(self) -> "WorkerIterator[T]":
         return self
@@ -247,7 +254,7 @@ def _park_workers_at_exit() -> None:
     shutting_down.set()
     for worker in list(_all):
         done = threading.Event()
-        worker._tasks.put(_Task(done.set, (), {}))  # queued behind any running work
+        worker._tasks.put(Task(done.set, (), {}))  # queued behind any running work
         if not done.wait(EXIT_WAIT_SECONDS):
             logger.warning("an mlx-engine worker was still busy at exit")
 

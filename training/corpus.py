@@ -1,4 +1,6 @@
-"""Corpus definition for the bundled ``pystd`` demo models.
+"""The Python standard library as a corpus: held-out files for the benchmark
+workloads (bench/workloads.py) and the SmolLM2 draft's prompts
+(training/smollm2_prompts.py); it once trained the retired ``pystd`` toy pair.
 
 The corpus is every ``.py`` file of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``), excluding ``site-packages``, test

@@ -29,6 +29,7 @@ from .. import loading, worker
 from ..errors import DistributedConfigError, ShardedKitError
 from ..cache import CacheOptions
 from ..model_kit import KitOptions, ModelKit, materialize, param_count
+from ..request import WhenIdle
 from . import sharding
 from .control import ControlClient, ControlServer, break_ring_sockets, rank0_host
 from .protocol import FollowerExit, FollowerLoop, MirroredModel, PassCounter
@@ -82,16 +83,17 @@ class ShardWorker(worker.MLXWorker):
         self.on_ring_error: Callable[[str], None] = health.fail
         self.release: Callable | None = None  # runs inline once failed (unloading a dead kit)
         self.on_abort: Callable[[], None] | None = None  # after abort_inflight released a blocked call
-        self._inflight: list[worker._Task] = []
+        self._inflight: list[worker.Task] = []
 
-    def submit(self, fn: Callable, *args, **kwargs) -> worker._Task:
+    def submit(self, fn: Callable, *args, **kwargs) -> worker.Task:
         if self.health.failure is not None:
             # unload() runs the kit's release either directly or through the
-            # API's idle check (generate._when_idle(kit, release)).
-            releasing = self.release is not None and (fn == self.release or args[1:2] == (self.release,))
+            # API's idle check (a WhenIdle carrying it).
+            releasing = self.release is not None and (
+                fn == self.release or (isinstance(fn, WhenIdle) and fn.action == self.release))
             if releasing or _closes_generator(fn):
                 # Unloading a dead kit or closing its generators touches no rank: run it here.
-                task = worker._Task(fn, args, kwargs)
+                task = worker.Task(fn, args, kwargs)
                 task.run()
                 if task.error is not None and _closes_generator(fn):
                     task.error = None  # a generator still running on a blocked thread stays as it is
@@ -123,7 +125,7 @@ class ShardWorker(worker.MLXWorker):
             self.on_abort()
 
     def run_at_exit(self, fn: Callable, timeout: float) -> None:
-        task = worker._Task(fn, (), {})
+        task = worker.Task(fn, (), {})
         self._tasks.put(task)  # submit() refuses work once the process is exiting
         task.done.wait(timeout)
 
@@ -273,7 +275,7 @@ def load_sharded_model(
         reason = health.failure or exc.__cause__ or exc
         raise DistributedConfigError(f"a rank failed while the model was loading: {reason}") from exc
     if isinstance(result, ShardedModelKit):
-        result._worker = thread
+        result.attach_worker(thread)
         thread.release = result.unload
         thread.on_abort = result._forget_generation
         atexit.register(_release_at_exit, weakref.ref(result))
@@ -426,4 +428,4 @@ def _release_at_exit(ref: "weakref.ref[ShardedModelKit]") -> None:
     if kit is None or not kit.usable or kit.model is None:
         return
     worker.shutting_down.set()  # a running generation stops at its next token
-    kit._worker.run_at_exit(kit.unload, EXIT_STOP_WAIT)
+    kit.worker.run_at_exit(kit.unload, EXIT_STOP_WAIT)

@@ -58,6 +58,7 @@ class MirroredModel(nn.Module):
         self._group = group
         self._seq = 0
         self._next_id = 1
+        self._mirrors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # first layer -> (id, rotating)
         self._dropped: deque[int] = deque()  # cache ids whose layers were freed (any thread)
         self._lock = threading.Lock()
         self.counter = PassCounter()
@@ -131,14 +132,13 @@ class MirroredModel(nn.Module):
         if not cache:
             return 0, 0, 0, 0
         first = cache[0]
-        cache_id = getattr(first, "_mirror_id", None)
-        if cache_id is None:
-            cache_id = self._next_id
+        known = self._mirrors.get(first)
+        if known is None:
+            # Kept beside mlx-lm's layer objects, not written onto them.
+            known = self._mirrors[first] = (self._next_id, _rotating_replacement(self.model, cache))
             self._next_id += 1
-            first._mirror_id = cache_id
-            first._mirror_rotating = _rotating_replacement(self.model, cache)
-            weakref.finalize(first, self._note_dropped, cache_id)
-        rot_size, rot_keep = first._mirror_rotating
+            weakref.finalize(first, self._note_dropped, known[0])
+        cache_id, (rot_size, rot_keep) = known
         return cache_id, int(first.offset), rot_size, rot_keep
 
     def _note_dropped(self, cache_id: int) -> None:

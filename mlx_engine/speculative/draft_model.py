@@ -16,7 +16,8 @@ from .. import loading
 from ..errors import IncompatibleDraftModelError, ModelLoadError
 from ..batch_cache import release_row
 from ..cache import SequenceCache
-from ..model_kit import DraftModel, ModelKit, param_count, prepare_weights, smoke_test
+from ..draft_pool import DraftModel
+from ..model_kit import ModelKit, param_count, prepare_weights, smoke_test
 from . import costs
 from .loop import DrafterUnavailable, PendingDrafts
 from .policy import DraftLengthPolicy
@@ -250,8 +251,13 @@ class DraftModelDrafter:
             mx.async_eval(y)
             ys.append(y)
         drafts = mx.stack(ys)
-        self._unresolved = (start, drafts)  # all but the last draft were fed
+        self.fed_lazily(start, drafts)
         return drafts
+
+    def fed_lazily(self, start: int, drafts: mx.array) -> None:
+        """All but the last of ``drafts`` were fed from ``start`` unevaluated;
+        their ids are named in the cache when the next round is proposed."""
+        self._unresolved = (start, drafts)
 
     def _resolve(self) -> None:
         """Name the draft ids fed lazily last round (evaluated by now)."""
@@ -309,4 +315,4 @@ class DraftJob(PendingDrafts):
             mx.async_eval([chains[i][-1] for i in active])
         for job, chain, start in zip(jobs, chains, starts):
             job.drafts = mx.stack(chain)
-            job.drafter._unresolved = (start, job.drafts)  # all but the last draft were fed
+            job.drafter.fed_lazily(start, job.drafts)

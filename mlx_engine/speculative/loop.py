@@ -11,7 +11,7 @@ proposes. With no drafter, or a round with no draft, this is plain decoding.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, NamedTuple, Protocol
+from typing import Callable, Generator, Iterator, NamedTuple, Protocol
 
 import mlx.core as mx
 
@@ -30,36 +30,38 @@ class Step(NamedTuple):
     completes_grammar: bool = False  # the request's grammar allows nothing after this token
 
 
-class _Turn:
+class Turn:
+    """The type of ``TURN``."""
+
     def __repr__(self) -> str:
         return "TURN"
 
 
 #: Yielded by a request between prompt chunks: the other requests take a step.
-TURN = _Turn()
+TURN = Turn()
 
 
-class Launch:
+class Launch(NamedTuple):
     """A row's request for a forward pass, yielded by ``decode``: ``known`` ids
-    then ``lazy`` ones (not evaluated yet) after what ``cache`` holds. The
-    scheduler runs every row's launch of a step as one batched forward pass,
-    calls ``finish(logits, start)`` (start: position of the first lazy id) and
-    stores the queued round in ``round`` before resuming the row."""
+    then ``lazy`` ones (not evaluated yet; ``PendingDrafts`` not even built)
+    after what ``cache`` holds. The caller runs every row's launch of a step as
+    one batched forward pass, calls ``finish(logits, start, ids)`` (start: the
+    position of the first lazy id; ids: the lazy ids, resolved) and sends the
+    ``Round`` it returns back into the generator that yielded the launch."""
 
-    __slots__ = ("cache", "known", "lazy", "finish", "round")
-
-    def __init__(self, cache: SequenceCache, known: list[int], lazy: mx.array | None, finish: Callable):
-        self.cache, self.known, self.lazy, self.finish = cache, known, lazy, finish
-        self.round: _Round | None = None
+    cache: SequenceCache
+    known: list[int]
+    lazy: mx.array | PendingDrafts | None
+    finish: Callable[[mx.array, int, mx.array | None], Round]
 
 
 class PendingDrafts:
     """Drafts a drafter computes together with the other requests' drafts of the
-    same step (the scheduler runs ``run_together`` before the verify pass, which
-    then reads ``drafts``, still lazy); ``materialize`` computes them alone."""
+    same step (the scheduler runs ``run_together`` before the verify pass);
+    ``materialize`` returns them (computing them alone when ``run_together``
+    did not)."""
 
     k: int
-    drafts: mx.array | None = None
 
     @property
     def size(self) -> int:
@@ -73,34 +75,45 @@ class PendingDrafts:
         raise NotImplementedError
 
 
-def resolve_pending(launches: list[Launch]) -> None:
-    """Compute the launches' pending drafts together and hand each its ids."""
+def lazy_ids(launch: Launch) -> mx.array | None:
+    """The launch's lazy ids, its pending drafts computed alone if need be."""
+    return launch.lazy.materialize() if isinstance(launch.lazy, PendingDrafts) else launch.lazy
+
+
+def resolve_pending(launches: list[Launch]) -> list[mx.array | None]:
+    """Compute the launches' pending drafts together; returns each launch's lazy ids."""
     pending = [l.lazy for l in launches if isinstance(l.lazy, PendingDrafts)]
     if pending:
         type(pending[0]).run_together(pending)
-        for launch in launches:
-            if isinstance(launch.lazy, PendingDrafts):
-                launch.lazy = launch.lazy.drafts
+    return [lazy_ids(launch) for launch in launches]
 
 
-def forward_alone(launch: Launch) -> None:
-    """Run a launch on its own cache (a row outside any batch)."""
-    if isinstance(launch.lazy, PendingDrafts):
-        launch.lazy = launch.lazy.materialize()
-    if launch.lazy is not None:
-        logits, start = launch.cache.feed_lazy(launch.known, launch.lazy)
+def forward_alone(launch: Launch, ids: mx.array | None = None) -> Round:
+    """Run a launch on its own cache (a row outside any batch); returns its
+    queued round. ``ids``: its lazy ids when already resolved."""
+    if ids is None:
+        ids = lazy_ids(launch)
+    if ids is not None:
+        logits, start = launch.cache.feed_lazy(launch.known, ids)
     else:
         logits = launch.cache.feed(launch.known)
         start = len(launch.cache)
-    launch.round = launch.finish(logits, start)
+    return launch.finish(logits, start, ids)
 
 
-def run_alone(items: Iterator) -> Iterator:
-    """``decode``'s steps (or a request's results) with each launch run on its
-    own cache as it comes: one sequence, no scheduler."""
-    for item in items:
+def run_alone(items: Generator) -> Iterator:
+    """A generator's items other than launches and turns (``decode``'s steps or
+    a request's results), each launch run on its own cache as it comes and its
+    round sent back: one sequence, no scheduler."""
+    sent = None
+    while True:
+        try:
+            item = items.send(sent)
+        except StopIteration:
+            return
+        sent = None
         if isinstance(item, Launch):
-            forward_alone(item)
+            sent = forward_alone(item)
         elif item is not TURN:
             yield item
 
@@ -159,7 +172,13 @@ def sample_rows(
     return sampler(logprobs, range(position, position + logprobs.shape[0])), logprobs
 
 
-class _Round(NamedTuple):
+#: ``decode``'s generator: steps and launches out, each launch's ``Round`` in.
+Decoding = Generator["Step | Launch", "Round | None", None]
+
+
+class Round(NamedTuple):
+    """A verify round queued on the device: what ``Launch.finish`` returns."""
+
     drafts: Drafts
     start: int  # cache position of the ids fed lazily (UNKNOWN there until read)
     tokens: mx.array  # the target's choice at each position
@@ -168,12 +187,12 @@ class _Round(NamedTuple):
     forced: bool = False  # the drafts are tokens the grammar forced, not the drafter's
 
 
-def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array, forced: bool = False) -> _Round:
+def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array, forced: bool = False) -> Round:
     """Start evaluating a round; the chosen tokens' log-probabilities are
     computed with them so reading them later never waits on a queued round."""
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     mx.async_eval(tokens, chosen, logprobs)
-    return _Round(drafts, start, tokens, chosen, logprobs, forced)
+    return Round(drafts, start, tokens, chosen, logprobs, forced)
 
 
 class _AcceptanceTracker:
@@ -214,14 +233,15 @@ def decode(
     stats: GenerationStats,
     on_fallback: Callable[[str], None] | None = None,
     constraint: GrammarConstraint | None = None,
-) -> Iterator[Step | Launch]:
+) -> Decoding:
     """Yield up to ``max_new`` tokens following ``history`` (whose last token the
     cache does not hold yet). With ``drafter=None`` this is plain decoding; with a
     ``constraint`` every position is sampled under the grammar's mask.
 
     Between tokens it yields a ``Launch`` for each verify round: the caller (the
     scheduler) runs the forward passes of every request's launches together and
-    resumes it. One request is a batch of one; nothing else differs.
+    resumes it with ``send(round)``, the launch's queued ``Round``. One request
+    is a batch of one; nothing else differs.
 
     Each round is launched before the previous round's tokens are handed out,
     so the caller's work (detokenizing, stop strings, other rows) overlaps the
@@ -246,7 +266,7 @@ class _Loop:
         self.produced = 0
         self.last_read: float | None = None
 
-    def run(self) -> Iterator[Step | Launch]:
+    def run(self) -> Decoding:
         cache = self.cache
         rnd = yield from self.launch()
         while True:
@@ -301,16 +321,15 @@ class _Loop:
                 self.on_fallback(str(exc))
             return []
 
-    def launch(self) -> Iterator[Launch]:
-        """Yield this round's launch and return its queued round."""
+    def launch(self) -> Generator[Launch, Round, Round]:
+        """Yield this round's launch; the caller sends back its queued round."""
         history, limit = self.history, self.max_new - self.produced - 1
         if self.constraint is not None:
             launch = _launch_constrained(self.cache, history, limit, self.propose, self.constraint, self.sampler,
                                          self.processors, self.context_window)
         else:
             launch = self._launch_free(history, limit)
-        yield launch
-        return launch.round
+        return (yield launch)
 
     def _launch_free(self, history: list[int], limit: int) -> Launch:
         drafts = self.propose(limit)
@@ -319,34 +338,29 @@ class _Loop:
             drafts = drafts.materialize()
         if isinstance(drafts, (mx.array, PendingDrafts)):
             if drafts.size and not self.processors:
-                launch = Launch(self.cache, [history[-1]], drafts, None)
                 # The launch's lazy ids are the drafts (pending ones are computed first).
-                launch.finish = lambda logits, start: _queue(launch.lazy, start,
-                                                             *sample_rows(logits, [], [], sample, [], 0,
-                                                                          position=position))
-                return launch
+                return Launch(self.cache, [history[-1]], drafts, lambda logits, start, ids: _queue(
+                    ids, start, *sample_rows(logits, [], [], sample, [], 0, position=position)))
             drafts = drafts.tolist()  # processors need each position's exact context
 
-        def finish(logits: mx.array, start: int) -> _Round:
+        def finish(logits: mx.array, start: int, ids: None) -> Round:
             rows = sample_rows(logits, history, drafts, sample, self.processors, self.context_window,
                                position=position)
             return _queue(drafts, start, *rows)
 
         return Launch(self.cache, [history[-1]] + drafts, None, finish)
 
-    def launch_plain_from(self, token: mx.array) -> Iterator[Launch]:
+    def launch_plain_from(self, token: mx.array) -> Generator[Launch, Round, Round]:
         # Plain decoding without logits processors: build the next step from the
         # token before it is known (as mlx-lm's generate_step does), so graph
         # construction overlaps the running step.
         # ``token`` sits at len(history) (not appended yet); this step samples the next position.
         sample, position = self.sampler, len(self.history) + 1
-        launch = Launch(self.cache, [], token, lambda logits, start: _queue(
-            [], start, *sample_rows(logits, [], [], sample, [], 0, position=position)))
-        yield launch
-        return launch.round
+        return (yield Launch(self.cache, [], token, lambda logits, start, ids: _queue(
+            [], start, *sample_rows(logits, [], [], sample, [], 0, position=position))))
 
 
-def _accept(cache: SequenceCache, rnd: _Round, sampled: list[int], drafter, tracker, seconds) -> int:
+def _accept(cache: SequenceCache, rnd: Round, sampled: list[int], drafter, tracker, seconds) -> int:
     """Accept the drafts that match the target's choices, rewind the cache past
     the rest, and report the round; returns the number accepted."""
     drafts = rnd.drafts
@@ -384,7 +398,7 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
     drafts = constraint.allowed_prefix(list(drafts))
     position = len(history)
 
-    def finish(logits: mx.array, start: int) -> _Round:
+    def finish(logits: mx.array, start: int, ids: None) -> Round:
         mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
         masks = constraint.masks(drafts)
         rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks,
