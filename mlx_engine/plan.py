@@ -18,7 +18,7 @@ from .results import GenerationStats
 from .speculative import costs
 from .speculative.draft_model import DraftModelDrafter
 from .speculative.loop import Drafter
-from .speculative.prompt_lookup import PromptLookupDrafter
+from .speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
 from .speculative.router import AutoRouter
 from .speculative.suffix import SuffixDrafter
 
@@ -148,6 +148,8 @@ def build_drafter(
     else:
         lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
     if plan.kind == "prompt_lookup":
+        if kit.max_parallel > 1:
+            lookup.batch_pricing = BatchPricing(lambda: kit_costs(kit), lambda: kit.open_generations)
         return lookup, None
     draft = None
     if plan.use_draft:
@@ -159,4 +161,4 @@ def build_drafter(
                                   batched=kit.max_parallel > 1)
     if plan.kind == "draft_model":
         return draft, draft
-    return AutoRouter(prompt, kit_costs(kit), stats, lookup, draft), draft
+    return AutoRouter(prompt, kit_costs(kit), stats, lookup, draft, batch_rows=lambda: kit.open_generations), draft
