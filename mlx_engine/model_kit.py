@@ -333,6 +333,7 @@ class ModelKit:
             self._batch = None
             self.draft = None
             self.cost_model = None
+            self.suffix_memory = None  # earlier requests' tokens: nothing to draft for any more
             mx.clear_cache()
 
 
