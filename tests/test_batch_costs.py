@@ -37,9 +37,10 @@ def test_fixed_lookup_cuts_its_drafts_to_what_pays_for_the_batch():
     rows = [1]
     drafter = PromptLookupDrafter(8)
     drafter.batch_pricing = BatchPricing(lambda: WIDTH_COSTS, lambda: rows[0])
-    assert len(drafter.propose(history, 64)) == 8
+    assert len(drafter.propose(history, 64)) == 8 and not drafter.plain_ahead
     rows[0] = 8
     assert drafter.propose(history, 64) == []
+    assert drafter.plain_ahead  # nothing would pay: the loop queues plain rounds ahead
     drafter.batch_pricing = BatchPricing(lambda: FLAT_COSTS, lambda: rows[0])
     assert len(drafter.propose(history, 64)) == 8
 
@@ -66,6 +67,7 @@ def test_router_probe_in_a_big_batch_drafts_only_what_pays():
                         batch_rows=lambda: 8)
     assert router.mode == "probe"
     assert router.propose(list(range(50)) * 8, 64) == []
+    assert router.plain_ahead
     cheap = AutoRouter(list(range(50)) * 8, FLAT_COSTS, GenerationStats(), PromptLookupDrafter(32),
                        batch_rows=lambda: 8)
     assert 0 < len(cheap.propose(list(range(50)) * 8, 64)) <= 4

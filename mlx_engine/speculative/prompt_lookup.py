@@ -183,6 +183,15 @@ class PromptLookupDrafter:
             for seq in reversed(kept):
                 self.memory.extend(self.memory.tokens + seq + [SEPARATOR])
 
+    @property
+    def plain_ahead(self) -> bool:
+        """True while the batch is so big that even the strongest match's draft
+        would not pay for it: the loop then queues plain rounds ahead, as plain
+        decoding does (undrafted rounds built only after the previous one is read
+        cost a batch more than plain decoding's)."""
+        p = self.batch_pricing
+        return p is not None and p.rows() > 1 and p.draft_length(STRENGTH_ACCEPTANCE[0][0], self.num_tokens) == 0
+
     def propose(self, history: list[int], limit: int) -> list[int]:
         drafts = self.peek(history, min(self.num_tokens, limit))
         if self.batch_pricing is not None:

@@ -161,6 +161,11 @@ class AutoRouter:
         ``propose``; ``observe`` makes the round's shadow draft instead). Without
         this, plain rounds under the router cost a few percent more than plain
         decoding's."""
+        if self.mode == "probe" and self.batch_rows is not None:
+            # A probe whose drafts no length pays for in this batch drafts nothing: queue it like plain rounds.
+            rounds, rows = self._lookup_pricing()
+            if rows > 1 and costs.best_draft_length(self.lookup_acceptance, rounds, self.lookup_k, rows=rows)[0] == 0:
+                return True
         return self.mode == "plain" or (self.mode == "draft_model" and self.draft.plain_ahead)
 
     def propose(self, history: list[int], limit: int) -> Drafts:
