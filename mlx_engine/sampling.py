@@ -75,6 +75,11 @@ def validate_seed(seed, name: str = "seed") -> int | None:
     return seed
 
 
+def _optional_number(name: str, value) -> float | None:
+    """A finite number, or None for None and 0 (off)."""
+    return None if value is None else (_number(name, value) or None)
+
+
 def validate_sampling(
     *,
     temp: float | None,
@@ -120,8 +125,6 @@ def validate_sampling(
         0 <= (top_logprobs := _number("top_logprobs", top_logprobs, integer=True)) <= MAX_TOP_LOGPROBS
     ):
         raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
-    presence_penalty = None if presence_penalty is None else _number("presence_penalty", presence_penalty)
-    frequency_penalty = None if frequency_penalty is None else _number("frequency_penalty", frequency_penalty)
     return SamplingParams(
         temp=float(temp or 0.0),
         top_p=top_p,
@@ -132,8 +135,8 @@ def validate_sampling(
         repetition_context_size=repetition_context_size,
         seed=seed,
         top_logprobs=top_logprobs or None,
-        presence_penalty=presence_penalty or None,
-        frequency_penalty=frequency_penalty or None,
+        presence_penalty=_optional_number("presence_penalty", presence_penalty),
+        frequency_penalty=_optional_number("frequency_penalty", frequency_penalty),
         logit_bias=validate_logit_bias(logit_bias, vocab_size),
     )
 
