@@ -142,10 +142,14 @@ def render(rates, same, ttft, reps: int, max_tokens: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--streams", type=int, nargs="+", default=list(STREAMS), help="concurrency levels")
+    # Off by default: every round repeats the same prompts, which the suffix
+    # memory would draft from earlier rounds (bench.agentic measures that).
+    pre.add_argument("--suffix-memory-tokens", type=int, default=0, help="the kit's suffix memory (0: off)")
     known, rest = pre.parse_known_args(argv)
     args = bench_args("python -m bench.concurrency", __doc__.split("\n\n")[0], 2, 96, rest)
     streams = tuple(sorted(set(known.streams) | {1}))
-    kit = me.load_model(me.DEFAULT_MODEL, max_parallel=max(max(streams), 4))
+    kit = me.load_model(me.DEFAULT_MODEL, max_parallel=max(max(streams), 4),
+                        suffix_memory_tokens=known.suffix_memory_tokens)
     sets = prompt_sets(kit)
     rates, outputs = measure(kit, sets, args.reps, args.max_tokens, streams)
     same = exactness(kit, sets, outputs, args.max_tokens)

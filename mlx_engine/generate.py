@@ -17,7 +17,7 @@ from .cache import CacheOptions
 from .chat_template import check_render
 from .errors import ChatTemplateLimitError
 from .images import validate_max_image_pixels
-from .model_kit import KitOptions, ModelKit, validate_max_parallel
+from .model_kit import KitOptions, ModelKit, validate_max_parallel, validate_suffix_memory
 from .pipeline import Generation
 from .prompt_cache import PromptCacheOptions
 from .request import (
@@ -53,6 +53,7 @@ def load_model(
     prompt_cache_dir: str | Path | None = None,
     prompt_cache_disk_bytes: int | None = None,
     max_parallel: int | None = None,
+    suffix_memory_tokens: int | None = None,
 ) -> ModelKit:
     """Load a local model (a Hugging Face-layout directory, a .gguf file or a
     catalog name) into a kit.
@@ -65,12 +66,14 @@ def load_model(
     between requests; ``prompt_cache_dir`` adds a disk tier (docs/api.md,
     "Prompt cache"). ``max_parallel`` (default 4; 1 for vision kits) is how
     many generations the kit serves at once, decoded together in one batch
-    (docs/api.md, "Parallel requests"). The kit's MLX work runs on its own
+    (docs/api.md, "Parallel requests"). ``suffix_memory_tokens`` (default
+    65536; 0: off) bounds the tokens of earlier requests that prompt lookup and
+    auto draft from (docs/decoding.md, "Suffix drafting"). The kit's MLX work runs on its own
     engine thread (docs/reliability.md)."""
     cache_options = CacheOptions.validate(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     prompt_cache = PromptCacheOptions.validate(prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
     kit_options = KitOptions(cache_options, vocab_only, trust_remote_code, compute_dtype, prompt_cache,
-                             validate_max_parallel(max_parallel))
+                             validate_max_parallel(max_parallel), validate_suffix_memory(suffix_memory_tokens))
     thread = worker.acquire()
     try:
         kit = thread.call(_load_model, model_path, kit_options, seed, max_image_pixels)

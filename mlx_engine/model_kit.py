@@ -20,6 +20,7 @@ from .draft_pool import DraftModel  # re-exported: tests import it from here
 from .context import fit_context
 from .disk_cache import DiskCache, model_identity
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
+from .speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,20 @@ class KitOptions:
     compute_dtype: str | None = "auto"
     prompt_cache: PromptCacheOptions = PromptCacheOptions()
     max_parallel: int | None = None  # None: DEFAULT_MAX_PARALLEL for text kits, 1 for vision kits
+    suffix_memory_tokens: int = DEFAULT_SUFFIX_MEMORY_TOKENS  # 0: no suffix drafting memory
 
 
 DEFAULT_MAX_PARALLEL = 4
+
+
+def validate_suffix_memory(value) -> int:
+    """The suffix memory's token bound: ``value``, or the default for None;
+    ``ValueError`` unless it is None or a non-negative integer."""
+    if value is None:
+        return DEFAULT_SUFFIX_MEMORY_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"suffix_memory_tokens must be a non-negative integer (0: off) or None, got {value!r}")
+    return value
 
 
 def validate_max_parallel(value) -> int | None:
@@ -158,6 +170,8 @@ class ModelKit:
         self.draft: DraftModel | None = None
         self.compute_dtype: mx.Dtype | None = None
         self.cost_model = None  # measured lazily by the speculative router
+        # What earlier requests produced, for suffix drafting (speculative/suffix.py).
+        self.suffix_memory = SuffixMemory(options.suffix_memory_tokens) if options.suffix_memory_tokens else None
         self.num_params = 0
         self._activity = Activity()
         self.max_parallel = 1  # concurrent generations (see _init_batching)
@@ -212,6 +226,12 @@ class ModelKit:
             return []
         raise ValueError("images_b64: this is a text-only model and cannot take images; load a vision model (its config.json has vision_config)")
 
+    def remember_sequence(self, name, tokens: list[int]) -> None:
+        """Record a request's tokens (prompt and output) in the suffix memory,
+        from which later requests draft (nothing when it is off)."""
+        if self.suffix_memory is not None:
+            self.suffix_memory.record(name, tokens)
+
     def plan_prompt(self, prompt: list[int], images: list | None = None) -> PromptPlan:
         """The request's prompt as the cache sees it (see PromptPlan)."""
         return PromptPlan(prompt, prompt)
@@ -235,6 +255,7 @@ class ModelKit:
             self._batch = None
             self.draft = None
             self.cost_model = None
+            self.suffix_memory = None  # earlier requests' tokens: nothing to draft for any more
             mx.clear_cache()
 
 

@@ -178,6 +178,8 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
     slot or blocks ``unload``."""
     jobs: list[Callable[[], None]] = [] if steps is None else [steps.close]
     if prepared is not None:
+        # Every request teaches suffix drafting (plain ones too), before the row's cache is released.
+        jobs.append(lambda: kit.remember_sequence(request_id, prepared.cache.tokens))
         jobs.append(lambda: release_row(kit.batch, prepared.cache))
         if prepared.draft_drafter is not None:
             jobs.append(lambda: kit.draft.give_back(prepared.draft_drafter.cache))
@@ -207,7 +209,7 @@ def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
         todo = prompt[stats.cached_tokens : -1]
         decoding = req.plan.for_cache(entry, len(todo))
         t_setup = time.perf_counter()
-        drafter, draft_drafter = build_drafter(kit, decoding, prompt, stats)
+        drafter, draft_drafter = build_drafter(kit, decoding, prompt, stats, req.request_id)
         stats.setup_time = time.perf_counter() - t_setup
     except BaseException:
         kit.prompt_cache.release(entry)

@@ -18,8 +18,9 @@ from .results import GenerationStats
 from .speculative import costs
 from .speculative.draft_model import DraftModelDrafter
 from .speculative.loop import Drafter
-from .speculative.prompt_lookup import PromptLookupDrafter
+from .speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
 from .speculative.router import AutoRouter
+from .speculative.suffix import SuffixDrafter
 
 DEFAULT_PROMPT_LOOKUP_TOKENS = 8
 MAX_DRAFT_TOKENS = costs.MAX_MODEL_DRAFT
@@ -132,15 +133,23 @@ def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
 
 
 def build_drafter(
-    kit: ModelKit, plan: DecodingPlan, prompt: list[int], stats: GenerationStats
+    kit: ModelKit, plan: DecodingPlan, prompt: list[int], stats: GenerationStats, request_id: str | None = None
 ) -> tuple[Drafter | None, DraftModelDrafter | None]:
     """The drafter the plan names, and the draft-model drafter inside it (whose
-    prompt must be prefilled) if any. May measure the kit's costs once."""
+    prompt must be prefilled) if any. May measure the kit's costs once. With the
+    kit's suffix memory on, prompt lookup drafts from it (recording the request
+    under ``request_id``) instead of from the other cached conversations."""
     stats.decoding_mode, stats.mode_reason = plan.mode_name, plan.reason
     if plan.kind == "plain":
         return None, None
-    lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
+    if kit.suffix_memory is not None:
+        name = request_id if request_id is not None else object()
+        lookup = SuffixDrafter(plan.lookup_k, kit.suffix_memory, name, *plan.ngrams)
+    else:
+        lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
     if plan.kind == "prompt_lookup":
+        if kit.max_parallel > 1:
+            lookup.batch_pricing = BatchPricing(lambda: kit_costs(kit), lambda: kit.open_generations)
         return lookup, None
     draft = None
     if plan.use_draft:
@@ -152,4 +161,4 @@ def build_drafter(
                                   batched=kit.max_parallel > 1)
     if plan.kind == "draft_model":
         return draft, draft
-    return AutoRouter(prompt, kit_costs(kit), stats, lookup, draft), draft
+    return AutoRouter(prompt, kit_costs(kit), stats, lookup, draft, batch_rows=lambda: kit.open_generations), draft

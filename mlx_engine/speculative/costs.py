@@ -296,16 +296,40 @@ class RoundCosts:
         return [table[0]] + [max(table[0], t - (k + 1) * self.draft_seconds) for k, t in enumerate(table[1:], start=1)]
 
 
+def pass_seconds(verify: CostModel, width: int) -> float:
+    """Seconds of a forward pass of ``width`` tokens in all: measured up to
+    MAX_DRAFT+1, along the last two widths' line beyond."""
+    s = verify.seconds
+    if width <= len(s):
+        return s[max(1, width) - 1]
+    return s[-1] + (s[-1] - s[-2]) * (width - len(s))
+
+
+def batch_round_table(verify: CostModel, rows: int, undrafted: float | None = None) -> list[float]:
+    """Seconds of a batched step of ``rows`` rows in which one row drafts k
+    tokens (k = 0..MAX_DRAFT). The batch pads every row to the widest, so the
+    pass holds rows·(k+1) tokens; on a CPU a pass costs about what one row of as
+    many tokens does, so widths come from the one-row measurement. With
+    ``undrafted`` (a timed batched step) the table is scaled to it."""
+    base = pass_seconds(verify, rows)
+    scale = 1.0 if undrafted is None else undrafted / base
+    return [scale * pass_seconds(verify, rows * (k + 1)) for k in range(MAX_DRAFT + 1)]
+
+
 def best_draft_length(
     acceptance: float | AcceptanceModel,
     rounds: RoundCosts | Sequence[float],
     max_k: int = MAX_DRAFT,
     min_k: int = 0,
+    rows: int = 1,
 ) -> tuple[int, float]:
     """The draft length in [min_k, max_k] with the best expected speed-up over
     undrafted rounds, and that speed-up (1.0 for k = 0). ``acceptance`` is a
     per-token rate (independent positions) or an AcceptanceModel; ``rounds``
-    gives the time of a round with k drafts (a RoundCosts or its table)."""
+    gives the time of a round with k drafts (a RoundCosts or its table). In a
+    batch of ``rows`` rows (``rounds`` then priced for it, batch_round_table)
+    the speed-up is the batch's: the other rows gain one token a step whatever
+    this one drafts, so a draft must pay for the whole batch's wider pass."""
     # Per-position acceptance, computed once: E(k) = 1 + p1 + p1p2 + ... + p1..pk.
     if isinstance(acceptance, AcceptanceModel):
         ps = acceptance.conditional()
@@ -317,7 +341,7 @@ def best_draft_length(
     for k, p in enumerate(ps[:max_k], start=1):
         survive *= p
         expected += survive
-        speedups.append(expected * seconds[0] / seconds[k])
+        speedups.append(((rows - 1) + expected) / rows * seconds[0] / seconds[k])
     lengths = range(min(min_k, len(speedups) - 1), len(speedups))
     best_k = max(lengths, key=lambda k: (speedups[k], -k))
     return best_k, speedups[best_k]

@@ -8,6 +8,10 @@ costs a few dictionary probes whatever the history length.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from typing import NamedTuple
+
+from . import costs
 
 
 class NGramIndex:
@@ -117,6 +121,35 @@ def density_score(tokens: list[int], min_length: int = 256, ngram: int = 3, full
     return share * ramp
 
 
+#: The share of first drafted tokens accepted after a lookup match of at least
+#: this strength (NGramIndex.strength), over every position of the chat and toy
+#: replay traces (docs/decoding.md, the auto router's weak-match rule).
+STRENGTH_ACCEPTANCE = ((16, 0.96), (8, 0.88), (4, 0.81), (2, 0.6), (0, 0.25))
+
+
+def strength_acceptance(strength: int) -> float:
+    """The expected per-token acceptance of a draft from a match of ``strength``."""
+    return next(p for least, p in STRENGTH_ACCEPTANCE if strength >= least)
+
+
+class BatchPricing(NamedTuple):
+    """What a fixed-length lookup needs to shorten its drafts in a batch: the
+    kit's verify costs (a callable: measured when first needed) and the rows of
+    the batch now."""
+
+    verify_costs: Callable[[], costs.CostModel]
+    rows: Callable[[], int]
+
+    def draft_length(self, strength: int, available: int) -> int:
+        """How many of ``available`` drafts from a match of ``strength`` pay
+        for the batch's wider pass (all of them alone)."""
+        rows = self.rows()
+        if rows <= 1 or available == 0:
+            return available
+        table = costs.batch_round_table(self.verify_costs(), rows)
+        return costs.best_draft_length(strength_acceptance(strength), table, available, rows=rows)[0]
+
+
 class PromptLookupDrafter:
     """A drafter that copies continuations of the current suffix from the
     history, and, when the history has none, from ``memory``: other token
@@ -133,6 +166,9 @@ class PromptLookupDrafter:
                  memory: list[list[int]] | None = None):
         self.num_tokens = num_tokens
         self.num_candidates = num_candidates
+        # Set for a fixed-length request on a batching kit: drafts are cut to what
+        # pays for the batch (the router prices its own lengths).
+        self.batch_pricing: BatchPricing | None = None
         self.index = NGramIndex(min_ngram, max_ngram)
         self.strength = 0  # the last peek's match strength (NGramIndex.strength)
         self.memory = None
@@ -147,8 +183,20 @@ class PromptLookupDrafter:
             for seq in reversed(kept):
                 self.memory.extend(self.memory.tokens + seq + [SEPARATOR])
 
+    @property
+    def plain_ahead(self) -> bool:
+        """True while the batch is so big that even the strongest match's draft
+        would not pay for it: the loop then queues plain rounds ahead, as plain
+        decoding does (undrafted rounds built only after the previous one is read
+        cost a batch more than plain decoding's)."""
+        p = self.batch_pricing
+        return p is not None and p.rows() > 1 and p.draft_length(STRENGTH_ACCEPTANCE[0][0], self.num_tokens) == 0
+
     def propose(self, history: list[int], limit: int) -> list[int]:
-        return self.peek(history, min(self.num_tokens, limit))
+        drafts = self.peek(history, min(self.num_tokens, limit))
+        if self.batch_pricing is not None:
+            drafts = drafts[: self.batch_pricing.draft_length(self.strength, len(drafts))]
+        return drafts
 
     def peek(self, history: list[int], n: int) -> list[int]:
         """Up to ``n`` tokens lookup would draft after ``history`` (the router's

@@ -21,6 +21,7 @@ text starts repeating itself. Probe tokens are real output; nothing is recompute
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..results import GenerationStats
@@ -74,8 +75,12 @@ class AutoRouter:
         lookup: PromptLookupDrafter,
         draft: DraftModelDrafter | None = None,
         settings: RouterSettings = RouterSettings(),
+        batch_rows: Callable[[], int] | None = None,
     ):
         self.lookup_costs = costs.RoundCosts(verify_costs)  # a lookup draft costs nothing to make
+        self.verify_costs = verify_costs
+        # How many rows the batch this request decodes in holds now (None: alone).
+        self.batch_rows = batch_rows
         self.stats = stats
         self.lookup = lookup
         self.draft = draft
@@ -156,6 +161,11 @@ class AutoRouter:
         ``propose``; ``observe`` makes the round's shadow draft instead). Without
         this, plain rounds under the router cost a few percent more than plain
         decoding's."""
+        if self.mode == "probe" and self.batch_rows is not None:
+            # A probe whose drafts no length pays for in this batch drafts nothing: queue it like plain rounds.
+            rounds, rows = self._lookup_pricing()
+            if rows > 1 and costs.best_draft_length(self.lookup_acceptance, rounds, self.lookup_k, rows=rows)[0] == 0:
+                return True
         return self.mode == "plain" or (self.mode == "draft_model" and self.draft.plain_ahead)
 
     def propose(self, history: list[int], limit: int) -> Drafts:
@@ -165,6 +175,10 @@ class AutoRouter:
         if self.mode == "probe":
             self.lookup.num_tokens = self.lookup_k
             drafts = self.lookup.propose(history, limit)
+            rounds, rows = self._lookup_pricing()
+            if rows > 1 and drafts:
+                # In a batch the probe's drafts widen every row's pass: only what pays for the batch.
+                drafts = drafts[: costs.best_draft_length(self.lookup_acceptance, rounds, len(drafts), rows=rows)[0]]
             self._round_weak = self._is_weak(drafts)
             if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
@@ -187,9 +201,22 @@ class AutoRouter:
         if self._round_weak:
             k = self._weak_length(max_k)
         else:
-            k = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, max_k, min_k=1)[0]
+            rounds, rows = self._lookup_pricing()
+            # Alone at least one token (leaving lookup is _watch_lookup's call); in a
+            # batch a round that does not pay drafts nothing.
+            k = costs.best_draft_length(self.lookup_acceptance, rounds, max_k, min_k=int(rows == 1), rows=rows)[0]
         self.lookup_k = k
         return drafts[:k]
+
+    def _lookup_pricing(self) -> tuple[costs.RoundCosts | list[float], int]:
+        """Lookup rounds' times and the batch's rows: alone, the learned round
+        costs; in a batch of several rows, a k-draft round widens every row's
+        pass (costs.batch_round_table, scaled to the timed undrafted steps) and
+        the draft's gain is shared with rows that gain nothing from it."""
+        rows = self.batch_rows() if self.batch_rows is not None else 1
+        if rows <= 1:
+            return self.lookup_costs, 1
+        return costs.batch_round_table(self.verify_costs, rows, self.lookup_costs.undrafted()), rows
 
     def _is_weak(self, drafts: list[int]) -> bool:
         """Whether ``drafts``, the last lookup's, come from a weak match (RouterSettings.weak_match)."""
@@ -197,7 +224,8 @@ class AutoRouter:
 
     def _weak_length(self, max_k: int) -> int:
         """The draft length a weak match pays for (0: none), from weak matches' record."""
-        return costs.best_draft_length(self.weak, self.lookup_costs, max_k)[0]
+        rounds, rows = self._lookup_pricing()
+        return costs.best_draft_length(self.weak, rounds, max_k, rows=rows)[0]
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if self.mode in ("plain", "draft_model") and not self._proposed and self._history is not None:
@@ -290,7 +318,7 @@ class AutoRouter:
         # tokens in a row says as much as three matching their first.
         if self.shadow_positions < needed or (self.mode == "draft_model" and self._lookup_retired):
             return
-        lookup_rounds: costs.RoundCosts | list[float] = self.lookup_costs
+        lookup_rounds, rows = self._lookup_pricing()
         current = 1.0
         if self.mode == "draft_model":
             current = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs, costs.MAX_MODEL_DRAFT)[1]
@@ -301,7 +329,8 @@ class AutoRouter:
             # switches it then lost).
             own = self.lookup_costs.table()
             lookup_rounds = [max(a, b) for a, b in zip(own, self.draft.round_costs.without_drafting())]
-        k, speedup = costs.best_draft_length(self.shadow, lookup_rounds, self.max_lookup)
+            rows = 1
+        k, speedup = costs.best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
         margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
         if k and speedup > margin * current:
             shadow = self.shadow
@@ -317,7 +346,8 @@ class AutoRouter:
 
     def _lookup_speedup(self) -> tuple[int, float, float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
-        k, speedup = costs.best_draft_length(self.lookup_acceptance, self.lookup_costs, self.max_lookup)
+        rounds, rows = self._lookup_pricing()
+        k, speedup = costs.best_draft_length(self.lookup_acceptance, rounds, self.max_lookup, rows=rows)
         return k, speedup, rate
 
     def _fallback_mode(self) -> str:
@@ -359,7 +389,8 @@ class AutoRouter:
             return
         if (replaced := self._replaced_draft_speedup) is not None:
             # Only a switch from the draft model is checked: against what it replaced.
-            delivered = costs.best_draft_length(self.lookup_own, self.lookup_costs, self.max_lookup)[1]
+            rounds, rows = self._lookup_pricing()
+            delivered = costs.best_draft_length(self.lookup_own, rounds, self.max_lookup, rows=rows)[1]
             if delivered * self.s.switch_margin < replaced:
                 self._lookup_retired = True
                 self._replaced_draft_speedup = None

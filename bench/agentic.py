@@ -1,0 +1,193 @@
+"""Agentic workloads: ``python -m bench.agentic [--reps 2] [--max-tokens 64]``.
+
+SmolLM2-135M-Instruct (GGUF, float32 on the CPU), greedy, on conversations
+that repeat themselves the way agent harnesses and chat apps do:
+
+- ``known-answer``: a question, then the same question in a new chat (a
+  regenerate, a retried agent step, a second user asking the same);
+- ``code-edit``: one chat in which the model writes a function, then re-emits
+  it whole with a rename, then with a docstring;
+- ``tool-calls``: the same tool offered in three new chats with different
+  arguments (``apply_chat_template(tools=...)``, ``create_generator(tools=...)``);
+- ``json-shape``: three new chats asking for an answer in the same JSON shape;
+- ``revisit``: one chat that returns to its first question after another topic.
+
+Each turn's prompt holds the model's own earlier answers. Systems: plain
+decoding, prompt lookup (32 tokens) and auto, each with the kit's suffix
+memory (``suffix_memory_tokens``, docs/decoding.md) and without it (lookup
+then drafts from the kit's other cached conversations, as before suffix
+drafting). Every system runs every scenario from an empty prompt cache and an
+empty suffix memory, systems interleaved in a rotating order each round.
+Reported per turn: the turn's speed-up over plain decoding (plain's wall time /
+the system's, prefill included, paired per round, geometric mean over rounds),
+accepted drafts, and whether the output equals plain's. On a shared machine
+absolute rates drift; the paired ratios are what to read. Writes
+``<out>/agentic.md`` and ``<out>/agentic.json``.
+"""
+
+from __future__ import annotations
+
+import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+from mlx_engine.speculative.suffix import SuffixMemory  # noqa: E402
+
+from .run import geomean, machine_info  # noqa: E402
+from .stats import bench_args  # noqa: E402
+
+logger = logging.getLogger("bench")
+
+
+class System(NamedTuple):
+    name: str
+    kwargs: dict
+    suffix_memory: bool
+
+
+SYSTEMS = (
+    System("plain", {"speculative_decoding_toggle": False}, True),
+    System("lookup", {"prompt_lookup_num_tokens": 32}, False),
+    System("suffix", {"prompt_lookup_num_tokens": 32}, True),
+    System("auto", {"auto_speculative": True}, False),
+    System("auto-suffix", {"auto_speculative": True}, True),
+)
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string",
+                   "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}
+
+QUESTION = "Explain what a Python decorator is, with a short example."
+#: scenario -> turns of (chat id, user message); a new chat id starts a new conversation.
+SCENARIOS: dict[str, list[tuple[str, str]]] = {
+    "known-answer": [("a", QUESTION), ("b", QUESTION)],
+    "code-edit": [
+        ("a", "Write a Python function `word_count(text)` that returns a dict mapping each word to its count."),
+        ("a", "Rename the function to `count_words` and return the whole function."),
+        ("a", "Add a docstring to the function and return the whole function."),
+    ],
+    "tool-calls": [(c, f"What is the weather in {c} right now?") for c in ("Paris", "Tokyo", "Lima")],
+    "json-shape": [(c, f"Give the capital, continent and official language of {c} as JSON with the keys "
+                       "\"country\", \"capital\", \"continent\" and \"language\".") for c in ("France", "Japan", "Brazil")],
+    "revisit": [("a", QUESTION), ("a", "What is a Python list comprehension?"),
+                ("a", "Back to the first question: " + QUESTION)],
+}
+
+
+class Turn(NamedTuple):
+    tokens: list[int]
+    seconds: float
+    accepted: int
+    mode: str | None
+
+
+def run_scenario(kit: me.ModelKit, system: System, turns: list[tuple[str, str]], max_tokens: int) -> list[Turn]:
+    """One system through one scenario, from an empty prompt cache and suffix memory."""
+    kit.prompt_cache.clear()
+    kit.suffix_memory = SuffixMemory() if system.suffix_memory else None
+    tools = [WEATHER_TOOL] if turns and "weather" in turns[0][1] else None
+    chats: dict[str, list[dict]] = {}
+    out = []
+    for chat, text in turns:
+        messages = chats.setdefault(chat, [])
+        messages.append({"role": "user", "content": text})
+        prompt = me.apply_chat_template(kit, messages, tools=tools)
+        tokens, final, pieces = [], None, []
+        t0 = time.perf_counter()
+        for r in me.create_generator(kit, prompt, max_tokens=max_tokens, temp=0.0, tools=tools, **system.kwargs):
+            tokens.extend(t.id for t in r.tokens)
+            pieces.append(r.text)
+            final = r
+        seconds = time.perf_counter() - t0
+        stats = final.stats if final is not None else None
+        out.append(Turn(tokens, seconds, stats.accepted_tokens if stats else 0, stats.decoding_mode if stats else None))
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+    return out
+
+
+def measure(kit, systems, scenarios, reps: int, max_tokens: int) -> dict:
+    """runs[scenario][system] = one list of turns per round, after a warm-up
+    (each system's first turn of the first scenario: compiles, measures costs)."""
+    runs = {s: {sys.name: [] for sys in systems} for s in scenarios}
+    first = next(iter(scenarios.values()))[:1]
+    for system in systems:
+        run_scenario(kit, system, first, max_tokens)
+    for rnd in range(1, reps + 1):
+        order = systems[rnd % len(systems):] + systems[: rnd % len(systems)]
+        for name, turns in scenarios.items():
+            for system in order:
+                result = run_scenario(kit, system, turns, max_tokens)
+                runs[name][system.name].append(result)
+        logger.info("round %d of %d done", rnd, reps)
+    return runs
+
+
+def analyse(runs: dict, systems) -> tuple[list[dict], dict]:
+    rows = []
+    for scenario, by_system in runs.items():
+        plain = by_system["plain"]
+        for t in range(len(plain[0])):
+            for system in systems:
+                rounds = by_system[system.name]
+                ratios = [p[t].seconds / r[t].seconds for p, r in zip(plain, rounds)]
+                rows.append({"scenario": scenario, "turn": t + 1, "system": system.name,
+                             "new_tokens": len(rounds[0][t].tokens), "speedup": geomean(ratios),
+                             "ratios": ratios, "accepted": rounds[0][t].accepted, "mode": rounds[0][t].mode,
+                             "same_as_plain": all(r[t].tokens == plain[0][t].tokens for r in rounds)})
+    summary = {}
+    for system in systems:
+        mine = [r["speedup"] for r in rows if r["system"] == system.name]
+        summary[system.name] = geomean(mine)
+    return rows, summary
+
+
+def render(rows: list[dict], summary: dict, reps: int, max_tokens: int) -> str:
+    names = list(summary)
+    lines = [f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured "
+             "rounds after a warm-up. Speed-up over plain decoding per turn: plain's wall time / the "
+             "system's (prefill included), paired per round, geometric mean. The machine is shared: read the "
+             "ratios, not absolute rates.", "",
+             "| scenario | turn | new | " + " | ".join(names) + " | accepted (" + ", ".join(names[1:]) + ") | same as plain |",
+             "|---|---:|---:|" + "---:|" * len(names) + "---|---|"]
+    keyed = {(r["scenario"], r["turn"], r["system"]): r for r in rows}
+    for scenario, turn in dict.fromkeys((r["scenario"], r["turn"]) for r in rows):
+        cells = [keyed[(scenario, turn, n)] for n in names]
+        same = "yes" if all(c["same_as_plain"] for c in cells) else "NO: " + ",".join(
+            c["system"] for c in cells if not c["same_as_plain"])
+        lines.append(f"| {scenario} | {turn} | {cells[0]['new_tokens']} | "
+                     + " | ".join(f"{c['speedup']:.2f}" for c in cells)
+                     + " | " + ", ".join(str(c["accepted"]) for c in cells[1:]) + f" | {same} |")
+    lines += ["", "| system | geomean speed-up over plain, all turns |", "|---|---:|"]
+    lines += [f"| {n} | {v:.2f} |" for n, v in summary.items() if not math.isnan(v)]
+    return "\n".join(lines) + "\n"
+
+
+def _extra_args(p) -> None:
+    p.add_argument("--scenarios", help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
+    p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(s.name for s in SYSTEMS)} (plain always)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args("python -m bench.agentic", __doc__.split("\n\n")[0], 2, 64, argv, _extra_args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kit = me.load_model(me.DEFAULT_MODEL)
+    systems = [s for s in SYSTEMS if not args.systems or s.name in args.systems.split(",") or s.name == "plain"]
+    scenarios = {k: v for k, v in SCENARIOS.items() if not args.scenarios or k in args.scenarios.split(",")}
+    runs = measure(kit, systems, scenarios, args.reps, args.max_tokens)
+    rows, summary = analyse(runs, systems)
+    text = render(rows, summary, args.reps, args.max_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "agentic.md").write_text(text)
+    (args.out / "agentic.json").write_text(json.dumps({"machine": machine_info(), "rows": rows, "summary": summary},
+                                                      indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""Speculation priced for the batch it runs in (costs.batch_round_table, rows=)."""
+
+from mlx_engine.results import GenerationStats
+from mlx_engine.speculative.costs import CostModel, batch_round_table, best_draft_length, pass_seconds
+from mlx_engine.speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
+from mlx_engine.speculative.router import AutoRouter
+
+# A pass costs a fixed part plus 10% of a step per token: cheap drafts alone,
+# dear ones in a wide batch (every row is padded to the drafting row's width).
+WIDTH_COSTS = CostModel(tuple(0.01 * (1 + 0.1 * (n - 1)) for n in range(1, 34)))
+# Nearly flat in width: drafting pays even in a big batch.
+FLAT_COSTS = CostModel(tuple(0.01 * (1 + 0.001 * (n - 1)) for n in range(1, 34)))
+
+
+def test_batch_table_prices_rows_times_tokens():
+    assert pass_seconds(WIDTH_COSTS, 40) > pass_seconds(WIDTH_COSTS, 33)  # extrapolated beyond the measured widths
+    table = batch_round_table(WIDTH_COSTS, 4)
+    assert table[0] == pass_seconds(WIDTH_COSTS, 4) and table[2] == pass_seconds(WIDTH_COSTS, 12)
+    scaled = batch_round_table(WIDTH_COSTS, 4, undrafted=2 * table[0])
+    assert scaled[3] == 2 * table[3]
+
+
+def test_bigger_batches_choose_shorter_drafts_or_none():
+    lengths = []
+    for rows in (1, 2, 8):
+        k, speedup = best_draft_length(0.96, batch_round_table(WIDTH_COSTS, rows), 32, rows=rows)
+        lengths.append(k)
+        assert speedup >= 1.0
+    assert lengths[0] > lengths[1] > 0 and lengths[2] == 0
+    assert best_draft_length(0.96, batch_round_table(FLAT_COSTS, 8), 32, rows=8)[0] > 0
+    # rows=1 is the one-row rule unchanged.
+    assert best_draft_length(0.9, WIDTH_COSTS.seconds) == best_draft_length(0.9, WIDTH_COSTS.seconds, rows=1)
+
+
+def test_fixed_lookup_cuts_its_drafts_to_what_pays_for_the_batch():
+    history = list(range(40)) * 3  # a strong match: the cycle continues
+    rows = [1]
+    drafter = PromptLookupDrafter(8)
+    drafter.batch_pricing = BatchPricing(lambda: WIDTH_COSTS, lambda: rows[0])
+    assert len(drafter.propose(history, 64)) == 8 and not drafter.plain_ahead
+    rows[0] = 8
+    assert drafter.propose(history, 64) == []
+    assert drafter.plain_ahead  # nothing would pay: the loop queues plain rounds ahead
+    drafter.batch_pricing = BatchPricing(lambda: FLAT_COSTS, lambda: rows[0])
+    assert len(drafter.propose(history, 64)) == 8
+
+
+def test_router_prices_lookup_rounds_for_the_batch():
+    rows = [1]
+    router = AutoRouter(list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32),
+                        batch_rows=lambda: rows[0])
+    history = list(range(50)) * 8
+    while router.mode == "probe":
+        drafts = router.propose(history, 64)
+        router.observe(len(drafts), len(drafts))
+        for _ in range(len(drafts) + 1):
+            history.append(history[-50])
+    assert router.mode == "prompt_lookup"
+    assert len(router.propose(history, 64)) > 8
+    router.observe(0, 0)  # (the round's outcome does not matter here)
+    rows[0] = 8
+    assert router.propose(history, 64) == []  # no length pays for 8 rows at these costs
+
+
+def test_router_probe_in_a_big_batch_drafts_only_what_pays():
+    router = AutoRouter(list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32),
+                        batch_rows=lambda: 8)
+    assert router.mode == "probe"
+    assert router.propose(list(range(50)) * 8, 64) == []
+    assert router.plain_ahead
+    cheap = AutoRouter(list(range(50)) * 8, FLAT_COSTS, GenerationStats(), PromptLookupDrafter(32),
+                       batch_rows=lambda: 8)
+    assert 0 < len(cheap.propose(list(range(50)) * 8, 64)) <= 4
