@@ -126,6 +126,32 @@ def test_loop_accepts_right_drafts_and_rewinds_wrong_ones():
     assert cache.tokens == ([3] + plain)[: len(cache.tokens)]  # nothing rejected stays cached
 
 
+class FlippingDrafter(ScriptedDrafter):
+    """Sets plain_ahead after a drafting round and clears it again, as a batch-priced
+    drafter does when the batch it runs in grows or shrinks between two rounds."""
+
+    proposals = 0
+
+    def propose(self, history, limit):
+        self.proposals += 1  # the batch changes while this round's drafts are verified
+        return super().propose(history, limit)
+
+    @property
+    def plain_ahead(self):
+        return self.proposals % 2 == 1
+
+
+def test_plain_ahead_set_after_a_drafting_round_does_not_corrupt_the_row():
+    """Regression: the loop queued a plain round behind a round with drafts
+    still to accept, so accepting them rewound the queued position instead."""
+    continuation = [(3 + i) % VOCAB for i in range(0, 80)]
+    plain, _, _, _ = run_loop(None)
+    tokens, flags, stats, cache = run_loop(FlippingDrafter(continuation, wrong_every=2))
+    assert tokens == plain
+    assert any(flags) and stats.rejected_tokens > 0
+    assert cache.tokens == ([3] + plain)[: len(cache.tokens)]
+
+
 # -- stop strings --------------------------------------------------------------------------
 def test_stop_string_split_across_pieces_is_held_back_and_cut():
     m = StopStringMatcher(["END"])

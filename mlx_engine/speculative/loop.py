@@ -273,7 +273,10 @@ class _Loop:
             # A drafter with plain_ahead set (the router in plain decoding) drafts nothing next round.
             plain = self.drafter is None or getattr(self.drafter, "plain_ahead", False)
             ahead = plain and not self.processors and self.constraint is None
-            ahead = ahead and self.produced + 1 < self.max_new
+            # Only behind a round without drafts: with drafts still to accept, the row's
+            # next position is not known until they are (a batch-priced drafter's
+            # plain_ahead can turn on between its drafting round and this read).
+            ahead = ahead and self.produced + 1 < self.max_new and _draft_count(rnd.drafts) == 0
             if ahead:
                 pending = yield from self.launch_plain_from(rnd.tokens)
             sampled = rnd.tokens.tolist()
@@ -358,6 +361,10 @@ class _Loop:
         sample, position = self.sampler, len(self.history) + 1
         return (yield Launch(self.cache, [], token, lambda logits, start, ids: _queue(
             [], start, *sample_rows(logits, [], [], sample, [], 0, position=position))))
+
+
+def _draft_count(drafts: Drafts) -> int:
+    return len(drafts) if isinstance(drafts, list) else drafts.size
 
 
 def _accept(cache: SequenceCache, rnd: Round, sampled: list[int], drafter, tracker, seconds) -> int:
