@@ -58,8 +58,14 @@ def test_router_prices_lookup_rounds_for_the_batch():
     assert router.mode == "prompt_lookup"
     assert len(router.propose(history, 64)) > 8
     router.observe(0, 0)  # (the round's outcome does not matter here)
+    assert not router.plain_ahead
     rows[0] = 8
     assert router.propose(history, 64) == []  # no length pays for 8 rows at these costs
+    # ... so its rounds are queued ahead like plain ones: a round built only after
+    # the previous one is read would hold up every row of the batch's next step.
+    assert router.mode == "prompt_lookup" and router.plain_ahead
+    rows[0] = 1
+    assert not router.plain_ahead
 
 
 def test_router_probe_in_a_big_batch_drafts_only_what_pays():

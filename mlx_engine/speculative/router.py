@@ -161,12 +161,23 @@ class AutoRouter:
         ``propose``; ``observe`` makes the round's shadow draft instead). Without
         this, plain rounds under the router cost a few percent more than plain
         decoding's."""
-        if self.mode == "probe" and self.batch_rows is not None:
-            # A probe whose drafts no length pays for in this batch drafts nothing: queue it like plain rounds.
-            rounds, rows = self._lookup_pricing()
-            if rows > 1 and costs.best_draft_length(self.lookup_acceptance, rounds, self.lookup_k, rows=rows)[0] == 0:
-                return True
+        if self.mode in ("probe", "prompt_lookup") and self._lookup_pays_nothing():
+            return True
         return self.mode == "plain" or (self.mode == "draft_model" and self.draft.plain_ahead)
+
+    def _lookup_pays_nothing(self) -> bool:
+        """Whether, in the batch as it is now, no lookup round of any length pays
+        (strong or weak match): such a round drafts nothing, so it is queued
+        ahead like a plain round instead of built after the previous one is read
+        (which would hold up every row of the batch's next step)."""
+        if self.batch_rows is None:
+            return False
+        rounds, rows = self._lookup_pricing()
+        if rows <= 1:
+            return False
+        max_k = self.lookup_k if self.mode == "probe" else self.max_lookup
+        strong = costs.best_draft_length(self.lookup_acceptance, rounds, max_k, rows=rows)[0]
+        return strong == 0 and costs.best_draft_length(self.weak, rounds, max_k, rows=rows)[0] == 0
 
     def propose(self, history: list[int], limit: int) -> Drafts:
         self._history, self._proposed = history, True
