@@ -148,11 +148,8 @@ def build_drafter(
     else:
         lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
     if plan.kind == "prompt_lookup":
-        if kit.max_parallel > 1 or kit.suffix_memory is not None:
-            # Suffix drafting sizes every draft by what its match predicts and the
-            # kit's costs (SuffixDecoding's adaptive length), alone too.
-            lookup.batch_pricing = BatchPricing(lambda: kit_costs(kit), lambda: kit.open_generations,
-                                                alone=kit.suffix_memory is not None)
+        if kit.max_parallel > 1:
+            lookup.batch_pricing = BatchPricing(lambda: kit_costs(kit), lambda: kit.open_generations)
         return lookup, None
     draft = None
     if plan.use_draft:

@@ -134,24 +134,15 @@ def test_load_model_option(llama_path):
         me.load_model(llama_path, suffix_memory_tokens=-3)
 
 
-def test_drafts_are_sized_by_match_strength_and_costs_even_alone():
-    """Suffix drafting's adaptive length: at this CPU's costs (a k-draft verify
-    pass 1.27 + 0.07k steps) a one-token match (25% expected) drafts nothing
-    alone, a long match drafts in full; fixed-length lookup keeps its length."""
-    from mlx_engine.speculative.costs import CostModel
-    from mlx_engine.speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
 
-    cpu = CostModel((0.01,) + tuple(0.01 * (1.27 + 0.07 * k) for k in range(1, 33)))
-    memory = SuffixMemory(key=2)
-    memory.record("earlier", list(range(100, 140)))
+def test_drafts_are_at_most_one_token_per_matched_token():
+    """SuffixDecoding's adaptive length for the request's own matches too: a
+    one-token match drafts one token, a long match the full N; fixed-length
+    lookup (memory off) drafts N whatever the match."""
+    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+
     weak = [7, 8, 9, 7, 1, 2, 3, 4, 5, 6, 9]  # "9" was followed by "7" once: a one-token match
-    strong = list(range(100, 125))  # 25 tokens of the earlier sequence
-
-    def drafter(cls, *args):
-        d = cls(8, *args)
-        d.batch_pricing = BatchPricing(lambda: cpu, lambda: 1, alone=cls is SuffixDrafter)
-        return d
-
-    assert drafter(SuffixDrafter, memory, "a").propose(weak, 8) == []
-    assert drafter(SuffixDrafter, memory, "b").propose(strong, 8) == list(range(125, 133))
-    assert drafter(PromptLookupDrafter).propose(weak, 8) == [7, 1, 2, 3, 4, 5, 6, 9]
+    assert SuffixDrafter(8, SuffixMemory(key=2), "a").propose(weak, 8) == [7]
+    assert PromptLookupDrafter(8).propose(weak, 8) == [7, 1, 2, 3, 4, 5, 6, 9]
+    copy = list(range(100, 130)) + list(range(100, 120))  # a 20-token match of the first 30
+    assert SuffixDrafter(8, SuffixMemory(key=2), "b").propose(copy, 8) == list(range(120, 128))

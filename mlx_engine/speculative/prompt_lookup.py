@@ -139,18 +139,15 @@ class BatchPricing(NamedTuple):
 
     verify_costs: Callable[[], costs.CostModel]
     rows: Callable[[], int]
-    #: Price a lone row's drafts too (the suffix drafter's adaptive length);
-    #: fixed-length lookup keeps all its drafts alone, as the user asked.
-    alone: bool = False
 
     def draft_length(self, strength: int, available: int) -> int:
         """How many of ``available`` drafts from a match of ``strength`` pay
-        for the batch's wider pass (all of them alone, unless ``alone``)."""
+        for the batch's wider pass (all of them alone)."""
         rows = self.rows()
-        if (rows <= 1 and not self.alone) or available == 0:
+        if rows <= 1 or available == 0:
             return available
-        table = costs.batch_round_table(self.verify_costs(), max(rows, 1))
-        return costs.best_draft_length(strength_acceptance(strength), table, available, rows=max(rows, 1))[0]
+        table = costs.batch_round_table(self.verify_costs(), rows)
+        return costs.best_draft_length(strength_acceptance(strength), table, available, rows=rows)[0]
 
 
 class PromptLookupDrafter:
