@@ -7,6 +7,7 @@ import pytest
 from conftest import assert_same_or_near_tie, generate_ids
 
 import mlx_engine as me
+from mlx_engine.scheduler import MAX_BACKLOG
 from mlx_engine import CallbackError
 from mlx_engine.batch_cache import RaggedBatch
 
@@ -131,12 +132,15 @@ def test_concurrent_requests_equal_their_solo_outputs_in_every_mode(llama_path, 
 def test_threads_consume_streams_concurrently_one_cancelled_halfway(pkit, llama_path):
     one = me.load_model(llama_path, max_parallel=1)
     prompts = [me.tokenize(pkit, t) for t in TEXTS]
-    want = [solo(one, p, max_tokens=20) for p in prompts]
+    # r0 is long enough that the worker, at most MAX_BACKLOG results ahead of its
+    # reader, is still generating it when the reader stops it at 10 tokens.
+    lengths = [MAX_BACKLOG + 40, 20, 20, 20]
+    want = [solo(one, p, max_tokens=n) for p, n in zip(prompts, lengths)]
     got, errors = [None] * 4, []
 
     def consume(i):
         try:
-            gen = me.create_generator(pkit, prompts[i], max_tokens=20, request_id=f"r{i}")
+            gen = me.create_generator(pkit, prompts[i], max_tokens=lengths[i], request_id=f"r{i}")
             ids = []
             for r in gen:
                 ids += [t.id for t in r.tokens]
