@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 import mlx_engine as me
 from mlx_engine.results import GenerationStats
-from mlx_engine.speculative.costs import AcceptanceModel, CostModel, RoundCosts, best_draft_length, expected_tokens
+from mlx_engine.speculative.costs import CostModel, RoundCosts
+from mlx_engine.speculative.speedup import AcceptanceModel, best_draft_length, expected_tokens
 from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
 from mlx_engine.speculative.router import AutoRouter, RouterSettings
 

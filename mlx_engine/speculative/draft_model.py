@@ -18,7 +18,7 @@ from ..batch_cache import release_row
 from ..cache import SequenceCache
 from ..draft_pool import DraftModel
 from ..model_kit import ModelKit, param_count, prepare_weights, smoke_test
-from . import costs
+from . import costs, speedup
 from .loop import DrafterUnavailable, PendingDrafts
 from .policy import DraftLengthPolicy
 
@@ -188,7 +188,7 @@ class DraftModelDrafter:
         self._last_drafted = False  # the last round launched had drafts
 
     @property
-    def acceptance(self) -> costs.AcceptanceModel:
+    def acceptance(self) -> speedup.AcceptanceModel:
         return self.policy.acceptance
 
     @property

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import NamedTuple
 
-from . import costs
+from . import costs, speedup
 
 
 class NGramIndex:
@@ -147,7 +147,7 @@ class BatchPricing(NamedTuple):
         if rows <= 1 or available == 0:
             return available
         table = costs.batch_round_table(self.verify_costs(), rows)
-        return costs.best_draft_length(strength_acceptance(strength), table, available, rows=rows)[0]
+        return speedup.best_draft_length(strength_acceptance(strength), table, available, rows=rows)[0]
 
 
 class PromptLookupDrafter:

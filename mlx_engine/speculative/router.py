@@ -29,6 +29,7 @@ from . import costs
 from .draft_model import DraftModelDrafter
 from .loop import Drafts
 from .prompt_lookup import PromptLookupDrafter, density_score
+from .speedup import AcceptanceModel, best_draft_length
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class AutoRouter:
         self._lookup_exits = 0  # times lookup was left because no length paid
         # Weak lookup matches' acceptance (RouterSettings.weak_match), from
         # their rounds and shadows in every mode of this request.
-        self.weak = costs.AcceptanceModel(prior=settings.weak_match_prior)
+        self.weak = AcceptanceModel(prior=settings.weak_match_prior)
         self._round_weak = False  # the round being observed drafted from a weak match
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
@@ -126,17 +127,17 @@ class AutoRouter:
         """Whether some draft length is expected to beat plain decoding, from
         the draft's acceptance so far (its prior) and its round costs."""
         d = self.draft
-        return d.round_costs is None or costs.best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
+        return d.round_costs is None or best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
 
     # -- bookkeeping -------------------------------------------------------
     def _reset_evidence(self) -> None:
         self.rounds = self.drafted = self.accepted = self.produced = self.misses = 0
-        self.lookup_acceptance = costs.AcceptanceModel(prior=0.5)
+        self.lookup_acceptance = AcceptanceModel(prior=0.5)
         # Lookup's own rounds only (lookup_acceptance may start from the shadow's).
-        self.lookup_own = costs.AcceptanceModel(prior=0.5)
+        self.lookup_own = AcceptanceModel(prior=0.5)
         # Shadow lookup: what prompt lookup would have drafted while another
         # mode runs, scored against the tokens that followed. Free evidence.
-        self.shadow = costs.AcceptanceModel(prior=0.5)
+        self.shadow = AcceptanceModel(prior=0.5)
         self.shadow_scored = 0  # shadow drafts with a decided first token
         self.shadow_positions = 0  # shadow draft positions decided
         self._shadows: list[tuple[int, list[int], int, bool]] = []  # (position, drafts, positions scored, weak)
@@ -164,7 +165,7 @@ class AutoRouter:
         if self.mode == "probe" and self.batch_rows is not None:
             # A probe whose drafts no length pays for in this batch drafts nothing: queue it like plain rounds.
             rounds, rows = self._lookup_pricing()
-            if rows > 1 and costs.best_draft_length(self.lookup_acceptance, rounds, self.lookup_k, rows=rows)[0] == 0:
+            if rows > 1 and best_draft_length(self.lookup_acceptance, rounds, self.lookup_k, rows=rows)[0] == 0:
                 return True
         return self.mode == "plain" or (self.mode == "draft_model" and self.draft.plain_ahead)
 
@@ -178,7 +179,7 @@ class AutoRouter:
             rounds, rows = self._lookup_pricing()
             if rows > 1 and drafts:
                 # In a batch the probe's drafts widen every row's pass: only what pays for the batch.
-                drafts = drafts[: costs.best_draft_length(self.lookup_acceptance, rounds, len(drafts), rows=rows)[0]]
+                drafts = drafts[: best_draft_length(self.lookup_acceptance, rounds, len(drafts), rows=rows)[0]]
             self._round_weak = self._is_weak(drafts)
             if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
@@ -204,7 +205,7 @@ class AutoRouter:
             rounds, rows = self._lookup_pricing()
             # Alone at least one token (leaving lookup is _watch_lookup's call); in a
             # batch a round that does not pay drafts nothing.
-            k = costs.best_draft_length(self.lookup_acceptance, rounds, max_k, min_k=int(rows == 1), rows=rows)[0]
+            k = best_draft_length(self.lookup_acceptance, rounds, max_k, min_k=int(rows == 1), rows=rows)[0]
         self.lookup_k = k
         return drafts[:k]
 
@@ -225,7 +226,7 @@ class AutoRouter:
     def _weak_length(self, max_k: int) -> int:
         """The draft length a weak match pays for (0: none), from weak matches' record."""
         rounds, rows = self._lookup_pricing()
-        return costs.best_draft_length(self.weak, rounds, max_k, rows=rows)[0]
+        return best_draft_length(self.weak, rounds, max_k, rows=rows)[0]
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if self.mode in ("plain", "draft_model") and not self._proposed and self._history is not None:
@@ -321,7 +322,7 @@ class AutoRouter:
         lookup_rounds, rows = self._lookup_pricing()
         current = 1.0
         if self.mode == "draft_model":
-            current = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs, costs.MAX_MODEL_DRAFT)[1]
+            current = best_draft_length(self.draft.acceptance, self.draft.round_costs, costs.MAX_MODEL_DRAFT)[1]
             # Lookup's own line comes from the short-context measurement or a few
             # probe rounds; the draft's rounds, timed here and now, less the draft
             # model's work, keep it from being priced under what its rounds cost
@@ -330,7 +331,7 @@ class AutoRouter:
             own = self.lookup_costs.table()
             lookup_rounds = [max(a, b) for a, b in zip(own, self.draft.round_costs.without_drafting())]
             rows = 1
-        k, speedup = costs.best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
+        k, speedup = best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
         margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
         if k and speedup > margin * current:
             shadow = self.shadow
@@ -347,7 +348,7 @@ class AutoRouter:
     def _lookup_speedup(self) -> tuple[int, float, float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         rounds, rows = self._lookup_pricing()
-        k, speedup = costs.best_draft_length(self.lookup_acceptance, rounds, self.max_lookup, rows=rows)
+        k, speedup = best_draft_length(self.lookup_acceptance, rounds, self.max_lookup, rows=rows)
         return k, speedup, rate
 
     def _fallback_mode(self) -> str:
@@ -369,7 +370,7 @@ class AutoRouter:
         else:
             self._leave_lookup(facts, self.lookup_acceptance)
 
-    def _leave_lookup(self, why: str, own: costs.AcceptanceModel) -> None:
+    def _leave_lookup(self, why: str, own: AcceptanceModel) -> None:
         """Back to the fallback mode. Lookup's own rounds stay the shadow record's
         first evidence: shadows starting over from the prior promised a summary
         twice what lookup had just failed to deliver, and won switches it lost."""
@@ -390,7 +391,7 @@ class AutoRouter:
         if (replaced := self._replaced_draft_speedup) is not None:
             # Only a switch from the draft model is checked: against what it replaced.
             rounds, rows = self._lookup_pricing()
-            delivered = costs.best_draft_length(self.lookup_own, rounds, self.max_lookup, rows=rows)[1]
+            delivered = best_draft_length(self.lookup_own, rounds, self.max_lookup, rows=rows)[1]
             if delivered * self.s.switch_margin < replaced:
                 self._lookup_retired = True
                 self._replaced_draft_speedup = None
