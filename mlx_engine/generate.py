@@ -30,7 +30,7 @@ from .request import (
 from .results import GenerationResult
 from .scheduler import RequestStream, Scheduler
 from .sampling import validate_seed
-from .speculative.draft_model import check_draft_model, load_draft, unload_draft
+from .speculative.draft_loading import check_draft_model, load_draft, unload_draft
 from .vision_model_kit import VisionModelKit
 
 logger = logging.getLogger(__name__)
