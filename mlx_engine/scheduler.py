@@ -36,10 +36,10 @@ from .speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, reso
 logger = logging.getLogger(__name__)
 
 MAX_BACKLOG = 64  # undelivered results after which a request is paused
-_END = object()
+END = object()  # the last item of every request's results
 
 
-class _Live:
+class LiveRequest:
     """A running generation: its pipeline generator and its stream's results.
 
     The worker appends to ``out``; the stream reads ``out[0]`` and removes it
@@ -76,7 +76,7 @@ class _Live:
 
 
 #: A launch of the step, its generation and its lazy ids (pending drafts computed).
-_Resolved = tuple[_Live, Launch, "mx.array | None"]
+_Resolved = tuple[LiveRequest, Launch, "mx.array | None"]
 
 
 class Scheduler:
@@ -93,7 +93,7 @@ class Scheduler:
         # Weak: the worker holds its scheduler, and a kit must stay collectable
         # (its worker then returns to the pool).
         self._kit = weakref.ref(kit)
-        self.live: list[_Live] = []
+        self.live: list[LiveRequest] = []
 
     @property
     def kit(self):
@@ -103,12 +103,12 @@ class Scheduler:
     def busy(self) -> bool:
         return any(not r.paused for r in self.live)
 
-    def admit(self, gen: Generator, request_id: str) -> _Live:
-        live = _Live(gen, request_id)
+    def admit(self, gen: Generator, request_id: str) -> LiveRequest:
+        live = LiveRequest(gen, request_id)
         self.live.append(live)
         return live
 
-    def close(self, live: _Live) -> None:
+    def close(self, live: LiveRequest) -> None:
         """End a generation now (its stream was closed): the pipeline's cleanup runs."""
         if live in self.live:
             self.live.remove(live)
@@ -116,11 +116,11 @@ class Scheduler:
                 live.gen.close()
             except Exception as exc:  # reported to the stream; the others go on
                 live.push(exc)
-            live.push(_END)
+            live.push(END)
 
     def step(self) -> None:
         """Advance every running generation to its next launch, then run the launches."""
-        launches: list[tuple[_Live, Launch]] = []
+        launches: list[tuple[LiveRequest, Launch]] = []
         for live in list(self.live):
             if live.paused:
                 continue
@@ -131,7 +131,7 @@ class Scheduler:
         if launches:
             self._forward(launches)
 
-    def _advance(self, live: _Live) -> Launch | None:
+    def _advance(self, live: LiveRequest) -> Launch | None:
         """Resume ``live`` until it asks for a forward pass (returned), yields its
         turn, or ends (its stream gets the end, or its exception)."""
         while True:
@@ -139,7 +139,7 @@ class Scheduler:
             try:
                 item = live.gen.send(rnd)
             except StopIteration:
-                self._finish(live, _END)
+                self._finish(live, END)
                 return None
             except BaseException as exc:  # the request's own failure: the others go on
                 self._finish(live, exc)
@@ -157,13 +157,13 @@ class Scheduler:
             if pause:
                 return None
 
-    def _finish(self, live: _Live, last) -> None:
+    def _finish(self, live: LiveRequest, last) -> None:
         self.live.remove(live)
-        if last is not _END:
+        if last is not END:
             live.push(last)
-        live.push(_END)
+        live.push(END)
 
-    def _forward(self, launches: list[tuple[_Live, Launch]]) -> None:
+    def _forward(self, launches: list[tuple[LiveRequest, Launch]]) -> None:
         """One forward pass for the batch's rows (joining rows that can), one
         pass for each cache that cannot join; each row's round is kept for its
         generation's next resumption."""
@@ -179,7 +179,7 @@ class Scheduler:
         for live, launch, ids in alone:
             self._attempt(live, _run_alone, live, launch, ids)
 
-    def _attempt(self, live: _Live, fn: Callable, *args) -> bool:
+    def _attempt(self, live: LiveRequest, fn: Callable, *args) -> bool:
         """Run one request's part of a step; if it raises, that request fails alone."""
         try:
             fn(*args)
@@ -189,7 +189,7 @@ class Scheduler:
             self._fail(live, exc)
             return False
 
-    def _draft(self, launches: list[tuple[_Live, Launch]]) -> list[_Resolved]:
+    def _draft(self, launches: list[tuple[LiveRequest, Launch]]) -> list[_Resolved]:
         """Compute the step's pending drafts together (batched draft passes).
         Drafts are proposals the main model verifies, so when the shared draft
         pass fails the draft caches are dropped (each drafter re-syncs its cache
@@ -256,7 +256,7 @@ class Scheduler:
             if id(live.cache) in rows:
                 self._fail(live, exc)
 
-    def _fail(self, live: _Live, exc: Exception) -> None:
+    def _fail(self, live: LiveRequest, exc: Exception) -> None:
         """End ``live`` with ``exc`` raised where it waits for its forward pass:
         its own cleanup runs (its caches are reset, its row leaves the batch)."""
         if live not in self.live:
@@ -269,20 +269,20 @@ class Scheduler:
         else:  # pragma: no cover - a request never swallows a failed pass
             live.gen.close()
             live.push(exc)
-        live.push(_END)
+        live.push(END)
 
 
-def _draft_alone(live: _Live, launch: Launch, resolved: list[_Resolved]) -> None:
+def _draft_alone(live: LiveRequest, launch: Launch, resolved: list[_Resolved]) -> None:
     """Compute a launch's pending drafts on its own draft cache."""
     resolved.append((live, launch, lazy_ids(launch)))
 
 
-def _run_alone(live: _Live, launch: Launch, ids) -> None:
+def _run_alone(live: LiveRequest, launch: Launch, ids) -> None:
     """Run a launch on its own cache; its round waits for the row's resumption."""
     live.round = forward_alone(launch, ids)
 
 
-def _finish_launch(live: _Live, launch: Launch, logits, start: int, ids) -> None:
+def _finish_launch(live: LiveRequest, launch: Launch, logits, start: int, ids) -> None:
     """Sample a row of a shared pass; its round waits for the row's resumption."""
     live.round = launch.finish(logits, start, ids)
 
@@ -305,7 +305,7 @@ class RequestStream(Iterator[GenerationResult]):
         self._generation = generation
         self._request_id = request_id
         self._admission = None  # the admitting call's task (MLXWorker.submit), once made
-        self._live: _Live | None = None
+        self._live: LiveRequest | None = None
         self._done = False
 
     @property
@@ -325,7 +325,7 @@ class RequestStream(Iterator[GenerationResult]):
         if live.paused and live.backlog <= MAX_BACKLOG // 2:
             live.paused = False
             self._nudge_worker()
-        end, failed = item is _END, isinstance(item, BaseException)
+        end, failed = item is END, isinstance(item, BaseException)
         # From here to the hand-over, no call or loop: Python runs signal
         # handlers (KeyboardInterrupt) only at those, so a result taken is
         # always returned, and one not yet taken is read again next time.
@@ -346,7 +346,7 @@ class RequestStream(Iterator[GenerationResult]):
         except worker.ProcessExiting:
             pass
 
-    def _admit(self) -> _Live:
+    def _admit(self) -> LiveRequest:
         """Admit the request (once, even if waiting for it is interrupted). At
         process exit a request not admitted yet just ends."""
         if self._admission is None:
@@ -384,7 +384,7 @@ class RequestStream(Iterator[GenerationResult]):
             logger.exception("closing an abandoned generation failed")
 
 
-def _close_stream(scheduler: Scheduler, generation, live: _Live | None, admission) -> None:
+def _close_stream(scheduler: Scheduler, generation, live: LiveRequest | None, admission) -> None:
     """Close an abandoned stream (on the engine thread, after any admission
     queued before it has run)."""
     if live is None and admission is not None:
