@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PromptPlan:
-    """A request's prompt as processed: ``ids`` are the real token ids (images
-    expanded by a vision kit), ``keys`` what the cache records for them (equal to
-    ``ids`` except at image positions, which hold image-hash keys)."""
+class ExpandedPrompt:
+    """A request's prompt as the kit and its cache see it: ``ids`` are the real
+    token ids (images expanded by a vision kit), ``keys`` what the cache records
+    for them (equal to ``ids`` except at image positions, which hold image-hash keys)."""
 
     ids: list[int]
     keys: list[int]
@@ -232,13 +232,13 @@ class ModelKit:
         if self.suffix_memory is not None:
             self.suffix_memory.record(name, tokens)
 
-    def plan_prompt(self, prompt: list[int], images: list | None = None) -> PromptPlan:
-        """The request's prompt as the cache sees it (see PromptPlan)."""
-        return PromptPlan(prompt, prompt)
+    def expand_prompt(self, prompt: list[int], images: list | None = None) -> ExpandedPrompt:
+        """The request's prompt as the cache sees it (see ExpandedPrompt)."""
+        return ExpandedPrompt(prompt, prompt)
 
-    def prefill_prompt(self, plan: PromptPlan, cache: SequenceCache, todo: list[int], on_chunk=None,
+    def prefill_prompt(self, expanded: ExpandedPrompt, cache: SequenceCache, todo: list[int], on_chunk=None,
                        chunk_size: int = PREFILL_CHUNK) -> Iterator[None]:
-        """Feed ``todo``, the part of ``plan``'s prompt (all but its last token)
+        """Feed ``todo``, the part of the ``expanded`` prompt (all but its last token)
         that ``cache`` lacks, yielding after each chunk (the scheduler lets the
         other requests take a step there)."""
         for i in range(0, len(todo), chunk_size):
