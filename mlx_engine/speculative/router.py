@@ -74,7 +74,7 @@ class AutoRouter:
         verify_costs: costs.CostModel,
         stats: GenerationStats,
         lookup: PromptLookupDrafter,
-        draft: DraftModelDrafter | None = None,
+        draft_drafter: DraftModelDrafter | None = None,
         settings: RouterSettings = RouterSettings(),
         batch_rows: Callable[[], int] | None = None,
     ):
@@ -84,7 +84,7 @@ class AutoRouter:
         self.batch_rows = batch_rows
         self.stats = stats
         self.lookup = lookup
-        self.draft = draft
+        self.draft_drafter = draft_drafter
         self.s = settings
         self.density = density_score(prompt, settings.min_prompt_tokens)
         self.lookup_allowed = len(prompt) >= settings.min_prompt_tokens and self.density >= settings.min_density
@@ -106,11 +106,11 @@ class AutoRouter:
         self._round_weak = False  # the round being observed drafted from a weak match
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
-        if draft is not None and self.lookup_allowed and not self._draft_pays():
+        if draft_drafter is not None and self.lookup_allowed and not self._draft_pays():
             # The draft's record on this kit (its acceptance prior) says it does
             # not pay: the probe costs little beside it and finds copying at once.
             self._enter("probe", f"{facts}: the draft model has not paid on this kit so far; probing prompt lookup")
-        elif draft is not None:
+        elif draft_drafter is not None:
             # No probe: a probe round that misses costs a verify pass, a shadow
             # draft costs nothing and the draft model earns meanwhile. On the
             # long-prompt benchmarks every probe ended in the draft model anyway,
@@ -126,7 +126,7 @@ class AutoRouter:
     def _draft_pays(self) -> bool:
         """Whether some draft length is expected to beat plain decoding, from
         the draft's acceptance so far (its prior) and its round costs."""
-        d = self.draft
+        d = self.draft_drafter
         return d.round_costs is None or best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
 
     # -- bookkeeping -------------------------------------------------------
@@ -167,7 +167,7 @@ class AutoRouter:
             rounds, rows = self._lookup_pricing()
             if rows > 1 and best_draft_length(self.lookup_acceptance, rounds, self.lookup_k, rows=rows)[0] == 0:
                 return True
-        return self.mode == "plain" or (self.mode == "draft_model" and self.draft.plain_ahead)
+        return self.mode == "plain" or (self.mode == "draft_model" and self.draft_drafter.plain_ahead)
 
     def propose(self, history: list[int], limit: int) -> Drafts:
         self._history, self._proposed = history, True
@@ -188,7 +188,7 @@ class AutoRouter:
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
         if self.mode == "draft_model":
-            return self.draft.propose(history, limit)
+            return self.draft_drafter.propose(history, limit)
         return []
 
     def _lookup_round(self, history: list[int], limit: int) -> list[int]:
@@ -238,8 +238,8 @@ class AutoRouter:
         # costs the same whichever mode would have drafted.
         if self.mode in ("probe", "prompt_lookup") or drafted == 0:
             self.lookup_costs.observe(drafted, seconds)
-        if self.draft is not None and self.mode != "draft_model" and drafted == 0:
-            self.draft.round_costs.observe(0, seconds)
+        if self.draft_drafter is not None and self.mode != "draft_model" and drafted == 0:
+            self.draft_drafter.round_costs.observe(0, seconds)
         if drafted:
             # As for the draft model (policy.py): after a rejection the next draft
             # is at most 2·(a+1)+2 long; the burst that just ended says little there.
@@ -269,7 +269,7 @@ class AutoRouter:
             # the text turns predictable (plain decoding could only leave for
             # prompt lookup; after a pessimistic start on open-gen-1024 that
             # left 2.2x on the table).
-            self.draft.observe(drafted, accepted, seconds)
+            self.draft_drafter.observe(drafted, accepted, seconds)
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
 
@@ -322,14 +322,14 @@ class AutoRouter:
         lookup_rounds, rows = self._lookup_pricing()
         current = 1.0
         if self.mode == "draft_model":
-            current = best_draft_length(self.draft.acceptance, self.draft.round_costs, costs.MAX_MODEL_DRAFT)[1]
+            current = best_draft_length(self.draft_drafter.acceptance, self.draft_drafter.round_costs, costs.MAX_MODEL_DRAFT)[1]
             # Lookup's own line comes from the short-context measurement or a few
             # probe rounds; the draft's rounds, timed here and now, less the draft
             # model's work, keep it from being priced under what its rounds cost
             # (at a 1024-token context it was about 40% under, and lookup won
             # switches it then lost).
             own = self.lookup_costs.table()
-            lookup_rounds = [max(a, b) for a, b in zip(own, self.draft.round_costs.without_drafting())]
+            lookup_rounds = [max(a, b) for a, b in zip(own, self.draft_drafter.round_costs.without_drafting())]
             rows = 1
         k, speedup = best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
         margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
@@ -352,7 +352,7 @@ class AutoRouter:
         return k, speedup, rate
 
     def _fallback_mode(self) -> str:
-        return "draft_model" if self.draft is not None else "plain"
+        return "draft_model" if self.draft_drafter is not None else "plain"
 
     def _after_probe_round(self) -> None:
         done = self.produced >= self.s.probe_tokens or self.misses >= self.s.probe_max_misses
