@@ -42,7 +42,7 @@ class DraftModelDrafter:
     ):
         self.draft = draft
         self.batched = batched  # drafts with the other requests' (DraftJob) on a kit serving several
-        self.cache = cache if cache is not None or draft is None else draft.cache  # this request's draft cache
+        self.cache = cache if cache is not None or draft is None else draft.first_cache  # this request's draft cache
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         if draft is not None:
             prior_acceptance = draft.acceptance_prior(prior_acceptance)
