@@ -89,7 +89,7 @@ class ModelKit:
             head_dim = _head_dim(self.config)
             if head_dim is not None and head_dim % kv.kv_group_size:
                 raise ValueError(f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}")
-        self.cache = self.new_cache(self.model)
+        self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         self._init_batching(options.max_parallel)
         logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
@@ -200,14 +200,13 @@ class ModelKit:
         are in ``prompt_cache`` (prompt_cache.py)."""
         return self.prompt_cache.active if self.prompt_cache is not None else None
 
-    @cache.setter
-    def cache(self, value: SequenceCache | None) -> None:
-        if value is None:
-            self.prompt_cache = None
-        elif self.prompt_cache is None:
-            self.prompt_cache = self._make_prompt_cache(value)
+    def replace_prompt_cache(self, first: SequenceCache) -> None:
+        """Start the prompt cache over with ``first`` as its only cached sequence,
+        dropping every other one (at load, and in tests that swap the model)."""
+        if self.prompt_cache is None:
+            self.prompt_cache = self._make_prompt_cache(first)
         else:
-            self.prompt_cache.replace_all(value)
+            self.prompt_cache.replace_all(first)
 
     def _make_prompt_cache(self, first: SequenceCache) -> PromptCache:
         o = self._prompt_cache_options
@@ -251,7 +250,7 @@ class ModelKit:
                 self.prompt_cache.flush()  # to the disk tier, when there is one (its writes never raise)
         finally:  # whatever the disk does, the model is released
             self.model = None
-            self.cache = None
+            self.prompt_cache = None
             self._batch = None
             self.draft = None
             self.cost_model = None

@@ -129,7 +129,7 @@ class VisionModelKit(ModelKit):
         self.compute_dtype = prepare_weights(self.vlm, options.compute_dtype)
         self.model = VisionLanguageModel(self.vlm)
         self.num_params = param_count(self.model)
-        self.cache = self.new_cache(self.model)
+        self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         logger.info("loaded vision model %s (%s, compute dtype %s)", self.model_path, self.model_type, self.compute_dtype or "native")
 

@@ -42,7 +42,7 @@ class ShardedModelKit(ModelKit):
         self.model = model
         self.num_params = num_params  # of the whole model, as for a ModelKit
         self.compute_dtype = compute_dtype
-        self.cache = self.new_cache(model)
+        self.replace_prompt_cache(self.new_cache(model))
         # The followers mirror in-place trims of each cache, not branches of one
         # cache into another, so this kit keeps a single cached sequence.
         self.prompt_cache.single_sequence = True
@@ -84,7 +84,7 @@ class ShardedModelKit(ModelKit):
         if not failed:
             super().unload()
             return
-        self.model = self.cache = self.draft = self.cost_model = None
+        self.model = self.prompt_cache = self.draft = self.cost_model = None
 
 
 def release_at_exit(ref: "weakref.ref[ShardedModelKit]") -> None:
