@@ -120,9 +120,7 @@ class RoundCosts:
     Rounds are modelled as ``T(0)`` undrafted and ``T(0)·(1 + jump + slope·k)``
     with k drafts: a drafted round pays once for what any draft costs (the
     draft model catching up, a second graph, MLX's multi-token kernels, which on
-    the CPU cost far more than one-token ones) and then a little per token. The
-    measured rounds are close to this on every context tried (about 1.55 + 0.12k
-    steps at a 128-token context and 1.45 + 0.16k at 1024 with the bundled pair).
+    the CPU cost far more than one-token ones) and then a little per token.
 
     ``T(0)`` is a decaying average of timed undrafted rounds. ``jump`` and
     ``slope`` are a decaying least-squares fit to the drafted rounds' times in
@@ -131,10 +129,9 @@ class RoundCosts:
     short context) is the prior: its straight line until rounds are timed, then
     its slope, held until rounds of several lengths have been seen. Ratios to
     ``T(0)`` make a uniformly slower machine (other work, a longer context)
-    change no decision.
-    An earlier per-length model interpolated between lengths with evidence, so
-    after rounds of only k=0 and k=3 it priced k=1 and 2 near the undrafted
-    round and chose them for it."""
+    change no decision. One line rather than a price per length, because rounds
+    of one or two lengths must price every other length. docs/decoding.md
+    ("Round costs") has the timed rounds this model was fitted to."""
 
     def __init__(
         self,

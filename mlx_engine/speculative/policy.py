@@ -101,15 +101,12 @@ class DraftLengthPolicy:
         if drafted:
             # After a rejection, draft at most twice as far as that round got, plus
             # two: the next round starts right after a token the draft missed, and
-            # acceptance learned deep inside the burst that just ended is stale
-            # there (replay: long drafts kept failing at the first token or two
-            # for several rounds after each burst on open-gen and code-edit).
+            # acceptance learned deep inside the burst that just ended is stale there.
             self._rejected_at = accepted + 1 if accepted < drafted else None
             if catch_up > self.steady_catch_up:
                 # The draft model first caught up on tokens decoded without it: a
                 # one-off cost of resuming drafting, not what a round of this length
-                # costs. Counting it made the first draft after undrafted rounds
-                # look 2x dearer than it is, which kept drafting off for good.
+                # costs (counted, it could keep drafting off for good).
                 seconds = None
         if self.round_costs is not None:
             self.round_costs.observe(drafted, seconds)

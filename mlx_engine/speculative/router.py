@@ -2,20 +2,20 @@
 generation, it picks plain decoding, prompt lookup or the draft model, whichever
 is expected to give the most tokens per second on this machine.
 
-Shape (from the original proposal): without a draft model, a probe of up to 16
-tokens with prompt lookup that stops after 4 consecutive misses, its draft
-growing 4x each time it is accepted whole; commit to prompt lookup above 30%
-acceptance. (The proposal's pre-filter on prompt length and n-gram density is
-off by default: chat prompts that are copied from are short, and their density
-did not tell them from free chat; a probe that finds nothing to copy drafts
-nothing.) With a draft model the router starts with it and leaves lookup to the
-shadow drafts below, which cost nothing while the draft model earns. Beyond it:
+Without a draft model, a probe of up to 16 tokens with prompt lookup that stops
+after 4 consecutive misses, its draft growing 4x each time it is accepted whole;
+commit to prompt lookup above 30% acceptance. With a draft model the router
+starts with it and leaves lookup to the shadow drafts below, which cost nothing
+while the draft model earns. Beyond it:
 acceptance is turned into expected speed with the kit's measured verify costs
 (and the draft model's step cost), the draft length is the one with the best
 expected speed, and acceptance keeps being watched so the mode switches when it no
 longer pays. While another mode runs, what lookup would have drafted is scored
 against the actual output (shadow drafts), so the router moves to lookup when the
 text starts repeating itself. Probe tokens are real output; nothing is recomputed.
+
+docs/decoding.md ("The auto router") gives each rule and the measurements that
+chose it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RouterSettings:
+    """The router's thresholds (docs/decoding.md, "The auto router", says how
+    each was chosen)."""
+
     # The pre-filter: below these, no probe (0: every prompt is probed; a probe
     # finding nothing to copy drafts nothing and costs nothing).
     min_prompt_tokens: int = 0
@@ -47,18 +50,15 @@ class RouterSettings:
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
     shadow_rounds: int = 3  # shadow draft positions decided before plain may switch to lookup
     switch_margin: float = 1.1  # how much better shadow lookup must look to switch to it
-    # The switch margin grows on thin evidence: x(1 + thin_evidence / positions
-    # decided). On a summary a single shadow matching a 5-token phrase looked like
-    # x1.16 and lookup then got nothing.
+    # The switch margin grows on thin evidence, x(1 + thin_evidence / positions
+    # decided): one shadow matching a short phrase must not look like copying.
     thin_evidence: float = 1.0
     probe_growth: int = 4  # a probe draft accepted whole makes the next one this many times longer
     # A lookup match this weak or weaker (prompt_lookup.NGramIndex.strength: one
     # matching token, no agreeing context before it) gets its own acceptance
-    # record, starting from weak_match_prior: over every position of the chat and
-    # toy-pair replay traces its first drafted token was accepted 24-27% of the
-    # time, against 50-73% at strength 2-3 and 95-98% from 16 on. At this CPU's
-    # verify costs such a draft does not pay, so lookup skips it (a plain round)
-    # instead of drafting what the request's other matches would justify.
+    # record, starting from weak_match_prior, because such matches are accepted far
+    # less often than the request's others: where verifying costs as on a CPU, lookup
+    # then skips them (a plain round) instead of drafting what the others justify.
     weak_match: int = 1
     weak_match_prior: float = 0.25
 
@@ -112,9 +112,7 @@ class AutoRouter:
             self._enter("probe", f"{facts}: the draft model has not paid on this kit so far; probing prompt lookup")
         elif draft_drafter is not None:
             # No probe: a probe round that misses costs a verify pass, a shadow
-            # draft costs nothing and the draft model earns meanwhile. On the
-            # long-prompt benchmarks every probe ended in the draft model anyway,
-            # and skipping it was 1-25% faster (paired rounds).
+            # draft costs nothing and the draft model earns meanwhile.
             why = ("draft model loaded; prompt lookup is tried with shadow drafts, not a probe" if self.lookup_allowed
                    else "prompt too short or sparse for lookup; draft model loaded")
             self._enter("draft_model", f"{facts}: {why}")
@@ -267,8 +265,7 @@ class AutoRouter:
             # Not left for plain decoding when it stops paying: the drafter then
             # pauses drafting by itself and keeps exploring, so it resumes when
             # the text turns predictable (plain decoding could only leave for
-            # prompt lookup; after a pessimistic start on open-gen-1024 that
-            # left 2.2x on the table).
+            # prompt lookup, so a pessimistic start would forfeit the draft).
             self.draft_drafter.observe(drafted, accepted, seconds)
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
@@ -301,9 +298,8 @@ class AutoRouter:
         # conversations), so a short prompt whose answer was cached elsewhere
         # can still move the router to lookup. Not while an open shadow still
         # matches: lookup's own round would have drafted this position in that
-        # shadow's round, and a shadow per copied token counted every phrase
-        # copied from the prompt many times over (on a summary, shadows
-        # promised 42-70% first tokens accepted, and lookup got 0-10%).
+        # shadow's round, and a shadow per copied token would count every phrase
+        # copied from the prompt many times over.
         if not open_ and (drafts := self.lookup.peek(history, self.max_lookup)):
             # A weak match's shadow teaches the weak-match record, not the
             # shadow record: lookup would not draft it the way it drafts the rest.
@@ -326,8 +322,7 @@ class AutoRouter:
             # Lookup's own line comes from the short-context measurement or a few
             # probe rounds; the draft's rounds, timed here and now, less the draft
             # model's work, keep it from being priced under what its rounds cost
-            # (at a 1024-token context it was about 40% under, and lookup won
-            # switches it then lost).
+            # at long contexts.
             own = self.lookup_costs.table()
             lookup_rounds = [max(a, b) for a, b in zip(own, self.draft_drafter.round_costs.without_drafting())]
             rows = 1
