@@ -21,7 +21,6 @@ from .context import fit_context
 from .disk_cache import DiskCache, model_identity
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
 from .speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
-from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +80,9 @@ class ModelKit:
         if options.vocab_only:
             return
         self.model, self.config = loading.load_weights(self.model_path, options.trust_remote_code)
-        self.compute_dtype = prepare_weights(self.model, options.compute_dtype)
-        self.num_params = param_count(self.model)
-        smoke_test(self.model, self.model_path)
+        self.compute_dtype = loading.prepare_weights(self.model, options.compute_dtype)
+        self.num_params = loading.float_param_count(self.model)
+        loading.smoke_test(self.model, self.model_path)
         kv = options.cache
         if kv.kv_bits is not None:
             head_dim = _head_dim(self.config)
@@ -256,47 +255,6 @@ class ModelKit:
             self.cost_model = None
             self.suffix_memory = None  # earlier requests' tokens: nothing to draft for any more
             mx.clear_cache()
-
-
-def prepare_weights(model: nn.Module, compute_dtype: str | None) -> mx.Dtype | None:
-    """Apply the compute-dtype policy (loading.choose_compute_dtype) and evaluate
-    every array, so nothing is left lazy for another thread; returns the dtype."""
-    dtype = loading.choose_compute_dtype(model, compute_dtype)
-    loading.apply_compute_dtype(model, dtype)
-    materialize(model)
-    return dtype
-
-
-def materialize(model: nn.Module) -> None:
-    """Evaluate every array the model holds (parameters, and private arrays such
-    as RoPE frequencies), so nothing computed at load is left lazy: MLX streams
-    are per thread, and a lazy array cannot be evaluated on another thread."""
-    arrays = []
-    for module in model.modules():
-        for value in list(module.values()) + list(vars(module).values()):
-            if isinstance(value, mx.array):
-                arrays.append(value)
-    mx.eval(model.parameters(), arrays)
-
-
-def smoke_test(model: nn.Module, path: Path) -> None:
-    """Run one token through the model at load, so a config the architecture code
-    cannot run (e.g. a ``rope_theta`` of the wrong type) or non-finite weights fail
-    here with a ``ModelLoadError``, not in the host's first request."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    try:
-        logits = model(mx.array([[0]], dtype=mx.uint32), cache=make_prompt_cache(model))
-        finite = bool(mx.all(mx.isfinite(logits)).item())
-    except Exception as exc:
-        raise ModelLoadError(f"the model in {str(path)!r} cannot run with its config.json: {type(exc).__name__}: {exc}") from exc
-    if not finite:
-        raise ModelLoadError(f"the model in {str(path)!r} computes NaN or infinite logits: its weights hold NaN/inf values")
-
-
-def param_count(model: nn.Module) -> int:
-    """Number of parameters, counting quantized weights as the values they hold."""
-    return loading.float_param_count(model)
 
 
 def _head_dim(config: dict) -> int | None:

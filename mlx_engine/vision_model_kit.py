@@ -37,7 +37,7 @@ from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
 from .model_checks import check_weights_match_config
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
-from .model_kit import KitOptions, ModelKit, ExpandedPrompt, param_count, prepare_weights
+from .model_kit import ExpandedPrompt, KitOptions, ModelKit
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +126,9 @@ class VisionModelKit(ModelKit):
         if options.vocab_only:
             return
         self.vlm, self.processor = load_vlm(self.model_path, options.trust_remote_code)
-        self.compute_dtype = prepare_weights(self.vlm, options.compute_dtype)
+        self.compute_dtype = loading.prepare_weights(self.vlm, options.compute_dtype)
         self.model = VisionLanguageModel(self.vlm)
-        self.num_params = param_count(self.model)
+        self.num_params = loading.float_param_count(self.model)
         self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         logger.info("loaded vision model %s (%s, compute dtype %s)", self.model_path, self.model_type, self.compute_dtype or "native")

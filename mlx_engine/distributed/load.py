@@ -16,7 +16,7 @@ import mlx.core as mx
 from .. import loading
 from ..cache import CacheOptions
 from ..errors import DistributedConfigError, ShardedKitError
-from ..model_kit import KitOptions, materialize, param_count
+from ..model_kit import KitOptions
 from . import sharding
 from .connect import open_control
 from .follower import Follower
@@ -130,12 +130,12 @@ def _load_shard(path: Path, config: dict, group, opts) -> tuple[Any, ShardInfo, 
     error, model, parallelism, dtype, num_params = None, None, "", None, 0
     try:
         model, config = sharding.load_lazily(path, opts["trust_remote_code"])
-        num_params = param_count(model)  # shapes only: nothing is read yet
+        num_params = loading.float_param_count(model)  # shapes only: nothing is read yet
         parallelism = sharding.choose_parallelism(model, config, group.size(), opts["parallelism"])
         dtype = loading.choose_compute_dtype(model, opts["compute_dtype"])
         sharding.cast_lazily(model, dtype)
         sharding.shard(model, group, parallelism)
-        materialize(model)
+        loading.materialize(model)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
     sharding.agree(group, "loading the model shards", error, f"{parallelism}/{dtype}".encode())

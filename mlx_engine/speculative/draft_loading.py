@@ -17,7 +17,7 @@ import mlx.core as mx
 from .. import loading
 from ..draft_pool import DraftModel
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..model_kit import ModelKit, param_count, prepare_weights, smoke_test
+from ..model_kit import ModelKit
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +132,9 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
         logger.info("draft model %s: %s", path, note)
     draft_path = loading.resolve_model_path(path, "draft model path")
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
-    prepare_weights(model, "auto")
-    smoke_test(model, draft_path)
-    new = DraftModel(draft_path, model, kit.new_cache(model), param_count(model))
+    loading.prepare_weights(model, "auto")
+    loading.smoke_test(model, draft_path)
+    new = DraftModel(draft_path, model, kit.new_cache(model), loading.float_param_count(model))
     unload_draft(kit)
     kit.draft = new
     logger.info("loaded draft model %s (%.1fM parameters)", draft_path, kit.draft.num_params / 1e6)
