@@ -113,7 +113,7 @@ def run_engine(models: Models, system: System, prompt: list[int], max_tokens: in
     kit = models.kit
     kit.prompt_cache.clear()  # every cached sequence: the run starts cold
     if kit.draft is not None:
-        kit.draft.cache.reset()
+        kit.draft.first_cache.reset()
     if setup is not None:
         for _ in me.create_generator(kit, setup, max_tokens=setup_tokens, temp=0.0, **system.kwargs):
             pass

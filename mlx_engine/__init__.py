@@ -31,7 +31,7 @@ from .results import (  # noqa: E402
     ToolCallDelta,
     TopLogprob,
 )
-from .speculative.draft_model import DraftCompatibility, check_draft_model  # noqa: E402
+from .speculative.draft_loading import DraftCompatibility, check_draft_model  # noqa: E402
 
 __all__ = [
     "CATALOG",

@@ -13,11 +13,13 @@ from .cache import SequenceCache, common_prefix_length
 
 @dataclass
 class DraftModel:
-    """A loaded draft model and the cache kept in step with the main one."""
+    """A loaded draft model and its pool of draft caches: ``first_cache``, made
+    at load, and the ``spare`` ones made for parallel requests; either kind is
+    lent to one request at a time (``lend``, ``give_back``)."""
 
     path: Path
     model: nn.Module
-    cache: SequenceCache
+    first_cache: SequenceCache  # the pool's first cache; a drafter given no cache drafts with it
     num_params: int
     step_cost: float | None = None  # seconds per chained draft step, measured when first needed
     spare: list[SequenceCache] = field(default_factory=list)  # more caches, for parallel requests
@@ -43,7 +45,7 @@ class DraftModel:
     def lend(self, prompt: list[int], make) -> SequenceCache:
         """An idle draft cache for a request (the one sharing the longest prefix
         with ``prompt``; a new one from ``make()`` when all are lent)."""
-        idle = [c for c in [self.cache, *self.spare] if not any(c is x for x in self.lent)]
+        idle = [c for c in [self.first_cache, *self.spare] if not any(c is x for x in self.lent)]
         cache = max(idle, key=lambda c: common_prefix_length(c.tokens, prompt)) if idle else make()
         self.lent.append(cache)
         return cache
@@ -51,14 +53,14 @@ class DraftModel:
     def batch_for_drafting(self) -> RaggedBatch | None:
         """The batch the draft passes of parallel requests share (None when the
         draft model's caches cannot be batched)."""
-        if self.batch is None and can_batch(self.cache):
-            self.batch = RaggedBatch(self.model, len(self.cache.layers))
+        if self.batch is None and can_batch(self.first_cache):
+            self.batch = RaggedBatch(self.model, len(self.first_cache.layers))
         return self.batch
 
     def give_back(self, cache: SequenceCache) -> None:
         release_row(self.batch, cache)
         self.lent = [c for c in self.lent if c is not cache]
-        if cache is not self.cache and not any(c is cache for c in self.spare):
+        if cache is not self.first_cache and not any(c is cache for c in self.spare):
             self.spare = (self.spare + [cache])[-MAX_SPARE_DRAFT_CACHES:]
 
 

@@ -28,9 +28,10 @@ from .request import (
     validate_request_id,
 )
 from .results import GenerationResult
-from .scheduler import RequestStream, Scheduler
+from .scheduler import Scheduler
+from .streams import RequestStream, WorkerIterator
 from .sampling import validate_seed
-from .speculative.draft_model import check_draft_model, load_draft, unload_draft
+from .speculative.draft_loading import check_draft_model, load_draft, unload_draft
 from .vision_model_kit import VisionModelKit
 
 logger = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
     thread = _worker_of(kit)
     generation = thread.call(_start, kit, prompt_tokens, opts)
     if kit.max_parallel == 1:
-        return worker.WorkerIterator(thread, generation.alone())
+        return WorkerIterator(thread, generation.alone())
     return RequestStream(thread, _scheduler_of(kit, thread), generation, generation.request_id)
 
 

@@ -1,4 +1,6 @@
-"""Reading a model directory: validation with clear errors, offline only."""
+"""Reading a model directory (validation with clear errors, offline only) and
+readying its weights: the compute dtype, evaluation on the loading thread, a
+one-token smoke test."""
 
 from __future__ import annotations
 
@@ -244,6 +246,42 @@ def float_param_count(model: nn.Module) -> int:
         elif not module.children():
             total += sum(v.size for _, v in tree_flatten(module.parameters()))
     return total
+
+
+def prepare_weights(model: nn.Module, compute_dtype: str | None) -> mx.Dtype | None:
+    """Apply the compute-dtype policy (choose_compute_dtype) and evaluate
+    every array, so nothing is left lazy for another thread; returns the dtype."""
+    dtype = choose_compute_dtype(model, compute_dtype)
+    apply_compute_dtype(model, dtype)
+    materialize(model)
+    return dtype
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds (parameters, and private arrays such
+    as RoPE frequencies), so nothing computed at load is left lazy: MLX streams
+    are per thread, and a lazy array cannot be evaluated on another thread."""
+    arrays = []
+    for module in model.modules():
+        for value in list(module.values()) + list(vars(module).values()):
+            if isinstance(value, mx.array):
+                arrays.append(value)
+    mx.eval(model.parameters(), arrays)
+
+
+def smoke_test(model: nn.Module, path: Path) -> None:
+    """Run one token through the model at load, so a config the architecture code
+    cannot run (e.g. a ``rope_theta`` of the wrong type) or non-finite weights fail
+    here with a ``ModelLoadError``, not in the host's first request."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        logits = model(mx.array([[0]], dtype=mx.uint32), cache=make_prompt_cache(model))
+        finite = bool(mx.all(mx.isfinite(logits)).item())
+    except Exception as exc:
+        raise ModelLoadError(f"the model in {str(path)!r} cannot run with its config.json: {type(exc).__name__}: {exc}") from exc
+    if not finite:
+        raise ModelLoadError(f"the model in {str(path)!r} computes NaN or infinite logits: its weights hold NaN/inf values")
 
 
 def physical_memory() -> int:

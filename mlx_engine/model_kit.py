@@ -21,16 +21,15 @@ from .context import fit_context
 from .disk_cache import DiskCache, model_identity
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
 from .speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
-from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PromptPlan:
-    """A request's prompt as processed: ``ids`` are the real token ids (images
-    expanded by a vision kit), ``keys`` what the cache records for them (equal to
-    ``ids`` except at image positions, which hold image-hash keys)."""
+class ExpandedPrompt:
+    """A request's prompt as the kit and its cache see it: ``ids`` are the real
+    token ids (images expanded by a vision kit), ``keys`` what the cache records
+    for them (equal to ``ids`` except at image positions, which hold image-hash keys)."""
 
     ids: list[int]
     keys: list[int]
@@ -81,15 +80,15 @@ class ModelKit:
         if options.vocab_only:
             return
         self.model, self.config = loading.load_weights(self.model_path, options.trust_remote_code)
-        self.compute_dtype = prepare_weights(self.model, options.compute_dtype)
-        self.num_params = param_count(self.model)
-        smoke_test(self.model, self.model_path)
+        self.compute_dtype = loading.prepare_weights(self.model, options.compute_dtype)
+        self.num_params = loading.float_param_count(self.model)
+        loading.smoke_test(self.model, self.model_path)
         kv = options.cache
         if kv.kv_bits is not None:
             head_dim = _head_dim(self.config)
             if head_dim is not None and head_dim % kv.kv_group_size:
                 raise ValueError(f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}")
-        self.cache = self.new_cache(self.model)
+        self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         self._init_batching(options.max_parallel)
         logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
@@ -200,14 +199,13 @@ class ModelKit:
         are in ``prompt_cache`` (prompt_cache.py)."""
         return self.prompt_cache.active if self.prompt_cache is not None else None
 
-    @cache.setter
-    def cache(self, value: SequenceCache | None) -> None:
-        if value is None:
-            self.prompt_cache = None
-        elif self.prompt_cache is None:
-            self.prompt_cache = self._make_prompt_cache(value)
+    def replace_prompt_cache(self, first: SequenceCache) -> None:
+        """Start the prompt cache over with ``first`` as its only cached sequence,
+        dropping every other one (at load, and in tests that swap the model)."""
+        if self.prompt_cache is None:
+            self.prompt_cache = self._make_prompt_cache(first)
         else:
-            self.prompt_cache.replace_all(value)
+            self.prompt_cache.replace_all(first)
 
     def _make_prompt_cache(self, first: SequenceCache) -> PromptCache:
         o = self._prompt_cache_options
@@ -232,13 +230,13 @@ class ModelKit:
         if self.suffix_memory is not None:
             self.suffix_memory.record(name, tokens)
 
-    def plan_prompt(self, prompt: list[int], images: list | None = None) -> PromptPlan:
-        """The request's prompt as the cache sees it (see PromptPlan)."""
-        return PromptPlan(prompt, prompt)
+    def expand_prompt(self, prompt: list[int], images: list | None = None) -> ExpandedPrompt:
+        """The request's prompt as the cache sees it (see ExpandedPrompt)."""
+        return ExpandedPrompt(prompt, prompt)
 
-    def prefill_prompt(self, plan: PromptPlan, cache: SequenceCache, todo: list[int], on_chunk=None,
+    def prefill_prompt(self, expanded: ExpandedPrompt, cache: SequenceCache, todo: list[int], on_chunk=None,
                        chunk_size: int = PREFILL_CHUNK) -> Iterator[None]:
-        """Feed ``todo``, the part of ``plan``'s prompt (all but its last token)
+        """Feed ``todo``, the part of the ``expanded`` prompt (all but its last token)
         that ``cache`` lacks, yielding after each chunk (the scheduler lets the
         other requests take a step there)."""
         for i in range(0, len(todo), chunk_size):
@@ -251,53 +249,12 @@ class ModelKit:
                 self.prompt_cache.flush()  # to the disk tier, when there is one (its writes never raise)
         finally:  # whatever the disk does, the model is released
             self.model = None
-            self.cache = None
+            self.prompt_cache = None
             self._batch = None
             self.draft = None
             self.cost_model = None
             self.suffix_memory = None  # earlier requests' tokens: nothing to draft for any more
             mx.clear_cache()
-
-
-def prepare_weights(model: nn.Module, compute_dtype: str | None) -> mx.Dtype | None:
-    """Apply the compute-dtype policy (loading.choose_compute_dtype) and evaluate
-    every array, so nothing is left lazy for another thread; returns the dtype."""
-    dtype = loading.choose_compute_dtype(model, compute_dtype)
-    loading.apply_compute_dtype(model, dtype)
-    materialize(model)
-    return dtype
-
-
-def materialize(model: nn.Module) -> None:
-    """Evaluate every array the model holds (parameters, and private arrays such
-    as RoPE frequencies), so nothing computed at load is left lazy: MLX streams
-    are per thread, and a lazy array cannot be evaluated on another thread."""
-    arrays = []
-    for module in model.modules():
-        for value in list(module.values()) + list(vars(module).values()):
-            if isinstance(value, mx.array):
-                arrays.append(value)
-    mx.eval(model.parameters(), arrays)
-
-
-def smoke_test(model: nn.Module, path: Path) -> None:
-    """Run one token through the model at load, so a config the architecture code
-    cannot run (e.g. a ``rope_theta`` of the wrong type) or non-finite weights fail
-    here with a ``ModelLoadError``, not in the host's first request."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    try:
-        logits = model(mx.array([[0]], dtype=mx.uint32), cache=make_prompt_cache(model))
-        finite = bool(mx.all(mx.isfinite(logits)).item())
-    except Exception as exc:
-        raise ModelLoadError(f"the model in {str(path)!r} cannot run with its config.json: {type(exc).__name__}: {exc}") from exc
-    if not finite:
-        raise ModelLoadError(f"the model in {str(path)!r} computes NaN or infinite logits: its weights hold NaN/inf values")
-
-
-def param_count(model: nn.Module) -> int:
-    """Number of parameters, counting quantized weights as the values they hold."""
-    return loading.float_param_count(model)
 
 
 def _head_dim(config: dict) -> int | None:

@@ -24,7 +24,7 @@ from .batch_cache import release_row
 from .cache import SequenceCache, common_prefix_length
 from .context import prefill_chunk
 from .errors import CallbackError
-from .model_kit import ModelKit, PromptPlan
+from .model_kit import ExpandedPrompt, ModelKit
 from .plan import build_drafter
 from .request import Request
 from .results import (GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall,
@@ -120,7 +120,7 @@ class _Alone(Iterator[GenerationResult]):
 
 
 class _Prepared(NamedTuple):
-    plan: PromptPlan  # the prompt as planned (plan_prompt), handed to the kit's prefill
+    expanded: ExpandedPrompt  # the prompt as the kit expanded it (expand_prompt), handed to its prefill
     prompt: list[int]  # the real ids (a vision kit's images expanded)
     cache: SequenceCache  # the prompt cache's entry this request decodes into
     todo: list[int]  # the part of the prompt that cache lacks (all but the last token)
@@ -198,12 +198,12 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
 def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
     """Expand the prompt, reuse the cached prefix, plan against the cache and
     build the drafter (timing the one-off cost measurement apart)."""
-    plan = kit.plan_prompt(req.prompt, req.images)  # a vision kit expands its images here
-    prompt = plan.ids
+    expanded = kit.expand_prompt(req.prompt, req.images)  # a vision kit expands its images here
+    prompt = expanded.ids
     stats.prompt_tokens = len(prompt)
-    entry, hit = kit.prompt_cache.select(plan.keys[:-1])  # the cached sequence sharing the longest prefix
+    entry, hit = kit.prompt_cache.select(expanded.keys[:-1])  # the cached sequence sharing the longest prefix
     try:
-        stats.cached_tokens = entry.sync_to(plan.keys[:-1])
+        stats.cached_tokens = entry.sync_to(expanded.keys[:-1])
         stats.cache_source = hit.source if stats.cached_tokens else "none"
         stats.cache_entries = len(kit.prompt_cache.entries)
         todo = prompt[stats.cached_tokens : -1]
@@ -214,7 +214,7 @@ def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
     except BaseException:
         kit.prompt_cache.release(entry)
         raise
-    return _Prepared(plan, prompt, entry, todo, drafter, draft_drafter)
+    return _Prepared(expanded, prompt, entry, todo, drafter, draft_drafter)
 
 
 def _process_prompt(
@@ -260,7 +260,7 @@ def _process_prompt(
         # Other requests decode between our chunks: smaller chunks keep their
         # stalls short, at a small cost in prefill speed.
         chunk = min(chunk, INTERLEAVED_PREFILL_CHUNK)
-    for _ in kit.prefill_prompt(prepared.plan, prepared.cache, prepared.todo, chunk_done(1.0), chunk):
+    for _ in kit.prefill_prompt(prepared.expanded, prepared.cache, prepared.todo, chunk_done(1.0), chunk):
         yield TURN
     if draft_drafter is not None:
         draft_drafter.prefill(prompt, chunk_done(draft_weight))

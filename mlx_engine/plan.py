@@ -151,14 +151,15 @@ def build_drafter(
         if kit.max_parallel > 1:
             lookup.batch_pricing = BatchPricing(lambda: kit_costs(kit), lambda: kit.open_generations)
         return lookup, None
-    draft = None
+    draft_drafter = None
     if plan.use_draft:
         # Round costs drive the adaptive length, and the router's choice of mode.
         needs_costs = plan.draft_k is None or plan.kind == "auto"
         round_costs = costs.RoundCosts(kit_costs(kit), draft_step_cost(kit)) if needs_costs else None
         cache = kit.draft.lend(prompt, lambda: kit.new_cache(kit.draft.model))
-        draft = DraftModelDrafter(kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size, cache=cache,
-                                  batched=kit.max_parallel > 1)
+        draft_drafter = DraftModelDrafter(kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size,
+                                          cache=cache, batched=kit.max_parallel > 1)
     if plan.kind == "draft_model":
-        return draft, draft
-    return AutoRouter(prompt, kit_costs(kit), stats, lookup, draft, batch_rows=lambda: kit.open_generations), draft
+        return draft_drafter, draft_drafter
+    router = AutoRouter(prompt, kit_costs(kit), stats, lookup, draft_drafter, batch_rows=lambda: kit.open_generations)
+    return router, draft_drafter

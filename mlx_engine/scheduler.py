@@ -13,7 +13,7 @@ requests finish, fail or are cancelled without disturbing the rest.
 
 The scheduler runs on the kit's engine thread (worker.py): the worker runs a
 step whenever a generation is running, and the host's calls (new requests,
-close, stop) in between. Results reach each request's ``RequestStream`` through
+close, stop) in between. Results reach each request's ``RequestStream`` (streams.py) through
 a queue, so streams may be consumed from any thread. A stream whose consumer
 falls ``MAX_BACKLOG`` results behind is paused (skipped by the steps) until it
 catches up, so an abandoned stream cannot grow without bound.
@@ -23,23 +23,20 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import weakref
 from collections import deque
-from typing import Callable, Generator, Iterator
+from typing import Callable, Generator
 
-from . import worker
 from .batch_cache import RaggedBatch, can_batch
-from .results import GenerationResult
 from .speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending
 
 logger = logging.getLogger(__name__)
 
 MAX_BACKLOG = 64  # undelivered results after which a request is paused
-_END = object()
+END = object()  # the last item of every request's results
 
 
-class _Live:
+class LiveRequest:
     """A running generation: its pipeline generator and its stream's results.
 
     The worker appends to ``out``; the stream reads ``out[0]`` and removes it
@@ -63,6 +60,14 @@ class _Live:
         """Results queued and not yet handed over."""
         return len(self.out)
 
+    def catch_up(self) -> bool:
+        """Unpause once the consumer has taken the backlog down to half the bound;
+        True when it was paused (the worker must be woken to resume it)."""
+        if self.paused and self.backlog <= MAX_BACKLOG // 2:
+            self.paused = False
+            return True
+        return False
+
     def push(self, item) -> None:
         self.out.append(item)
         self.wake.put(None)
@@ -76,7 +81,7 @@ class _Live:
 
 
 #: A launch of the step, its generation and its lazy ids (pending drafts computed).
-_Resolved = tuple[_Live, Launch, "mx.array | None"]
+_Resolved = tuple[LiveRequest, Launch, "mx.array | None"]
 
 
 class Scheduler:
@@ -93,7 +98,7 @@ class Scheduler:
         # Weak: the worker holds its scheduler, and a kit must stay collectable
         # (its worker then returns to the pool).
         self._kit = weakref.ref(kit)
-        self.live: list[_Live] = []
+        self.live: list[LiveRequest] = []
 
     @property
     def kit(self):
@@ -103,12 +108,12 @@ class Scheduler:
     def busy(self) -> bool:
         return any(not r.paused for r in self.live)
 
-    def admit(self, gen: Generator, request_id: str) -> _Live:
-        live = _Live(gen, request_id)
+    def admit(self, gen: Generator, request_id: str) -> LiveRequest:
+        live = LiveRequest(gen, request_id)
         self.live.append(live)
         return live
 
-    def close(self, live: _Live) -> None:
+    def close(self, live: LiveRequest) -> None:
         """End a generation now (its stream was closed): the pipeline's cleanup runs."""
         if live in self.live:
             self.live.remove(live)
@@ -116,11 +121,11 @@ class Scheduler:
                 live.gen.close()
             except Exception as exc:  # reported to the stream; the others go on
                 live.push(exc)
-            live.push(_END)
+            live.push(END)
 
     def step(self) -> None:
         """Advance every running generation to its next launch, then run the launches."""
-        launches: list[tuple[_Live, Launch]] = []
+        launches: list[tuple[LiveRequest, Launch]] = []
         for live in list(self.live):
             if live.paused:
                 continue
@@ -131,7 +136,7 @@ class Scheduler:
         if launches:
             self._forward(launches)
 
-    def _advance(self, live: _Live) -> Launch | None:
+    def _advance(self, live: LiveRequest) -> Launch | None:
         """Resume ``live`` until it asks for a forward pass (returned), yields its
         turn, or ends (its stream gets the end, or its exception)."""
         while True:
@@ -139,7 +144,7 @@ class Scheduler:
             try:
                 item = live.gen.send(rnd)
             except StopIteration:
-                self._finish(live, _END)
+                self._finish(live, END)
                 return None
             except BaseException as exc:  # the request's own failure: the others go on
                 self._finish(live, exc)
@@ -157,13 +162,13 @@ class Scheduler:
             if pause:
                 return None
 
-    def _finish(self, live: _Live, last) -> None:
+    def _finish(self, live: LiveRequest, last) -> None:
         self.live.remove(live)
-        if last is not _END:
+        if last is not END:
             live.push(last)
-        live.push(_END)
+        live.push(END)
 
-    def _forward(self, launches: list[tuple[_Live, Launch]]) -> None:
+    def _forward(self, launches: list[tuple[LiveRequest, Launch]]) -> None:
         """One forward pass for the batch's rows (joining rows that can), one
         pass for each cache that cannot join; each row's round is kept for its
         generation's next resumption."""
@@ -179,7 +184,7 @@ class Scheduler:
         for live, launch, ids in alone:
             self._attempt(live, _run_alone, live, launch, ids)
 
-    def _attempt(self, live: _Live, fn: Callable, *args) -> bool:
+    def _attempt(self, live: LiveRequest, fn: Callable, *args) -> bool:
         """Run one request's part of a step; if it raises, that request fails alone."""
         try:
             fn(*args)
@@ -189,7 +194,7 @@ class Scheduler:
             self._fail(live, exc)
             return False
 
-    def _draft(self, launches: list[tuple[_Live, Launch]]) -> list[_Resolved]:
+    def _draft(self, launches: list[tuple[LiveRequest, Launch]]) -> list[_Resolved]:
         """Compute the step's pending drafts together (batched draft passes).
         Drafts are proposals the main model verifies, so when the shared draft
         pass fails the draft caches are dropped (each drafter re-syncs its cache
@@ -256,7 +261,7 @@ class Scheduler:
             if id(live.cache) in rows:
                 self._fail(live, exc)
 
-    def _fail(self, live: _Live, exc: Exception) -> None:
+    def _fail(self, live: LiveRequest, exc: Exception) -> None:
         """End ``live`` with ``exc`` raised where it waits for its forward pass:
         its own cleanup runs (its caches are reset, its row leaves the batch)."""
         if live not in self.live:
@@ -269,127 +274,19 @@ class Scheduler:
         else:  # pragma: no cover - a request never swallows a failed pass
             live.gen.close()
             live.push(exc)
-        live.push(_END)
+        live.push(END)
 
 
-def _draft_alone(live: _Live, launch: Launch, resolved: list[_Resolved]) -> None:
+def _draft_alone(live: LiveRequest, launch: Launch, resolved: list[_Resolved]) -> None:
     """Compute a launch's pending drafts on its own draft cache."""
     resolved.append((live, launch, lazy_ids(launch)))
 
 
-def _run_alone(live: _Live, launch: Launch, ids) -> None:
+def _run_alone(live: LiveRequest, launch: Launch, ids) -> None:
     """Run a launch on its own cache; its round waits for the row's resumption."""
     live.round = forward_alone(launch, ids)
 
 
-def _finish_launch(live: _Live, launch: Launch, logits, start: int, ids) -> None:
+def _finish_launch(live: LiveRequest, launch: Launch, logits, start: int, ids) -> None:
     """Sample a row of a shared pass; its round waits for the row's resumption."""
     live.round = launch.finish(logits, start, ids)
-
-
-def _wake() -> None:
-    """A no-op call: the worker re-checks whether its scheduler has work."""
-
-
-class RequestStream(Iterator[GenerationResult]):
-    """What ``create_generator`` returns: one request's results, produced by the
-    kit's scheduler. The request is admitted on the first ``next()``; any thread
-    may consume it. ``close()`` (also on garbage collection) cancels it.
-
-    A ``KeyboardInterrupt`` while ``next()`` waits loses nothing: a result is
-    removed from the queue only where no signal handler can run before it is
-    returned, and an interrupted admission is resumed, not repeated."""
-
-    def __init__(self, thread: worker.MLXWorker, scheduler: Scheduler, generation, request_id: str):
-        self._thread, self._scheduler = thread, scheduler
-        self._generation = generation
-        self._request_id = request_id
-        self._admission = None  # the admitting call's task (MLXWorker.submit), once made
-        self._live: _Live | None = None
-        self._done = False
-
-    @property
-    def request_id(self) -> str:
-        return self._request_id
-
-    def __iter__(self) -> RequestStream:
-        return self
-
-    def __next__(self) -> GenerationResult:
-        if self._done:
-            raise StopIteration
-        if self._thread.is_current:
-            raise RuntimeError("a generation cannot be consumed from the engine thread (inside a callback)")
-        live = self._live or self._admit()
-        item = live.wait()
-        if live.paused and live.backlog <= MAX_BACKLOG // 2:
-            live.paused = False
-            self._nudge_worker()
-        end, failed = item is _END, isinstance(item, BaseException)
-        # From here to the hand-over, no call or loop: Python runs signal
-        # handlers (KeyboardInterrupt) only at those, so a result taken is
-        # always returned, and one not yet taken is read again next time.
-        del live.out[0]
-        if end or failed:
-            self._done = True
-        if end:
-            raise StopIteration
-        if failed:
-            raise item
-        return item
-
-    def _nudge_worker(self) -> None:
-        """The worker may be parked, waiting for work: give it a call (none once
-        the process is exiting: the worker then takes no more steps)."""
-        try:
-            self._thread.submit(_wake)
-        except worker.ProcessExiting:
-            pass
-
-    def _admit(self) -> _Live:
-        """Admit the request (once, even if waiting for it is interrupted). At
-        process exit a request not admitted yet just ends."""
-        if self._admission is None:
-            try:
-                self._admission = self._thread.submit(self._scheduler.admit, self._generation, self._request_id)
-            except worker.ProcessExiting:
-                self._done = True
-                raise StopIteration from None
-        self._admission.done.wait()
-        self._live = self._admission.outcome()
-        return self._live
-
-    def close(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._live is None and self._admission is not None:
-            self._admission.done.wait()
-            self._live = self._admission.result
-        live, self._live = self._live, None
-        if live is None:
-            self._thread.call(self._generation.close)
-        else:
-            self._thread.call(self._scheduler.close, live)
-
-    def __del__(self) -> None:
-        """Close on the engine thread without waiting: a finalizer may run on
-        any thread, holding any lock."""
-        if self._done or sys.is_finalizing() or worker.shutting_down.is_set():
-            return
-        self._done = True
-        try:
-            self._thread.submit(_close_stream, self._scheduler, self._generation, self._live, self._admission)
-        except Exception:  # pragma: no cover - best effort from a finalizer
-            logger.exception("closing an abandoned generation failed")
-
-
-def _close_stream(scheduler: Scheduler, generation, live: _Live | None, admission) -> None:
-    """Close an abandoned stream (on the engine thread, after any admission
-    queued before it has run)."""
-    if live is None and admission is not None:
-        live = admission.result
-    if live is None:
-        generation.close()
-    else:
-        scheduler.close(live)

@@ -8,7 +8,7 @@ Design (docs/vision.md):
   ``.layers``, ``make_cache``). For M-RoPE models (Qwen2-VL family) it always
   passes explicit position ids, ``cache offset + rope_delta``, so positions never
   depend on state that mlx-vlm keeps on the model between calls.
-- A prompt is planned once per request: each image placeholder token in
+- A prompt is expanded once per request: each image placeholder token in
   ``prompt_tokens`` is replaced by the token ids the model's processor expands it
   to (e.g. ``<|image_pad|>`` x N), giving the real token ids, and the cache keys:
   the same ids, except that image-feature positions hold a negative key derived
@@ -37,7 +37,7 @@ from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
 from .model_checks import check_weights_match_config
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
-from .model_kit import KitOptions, ModelKit, PromptPlan, param_count, prepare_weights
+from .model_kit import ExpandedPrompt, KitOptions, ModelKit
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class _ImageEntry:
 
 
 @dataclass
-class VisionPromptPlan(PromptPlan):
+class VisionExpandedPrompt(ExpandedPrompt):
     images: list[tuple[int, _ImageEntry]] = field(default_factory=list)  # (start position, entry)
 
 
@@ -111,7 +111,7 @@ class VisionModelKit(ModelKit):
         if options.cache.kv_bits is not None:
             raise ValueError("kv_bits: a quantized KV cache is not supported for vision models yet")
         if options.max_parallel not in (None, 1):
-            # The planned prompt (image positions, M-RoPE offsets) is per kit.
+            # The expanded prompt's positions (image positions, M-RoPE offsets) are per kit.
             raise ValueError("max_parallel: a vision kit serves one generation at a time; pass 1 or None")
         self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
         self._init_files(loading.resolve_model_dir(model_path), options)
@@ -126,10 +126,10 @@ class VisionModelKit(ModelKit):
         if options.vocab_only:
             return
         self.vlm, self.processor = load_vlm(self.model_path, options.trust_remote_code)
-        self.compute_dtype = prepare_weights(self.vlm, options.compute_dtype)
+        self.compute_dtype = loading.prepare_weights(self.vlm, options.compute_dtype)
         self.model = VisionLanguageModel(self.vlm)
-        self.num_params = param_count(self.model)
-        self.cache = self.new_cache(self.model)
+        self.num_params = loading.float_param_count(self.model)
+        self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         logger.info("loaded vision model %s (%s, compute dtype %s)", self.model_path, self.model_type, self.compute_dtype or "native")
 
@@ -175,9 +175,9 @@ class VisionModelKit(ModelKit):
                 raise ValueError(f"images_b64[{i}] was refused by the model's image processor: {exc}") from exc
         return images
 
-    def plan_prompt(self, prompt: list[int], images: list[DecodedImage] | None) -> VisionPromptPlan:
+    def expand_prompt(self, prompt: list[int], images: list[DecodedImage] | None) -> VisionExpandedPrompt:
         if not images:
-            return VisionPromptPlan(list(prompt), list(prompt))
+            return VisionExpandedPrompt(list(prompt), list(prompt))
         ids: list[int] = []
         keys: list[int] = []
         spans: list[tuple[int, _ImageEntry]] = []
@@ -196,23 +196,23 @@ class VisionModelKit(ModelKit):
             spans.append((start, entry))
         if keys[-1] < 0:
             raise ValueError("prompt_tokens must not end with an image; put text after the image (chat templates do)")
-        return VisionPromptPlan(ids, keys, spans)
+        return VisionExpandedPrompt(ids, keys, spans)
 
-    def prefill_prompt(self, plan: VisionPromptPlan, cache, todo: list[int], on_chunk=None,
+    def prefill_prompt(self, expanded: VisionExpandedPrompt, cache, todo: list[int], on_chunk=None,
                        chunk_size: int = PREFILL_CHUNK):
-        """Bring ``cache`` to all but the last position of ``plan``'s prompt
-        (from ``plan_prompt``), feeding input embeddings so image positions get
+        """Bring ``cache`` to all but the last position of the ``expanded`` prompt
+        (from ``expand_prompt``), feeding input embeddings so image positions get
         their features. ``todo`` are the real token ids of that part. All chunks
         run at once (a vision kit runs one generation at a time)."""
-        self._prefill(plan, cache, todo, on_chunk, chunk_size)
+        self._prefill(expanded, cache, todo, on_chunk, chunk_size)
         yield
 
-    def _prefill(self, plan: VisionPromptPlan, cache, todo: list[int], on_chunk, chunk_size: int) -> None:
+    def _prefill(self, expanded: VisionExpandedPrompt, cache, todo: list[int], on_chunk, chunk_size: int) -> None:
         start = len(cache.tokens)
-        if cache.tokens != plan.keys[:start] or plan.ids[start:-1] != list(todo):
-            raise RuntimeError("prefill_prompt does not follow plan_prompt for this cache")
-        positions = self._set_positions(plan)
-        end = len(plan.ids) - 1
+        if cache.tokens != expanded.keys[:start] or expanded.ids[start:-1] != list(todo):
+            raise RuntimeError("prefill_prompt does not follow expand_prompt for this cache")
+        positions = self._set_positions(expanded)
+        end = len(expanded.ids) - 1
         if start >= end:
             return
         # The image feature row (an index into the stacked features of the
@@ -220,7 +220,7 @@ class VisionModelKit(ModelKit):
         row_of: dict[int, int] = {}
         needed: list[_ImageEntry] = []
         n_rows = 0
-        for img_start, entry in plan.images:
+        for img_start, entry in expanded.images:
             if img_start + entry.rows[-1] < start or img_start + entry.rows[0] >= end:
                 continue
             needed.append(entry)
@@ -233,7 +233,7 @@ class VisionModelKit(ModelKit):
         def model_inputs(i: int, j: int) -> dict:
             # Embeddings for positions start+i .. start+j, image rows put in place.
             s, e = start + i, start + j
-            h = embed(mx.array(plan.ids[s:e], dtype=mx.uint32)[None])[0]
+            h = embed(mx.array(expanded.ids[s:e], dtype=mx.uint32)[None])[0]
             local = [(p - s, row_of[p]) for p in range(s, e) if p in row_of]
             if local:
                 h[mx.array([i for i, _ in local])] = feats[mx.array([k for _, k in local])].astype(h.dtype)
@@ -242,18 +242,18 @@ class VisionModelKit(ModelKit):
                 kw["position_ids"] = positions[:, :, s:e]
             return kw
 
-        cache.prefill(plan.ids[start:end], on_chunk, chunk_size, keys=plan.keys[start:end], model_inputs=model_inputs)
+        cache.prefill(expanded.ids[start:end], on_chunk, chunk_size, keys=expanded.keys[start:end], model_inputs=model_inputs)
 
     # -- helpers --------------------------------------------------------------
-    def _set_positions(self, plan: VisionPromptPlan) -> mx.array | None:
+    def _set_positions(self, expanded: VisionExpandedPrompt) -> mx.array | None:
         """M-RoPE: the whole sequence's position ids (3, 1, L) and the text
         position offset that decoding after it uses."""
         if not self.model.mrope:
             return None
         lm = self.model.language_model
-        grids = [e.extras["image_grid_thw"] for _, e in plan.images if "image_grid_thw" in e.extras]
+        grids = [e.extras["image_grid_thw"] for _, e in expanded.images if "image_grid_thw" in e.extras]
         grid = mx.concatenate(grids, axis=0) if grids else None
-        ids = mx.array(plan.ids)[None]
+        ids = mx.array(expanded.ids)[None]
         positions, delta = lm.get_rope_index(ids, grid, None, None)
         if positions.ndim == 2:
             positions = mx.broadcast_to(positions[None], (3,) + positions.shape)

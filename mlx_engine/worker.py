@@ -23,10 +23,9 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
-import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +90,7 @@ class Task:
     a ``threading.Condition`` (the lock hazard ``DoneFlag`` avoids) and keeps
     its exception, whose traceback then holds the task and the call's
     arguments in a cycle; here ``done`` is a ``DoneFlag`` and the outcome is
-    read as plain attributes (``WorkerIterator`` hands a result over with no
+    read as plain attributes (``streams.WorkerIterator`` hands a result over with no
     call in between) and cleared when handed over."""
 
     __slots__ = ("fn", "args", "kwargs", "done", "result", "error")
@@ -184,68 +183,6 @@ def release(worker: MLXWorker) -> None:
         worker.job = None
         if worker not in _idle:
             _idle.append(worker)
-
-
-class WorkerIterator(Iterator[T]):
-    """An iterator whose steps run on a worker. ``close()`` (also on garbage
-    collection) closes the underlying generator on the worker. A step
-    interrupted in the caller (e.g. KeyboardInterrupt while waiting) is not
-    lost: the next ``next()`` returns its result."""
-
-    def __init__(self, worker: MLXWorker, gen: Iterator[T]):
-        self._worker = worker
-        self._gen: Iterator[T] | None = gen
-        self._pending: Task | None = None
-
-    def __iter__(self) -> "WorkerIterator[T]":
-        return self
-
-    def __next__(self) -> T:
-        if self._gen is None:
-            raise StopIteration
-        if self._worker.is_current:
-            return next(self._gen)
-        if self._pending is None:
-            try:
-                self._pending = self._worker.submit(next, self._gen)
-            except ProcessExiting:
-                # Generations stop at process exit; a thread still iterating
-                # (a daemon) simply sees the end, not an error.
-                raise StopIteration from None
-        task = self._pending
-        task.done.wait()
-        # No call from here to the hand-over: Python runs signal handlers
-        # (KeyboardInterrupt) only at calls and loops, so a step taken is
-        # always returned, and one not yet taken is returned by the next call.
-        error, result = task.error, task.result
-        task.error = self._pending = None  # no cycle through the raised error's traceback
-        if error is not None:
-            raise error
-        return result
-
-    def close(self) -> None:
-        gen, self._gen = self._gen, None
-        if gen is None:
-            return
-        if self._pending is not None:
-            self._pending.done.wait()
-            self._pending = None
-        self._worker.call(gen.close)
-
-    def __del__(self) -> None:
-        """Close on the worker without waiting: a finalizer may run on any thread,
-        holding any lock. The worker runs calls in order, so the next call to the
-        kit finds the generation closed."""
-        gen, self._gen = self._gen, None
-        if gen is None or sys.is_finalizing() or shutting_down.is_set():
-            return
-        try:
-            if self._worker.is_current:
-                gen.close()
-            else:
-                self._worker.submit(gen.close)
-        except Exception:  # pragma: no cover - best effort from a finalizer
-            logger.exception("closing an abandoned generation failed")
 
 
 def _park_workers_at_exit() -> None:

@@ -90,7 +90,7 @@ def markov_kit(llama_path, table=None):
     # MLX streams are per thread and the kit generates on its own thread: hand it
     # evaluated arrays only (docs/reliability.md, threading contract).
     mx.eval(kit.model.parameters())
-    kit.cache = kit.new_cache(kit.model)
+    kit.replace_prompt_cache(kit.new_cache(kit.model))
     kit.eos_token_ids = set()
     return kit
 

@@ -92,8 +92,7 @@ def stall_at(where: str) -> None:
     import os
     import signal
 
-    import mlx_engine.distributed as distributed
-    from mlx_engine.distributed import sharding
+    from mlx_engine.distributed import connect, sharding
 
     def stop_then(fn):
         def wrapper(*args, **kwargs):
@@ -102,7 +101,7 @@ def stall_at(where: str) -> None:
         return wrapper
 
     if where == "before-control":
-        distributed._join_control = stop_then(distributed._join_control)
+        connect._join_control = stop_then(connect._join_control)
     else:
         sharding.load_lazily = stop_then(sharding.load_lazily)
 
@@ -122,9 +121,9 @@ def main() -> int:
                     help="as with a backend whose sockets the engine cannot shut down: only the grace timeout releases rank 0")
     args = ap.parse_args()
     if args.no_socket_shutdown:
-        import mlx_engine.distributed as distributed
+        from mlx_engine.distributed import health
 
-        distributed.break_ring_sockets = lambda: 0
+        health.break_ring_sockets = lambda: 0
     out = Path(args.out)
     if args.stall_rank1 != "none" and __import__("os").environ.get("MLX_RANK") == "1":
         stall_at(args.stall_rank1)

@@ -283,7 +283,7 @@ def test_a_failure_before_model_work_keeps_the_cache(kit, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("planning failed")
 
-    monkeypatch.setattr(kit, "plan_prompt", broken)
+    monkeypatch.setattr(kit, "expand_prompt", broken)
     with pytest.raises(RuntimeError, match="planning failed"):
         list(me.create_generator(kit, prompt, max_tokens=4))
     assert kit.cache.tokens == cached

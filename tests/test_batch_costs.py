@@ -1,7 +1,8 @@
 """Speculation priced for the batch it runs in (costs.batch_round_table, rows=)."""
 
 from mlx_engine.results import GenerationStats
-from mlx_engine.speculative.costs import CostModel, batch_round_table, best_draft_length, pass_seconds
+from mlx_engine.speculative.costs import CostModel, batch_round_table, pass_seconds
+from mlx_engine.speculative.speedup import best_draft_length
 from mlx_engine.speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
 from mlx_engine.speculative.router import AutoRouter
 

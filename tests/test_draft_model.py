@@ -168,7 +168,7 @@ def test_cancel_mid_round_then_generation_is_correct(llama_path, draft_path, whe
             me.stop_generation(kit, "r")
     else:
         assert r.stop_condition.stop_reason == "user_cancelled"
-    for cache in (kit.cache, kit.draft.cache):
+    for cache in (kit.cache, kit.draft.first_cache):
         # One entry per cached position; ids of an abandoned queued round are
         # UNKNOWN, and only at the end, where the next prefix match stops.
         assert len(cache.tokens) == cache.layers[0].offset

@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 import mlx_engine as me
 from mlx_engine.results import GenerationStats
-from mlx_engine.speculative.costs import AcceptanceModel, CostModel, RoundCosts, best_draft_length, expected_tokens
+from mlx_engine.speculative.costs import CostModel, RoundCosts
+from mlx_engine.speculative.speedup import AcceptanceModel, best_draft_length, expected_tokens
 from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
 from mlx_engine.speculative.router import AutoRouter, RouterSettings
 
@@ -30,6 +31,19 @@ def test_finder_returns_nothing_without_match_or_continuation():
     assert lookup([1, 2, 1], k=0) == []
     # A match whose continuation is the suffix itself is truncated, not empty.
     assert lookup([4, 4], k=3) == [4]
+
+
+def test_lookup_docstring_example_holds():
+    """NGramIndex.lookup's worked example: context agreement picks the match,
+    the strength counts it, drafts stop at the history's end, and a suffix from
+    another text falls back to the unigram and the longest continuation."""
+    idx = NGramIndex(min_ngram=1, max_ngram=2)
+    idx.extend([10, 1, 2, 3, 4, 20, 1, 2, 5, 6, 20, 1, 2])
+    assert idx.lookup(2) == [5, 6]
+    assert idx.strength == 3
+    assert idx.lookup(8) == [5, 6, 20, 1, 2]
+    assert idx.lookup(3, suffix=[7, 4, 1]) == [2, 3, 4]
+    assert idx.strength == 1
 
 
 def test_finder_is_incremental():

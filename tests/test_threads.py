@@ -182,7 +182,7 @@ def test_an_interrupted_wait_does_not_lose_the_step():
     step running; the next next() returns its result, none is lost."""
     import _thread
 
-    from mlx_engine import worker
+    from mlx_engine import streams, worker
 
     started, release = threading.Event(), threading.Event()
 
@@ -194,7 +194,7 @@ def test_an_interrupted_wait_does_not_lose_the_step():
 
     thread = worker.acquire()
     try:
-        it = worker.WorkerIterator(thread, steps())
+        it = streams.WorkerIterator(thread, steps())
         interrupter = threading.Thread(target=lambda: (started.wait(60), _thread.interrupt_main()))
         interrupter.start()
         with pytest.raises(KeyboardInterrupt):

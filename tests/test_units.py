@@ -192,7 +192,7 @@ def test_fallback_is_planned_before_draft_work(llama_path, draft_path):
     assert len(prompt) > 16
     _, last = generate_ids(kit, prompt, max_tokens=4, temp=0.0, auto_speculative=True)
     assert last.stats.decoding_mode == "auto:plain" and "fell back" in last.stats.mode_reason
-    assert kit.draft.cache.tokens == []  # no draft prefill was wasted
+    assert kit.draft.first_cache.tokens == []  # no draft prefill was wasted
 
 
 def test_unstarted_generator_does_not_leak_its_request_id(kit):

@@ -300,15 +300,15 @@ def test_changed_image_invalidates_from_its_position(qwen_vl_path, gemma_path):
         kit = me.load_model(path)
         prompt = chat(kit, ("user", "Compare the two images.", 2))
         run(kit, prompt, [RED, GREEN], max_tokens=4)
-        plan = kit.plan_prompt(prompt, decode_images([RED, BLUE]))
-        first_row_of_second = plan.images[1][0] + plan.images[1][1].rows[0]
+        expanded = kit.expand_prompt(prompt, decode_images([RED, BLUE]))
+        first_row_of_second = expanded.images[1][0] + expanded.images[1][1].rows[0]
         ids, final = run(kit, prompt, [RED, BLUE], max_tokens=10)
         assert final.stats.cached_tokens == first_row_of_second
         fresh = me.load_model(path)
         assert ids == run(fresh, prompt, [RED, BLUE], max_tokens=10)[0]
         # Changing the first image keeps only the text before it.
         _, final = run(kit, prompt, [BLUE, BLUE], max_tokens=2)
-        assert final.stats.cached_tokens == plan.images[0][0] + plan.images[0][1].rows[0]
+        assert final.stats.cached_tokens == expanded.images[0][0] + expanded.images[0][1].rows[0]
 
 
 def test_mrope_positions_after_image_survive_reuse_and_trims(qwen_vl_path):

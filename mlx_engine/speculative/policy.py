@@ -8,7 +8,7 @@ object. With a fixed ``num_draft_tokens`` it always answers that length.
 
 from __future__ import annotations
 
-from . import costs
+from . import costs, speedup
 
 
 class DraftLengthPolicy:
@@ -33,7 +33,7 @@ class DraftLengthPolicy:
         self.round_costs = round_costs
         # A draft model's acceptance changes quickly between copied and free
         # text, so its evidence turns over faster than the default.
-        self.acceptance = costs.AcceptanceModel(prior_acceptance, decay=decay)
+        self.acceptance = speedup.AcceptanceModel(prior_acceptance, decay=decay)
         self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
         self.explore_gap = self.explore_every
         # How far the last drafted round got (accepted + 1) if it had a draft
@@ -52,7 +52,7 @@ class DraftLengthPolicy:
         max_k = min(limit, costs.MAX_MODEL_DRAFT)
         if self._rejected_at is not None:
             max_k = min(max_k, 2 * self._rejected_at + 2)
-        k, _ = costs.best_draft_length(self.acceptance, self.round_costs, max_k)
+        k, _ = speedup.best_draft_length(self.acceptance, self.round_costs, max_k)
         if k == 0:
             self.idle_rounds += 1
             if self.idle_rounds < self.explore_gap:
@@ -63,7 +63,7 @@ class DraftLengthPolicy:
             # shows whether drafting pays. Back off while exploring keeps not paying.
             self.idle_rounds = 0
             self.explore_gap = min(2 * self.explore_gap, self.max_explore_gap)
-            return costs.best_draft_length(self.acceptance, self.round_costs, max_k, min_k=1)[0]
+            return speedup.best_draft_length(self.acceptance, self.round_costs, max_k, min_k=1)[0]
         self.idle_rounds = 0
         self.explore_gap = self.explore_every
         return k
@@ -74,7 +74,7 @@ class DraftLengthPolicy:
         as plain decoding does; ``skip`` then counts it."""
         if self.fixed is not None or self.round_costs is None or self.idle_rounds + 1 >= self.explore_gap:
             return False
-        return costs.best_draft_length(self.acceptance, self.round_costs, costs.MAX_MODEL_DRAFT)[0] == 0
+        return speedup.best_draft_length(self.acceptance, self.round_costs, costs.MAX_MODEL_DRAFT)[0] == 0
 
     def skip(self) -> None:
         """An undrafted round the loop queued ahead (``idle_next`` was true)."""
@@ -101,15 +101,12 @@ class DraftLengthPolicy:
         if drafted:
             # After a rejection, draft at most twice as far as that round got, plus
             # two: the next round starts right after a token the draft missed, and
-            # acceptance learned deep inside the burst that just ended is stale
-            # there (replay: long drafts kept failing at the first token or two
-            # for several rounds after each burst on open-gen and code-edit).
+            # acceptance learned deep inside the burst that just ended is stale there.
             self._rejected_at = accepted + 1 if accepted < drafted else None
             if catch_up > self.steady_catch_up:
                 # The draft model first caught up on tokens decoded without it: a
                 # one-off cost of resuming drafting, not what a round of this length
-                # costs. Counting it made the first draft after undrafted rounds
-                # look 2x dearer than it is, which kept drafting off for good.
+                # costs (counted, it could keep drafting off for good).
                 seconds = None
         if self.round_costs is not None:
             self.round_costs.observe(drafted, seconds)

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import NamedTuple
 
-from . import costs
+from . import costs, speedup
 
 
 class NGramIndex:
@@ -43,9 +43,26 @@ class NGramIndex:
         continuation of the longest suffix n-gram that occurred before. Among the
         ``num_candidates`` most recent matches, the one whose preceding context
         agrees longest with the history's suffix wins, then the longest
-        continuation (compared ``RANK_SPAN`` tokens ahead), then the most recent. With ``suffix``, continue that
-        sequence's suffix from this index's tokens instead (another text: lookup
-        memory)."""
+        continuation (compared ``RANK_SPAN`` tokens ahead), then the most recent.
+        With ``suffix``, continue that sequence's suffix from this index's tokens
+        instead (another text: lookup memory).
+
+        Example, with bigrams at most::
+
+            idx = NGramIndex(min_ngram=1, max_ngram=2)
+            idx.extend([10, 1, 2, 3, 4, 20, 1, 2, 5, 6, 20, 1, 2])
+            idx.lookup(2)   # [5, 6]
+            idx.strength    # 3
+            idx.lookup(8)   # [5, 6, 20, 1, 2]
+
+        The history ends with the bigram ``1 2``, seen twice before: followed by
+        ``3 4`` (after ``10``) and by ``5 6`` (after ``20``). The token before the
+        suffix, ``20``, agrees with the second, so it wins; the strength is the
+        bigram plus that one agreeing token. A draft never runs past the history's
+        end, so ``lookup(8)`` copies the 5 tokens there are. With
+        ``suffix=[7, 4, 1]`` the bigram ``4 1`` never occurred, so the unigram
+        ``1`` matches (strength 1); no context agrees, and the longest
+        continuation wins: ``idx.lookup(3, suffix=[7, 4, 1])`` is ``[2, 3, 4]``."""
         toks = self.tokens
         end = len(toks)
         query = toks if suffix is None else suffix
@@ -147,7 +164,7 @@ class BatchPricing(NamedTuple):
         if rows <= 1 or available == 0:
             return available
         table = costs.batch_round_table(self.verify_costs(), rows)
-        return costs.best_draft_length(strength_acceptance(strength), table, available, rows=rows)[0]
+        return speedup.best_draft_length(strength_acceptance(strength), table, available, rows=rows)[0]
 
 
 class PromptLookupDrafter:

@@ -2,20 +2,20 @@
 generation, it picks plain decoding, prompt lookup or the draft model, whichever
 is expected to give the most tokens per second on this machine.
 
-Shape (from the original proposal): without a draft model, a probe of up to 16
-tokens with prompt lookup that stops after 4 consecutive misses, its draft
-growing 4x each time it is accepted whole; commit to prompt lookup above 30%
-acceptance. (The proposal's pre-filter on prompt length and n-gram density is
-off by default: chat prompts that are copied from are short, and their density
-did not tell them from free chat; a probe that finds nothing to copy drafts
-nothing.) With a draft model the router starts with it and leaves lookup to the
-shadow drafts below, which cost nothing while the draft model earns. Beyond it:
+Without a draft model, a probe of up to 16 tokens with prompt lookup that stops
+after 4 consecutive misses, its draft growing 4x each time it is accepted whole;
+commit to prompt lookup above 30% acceptance. With a draft model the router
+starts with it and leaves lookup to the shadow drafts below, which cost nothing
+while the draft model earns. Beyond it:
 acceptance is turned into expected speed with the kit's measured verify costs
 (and the draft model's step cost), the draft length is the one with the best
 expected speed, and acceptance keeps being watched so the mode switches when it no
 longer pays. While another mode runs, what lookup would have drafted is scored
 against the actual output (shadow drafts), so the router moves to lookup when the
 text starts repeating itself. Probe tokens are real output; nothing is recomputed.
+
+docs/decoding.md ("The auto router") gives each rule and the measurements that
+chose it.
 """
 
 from __future__ import annotations
@@ -29,12 +29,16 @@ from . import costs
 from .draft_model import DraftModelDrafter
 from .loop import Drafts
 from .prompt_lookup import PromptLookupDrafter, density_score
+from .speedup import AcceptanceModel, best_draft_length
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RouterSettings:
+    """The router's thresholds (docs/decoding.md, "The auto router", says how
+    each was chosen)."""
+
     # The pre-filter: below these, no probe (0: every prompt is probed; a probe
     # finding nothing to copy drafts nothing and costs nothing).
     min_prompt_tokens: int = 0
@@ -46,18 +50,15 @@ class RouterSettings:
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
     shadow_rounds: int = 3  # shadow draft positions decided before plain may switch to lookup
     switch_margin: float = 1.1  # how much better shadow lookup must look to switch to it
-    # The switch margin grows on thin evidence: x(1 + thin_evidence / positions
-    # decided). On a summary a single shadow matching a 5-token phrase looked like
-    # x1.16 and lookup then got nothing.
+    # The switch margin grows on thin evidence, x(1 + thin_evidence / positions
+    # decided): one shadow matching a short phrase must not look like copying.
     thin_evidence: float = 1.0
     probe_growth: int = 4  # a probe draft accepted whole makes the next one this many times longer
     # A lookup match this weak or weaker (prompt_lookup.NGramIndex.strength: one
     # matching token, no agreeing context before it) gets its own acceptance
-    # record, starting from weak_match_prior: over every position of the chat and
-    # toy-pair replay traces its first drafted token was accepted 24-27% of the
-    # time, against 50-73% at strength 2-3 and 95-98% from 16 on. At this CPU's
-    # verify costs such a draft does not pay, so lookup skips it (a plain round)
-    # instead of drafting what the request's other matches would justify.
+    # record, starting from weak_match_prior, because such matches are accepted far
+    # less often than the request's others: where verifying costs as on a CPU, lookup
+    # then skips them (a plain round) instead of drafting what the others justify.
     weak_match: int = 1
     weak_match_prior: float = 0.25
 
@@ -73,7 +74,7 @@ class AutoRouter:
         verify_costs: costs.CostModel,
         stats: GenerationStats,
         lookup: PromptLookupDrafter,
-        draft: DraftModelDrafter | None = None,
+        draft_drafter: DraftModelDrafter | None = None,
         settings: RouterSettings = RouterSettings(),
         batch_rows: Callable[[], int] | None = None,
     ):
@@ -83,7 +84,7 @@ class AutoRouter:
         self.batch_rows = batch_rows
         self.stats = stats
         self.lookup = lookup
-        self.draft = draft
+        self.draft_drafter = draft_drafter
         self.s = settings
         self.density = density_score(prompt, settings.min_prompt_tokens)
         self.lookup_allowed = len(prompt) >= settings.min_prompt_tokens and self.density >= settings.min_density
@@ -101,19 +102,17 @@ class AutoRouter:
         self._lookup_exits = 0  # times lookup was left because no length paid
         # Weak lookup matches' acceptance (RouterSettings.weak_match), from
         # their rounds and shadows in every mode of this request.
-        self.weak = costs.AcceptanceModel(prior=settings.weak_match_prior)
+        self.weak = AcceptanceModel(prior=settings.weak_match_prior)
         self._round_weak = False  # the round being observed drafted from a weak match
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
-        if draft is not None and self.lookup_allowed and not self._draft_pays():
+        if draft_drafter is not None and self.lookup_allowed and not self._draft_pays():
             # The draft's record on this kit (its acceptance prior) says it does
             # not pay: the probe costs little beside it and finds copying at once.
             self._enter("probe", f"{facts}: the draft model has not paid on this kit so far; probing prompt lookup")
-        elif draft is not None:
+        elif draft_drafter is not None:
             # No probe: a probe round that misses costs a verify pass, a shadow
-            # draft costs nothing and the draft model earns meanwhile. On the
-            # long-prompt benchmarks every probe ended in the draft model anyway,
-            # and skipping it was 1-25% faster (paired rounds).
+            # draft costs nothing and the draft model earns meanwhile.
             why = ("draft model loaded; prompt lookup is tried with shadow drafts, not a probe" if self.lookup_allowed
                    else "prompt too short or sparse for lookup; draft model loaded")
             self._enter("draft_model", f"{facts}: {why}")
@@ -125,18 +124,18 @@ class AutoRouter:
     def _draft_pays(self) -> bool:
         """Whether some draft length is expected to beat plain decoding, from
         the draft's acceptance so far (its prior) and its round costs."""
-        d = self.draft
-        return d.round_costs is None or costs.best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
+        d = self.draft_drafter
+        return d.round_costs is None or best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
 
     # -- bookkeeping -------------------------------------------------------
     def _reset_evidence(self) -> None:
         self.rounds = self.drafted = self.accepted = self.produced = self.misses = 0
-        self.lookup_acceptance = costs.AcceptanceModel(prior=0.5)
+        self.lookup_acceptance = AcceptanceModel(prior=0.5)
         # Lookup's own rounds only (lookup_acceptance may start from the shadow's).
-        self.lookup_own = costs.AcceptanceModel(prior=0.5)
+        self.lookup_own = AcceptanceModel(prior=0.5)
         # Shadow lookup: what prompt lookup would have drafted while another
         # mode runs, scored against the tokens that followed. Free evidence.
-        self.shadow = costs.AcceptanceModel(prior=0.5)
+        self.shadow = AcceptanceModel(prior=0.5)
         self.shadow_scored = 0  # shadow drafts with a decided first token
         self.shadow_positions = 0  # shadow draft positions decided
         self._shadows: list[tuple[int, list[int], int, bool]] = []  # (position, drafts, positions scored, weak)
@@ -163,7 +162,7 @@ class AutoRouter:
         decoding's."""
         if self.mode in ("probe", "prompt_lookup") and self._lookup_pays_nothing():
             return True
-        return self.mode == "plain" or (self.mode == "draft_model" and self.draft.plain_ahead)
+        return self.mode == "plain" or (self.mode == "draft_model" and self.draft_drafter.plain_ahead)
 
     def _lookup_pays_nothing(self) -> bool:
         """Whether, in the batch as it is now, no lookup round of any length pays
@@ -176,8 +175,8 @@ class AutoRouter:
         if rows <= 1:
             return False
         max_k = self.lookup_k if self.mode == "probe" else self.max_lookup
-        strong = costs.best_draft_length(self.lookup_acceptance, rounds, max_k, rows=rows)[0]
-        return strong == 0 and costs.best_draft_length(self.weak, rounds, max_k, rows=rows)[0] == 0
+        strong = best_draft_length(self.lookup_acceptance, rounds, max_k, rows=rows)[0]
+        return strong == 0 and best_draft_length(self.weak, rounds, max_k, rows=rows)[0] == 0
 
     def propose(self, history: list[int], limit: int) -> Drafts:
         self._history, self._proposed = history, True
@@ -189,7 +188,7 @@ class AutoRouter:
             rounds, rows = self._lookup_pricing()
             if rows > 1 and drafts:
                 # In a batch the probe's drafts widen every row's pass: only what pays for the batch.
-                drafts = drafts[: costs.best_draft_length(self.lookup_acceptance, rounds, len(drafts), rows=rows)[0]]
+                drafts = drafts[: best_draft_length(self.lookup_acceptance, rounds, len(drafts), rows=rows)[0]]
             self._round_weak = self._is_weak(drafts)
             if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
@@ -198,7 +197,7 @@ class AutoRouter:
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
         if self.mode == "draft_model":
-            return self.draft.propose(history, limit)
+            return self.draft_drafter.propose(history, limit)
         return []
 
     def _lookup_round(self, history: list[int], limit: int) -> list[int]:
@@ -215,7 +214,7 @@ class AutoRouter:
             rounds, rows = self._lookup_pricing()
             # Alone at least one token (leaving lookup is _watch_lookup's call); in a
             # batch a round that does not pay drafts nothing.
-            k = costs.best_draft_length(self.lookup_acceptance, rounds, max_k, min_k=int(rows == 1), rows=rows)[0]
+            k = best_draft_length(self.lookup_acceptance, rounds, max_k, min_k=int(rows == 1), rows=rows)[0]
         self.lookup_k = k
         return drafts[:k]
 
@@ -236,7 +235,7 @@ class AutoRouter:
     def _weak_length(self, max_k: int) -> int:
         """The draft length a weak match pays for (0: none), from weak matches' record."""
         rounds, rows = self._lookup_pricing()
-        return costs.best_draft_length(self.weak, rounds, max_k, rows=rows)[0]
+        return best_draft_length(self.weak, rounds, max_k, rows=rows)[0]
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if self.mode in ("plain", "draft_model") and not self._proposed and self._history is not None:
@@ -248,8 +247,8 @@ class AutoRouter:
         # costs the same whichever mode would have drafted.
         if self.mode in ("probe", "prompt_lookup") or drafted == 0:
             self.lookup_costs.observe(drafted, seconds)
-        if self.draft is not None and self.mode != "draft_model" and drafted == 0:
-            self.draft.round_costs.observe(0, seconds)
+        if self.draft_drafter is not None and self.mode != "draft_model" and drafted == 0:
+            self.draft_drafter.round_costs.observe(0, seconds)
         if drafted:
             # As for the draft model (policy.py): after a rejection the next draft
             # is at most 2·(a+1)+2 long; the burst that just ended says little there.
@@ -277,9 +276,8 @@ class AutoRouter:
             # Not left for plain decoding when it stops paying: the drafter then
             # pauses drafting by itself and keeps exploring, so it resumes when
             # the text turns predictable (plain decoding could only leave for
-            # prompt lookup; after a pessimistic start on open-gen-1024 that
-            # left 2.2x on the table).
-            self.draft.observe(drafted, accepted, seconds)
+            # prompt lookup, so a pessimistic start would forfeit the draft).
+            self.draft_drafter.observe(drafted, accepted, seconds)
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
 
@@ -311,9 +309,8 @@ class AutoRouter:
         # conversations), so a short prompt whose answer was cached elsewhere
         # can still move the router to lookup. Not while an open shadow still
         # matches: lookup's own round would have drafted this position in that
-        # shadow's round, and a shadow per copied token counted every phrase
-        # copied from the prompt many times over (on a summary, shadows
-        # promised 42-70% first tokens accepted, and lookup got 0-10%).
+        # shadow's round, and a shadow per copied token would count every phrase
+        # copied from the prompt many times over.
         if not open_ and (drafts := self.lookup.peek(history, self.max_lookup)):
             # A weak match's shadow teaches the weak-match record, not the
             # shadow record: lookup would not draft it the way it drafts the rest.
@@ -332,16 +329,15 @@ class AutoRouter:
         lookup_rounds, rows = self._lookup_pricing()
         current = 1.0
         if self.mode == "draft_model":
-            current = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs, costs.MAX_MODEL_DRAFT)[1]
+            current = best_draft_length(self.draft_drafter.acceptance, self.draft_drafter.round_costs, costs.MAX_MODEL_DRAFT)[1]
             # Lookup's own line comes from the short-context measurement or a few
             # probe rounds; the draft's rounds, timed here and now, less the draft
             # model's work, keep it from being priced under what its rounds cost
-            # (at a 1024-token context it was about 40% under, and lookup won
-            # switches it then lost).
+            # at long contexts.
             own = self.lookup_costs.table()
-            lookup_rounds = [max(a, b) for a, b in zip(own, self.draft.round_costs.without_drafting())]
+            lookup_rounds = [max(a, b) for a, b in zip(own, self.draft_drafter.round_costs.without_drafting())]
             rows = 1
-        k, speedup = costs.best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
+        k, speedup = best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
         margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
         if k and speedup > margin * current:
             shadow = self.shadow
@@ -358,11 +354,11 @@ class AutoRouter:
     def _lookup_speedup(self) -> tuple[int, float, float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         rounds, rows = self._lookup_pricing()
-        k, speedup = costs.best_draft_length(self.lookup_acceptance, rounds, self.max_lookup, rows=rows)
+        k, speedup = best_draft_length(self.lookup_acceptance, rounds, self.max_lookup, rows=rows)
         return k, speedup, rate
 
     def _fallback_mode(self) -> str:
-        return "draft_model" if self.draft is not None else "plain"
+        return "draft_model" if self.draft_drafter is not None else "plain"
 
     def _after_probe_round(self) -> None:
         done = self.produced >= self.s.probe_tokens or self.misses >= self.s.probe_max_misses
@@ -380,7 +376,7 @@ class AutoRouter:
         else:
             self._leave_lookup(facts, self.lookup_acceptance)
 
-    def _leave_lookup(self, why: str, own: costs.AcceptanceModel) -> None:
+    def _leave_lookup(self, why: str, own: AcceptanceModel) -> None:
         """Back to the fallback mode. Lookup's own rounds stay the shadow record's
         first evidence: shadows starting over from the prior promised a summary
         twice what lookup had just failed to deliver, and won switches it lost."""
@@ -401,7 +397,7 @@ class AutoRouter:
         if (replaced := self._replaced_draft_speedup) is not None:
             # Only a switch from the draft model is checked: against what it replaced.
             rounds, rows = self._lookup_pricing()
-            delivered = costs.best_draft_length(self.lookup_own, rounds, self.max_lookup, rows=rows)[1]
+            delivered = best_draft_length(self.lookup_own, rounds, self.max_lookup, rows=rows)[1]
             if delivered * self.s.switch_margin < replaced:
                 self._lookup_retired = True
                 self._replaced_draft_speedup = None

@@ -1,0 +1,96 @@
+"""Rank 0's kit over a model sharded across the job (``ShardedModelKit``) and
+where this process stands in the job (``ShardInfo``)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+from .. import worker
+from ..model_kit import ModelKit
+from .control import ControlServer
+from .health import Health
+from .protocol import MirroredModel, PassCounter
+
+logger = logging.getLogger(__name__)
+
+EXIT_STOP_WAIT = 10.0
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where this process stands in the sharded job."""
+
+    rank: int
+    size: int
+    parallelism: str  # "tensor" or "pipeline"
+    counter: PassCounter  # forward passes (and their tokens) mirrored by rank 0
+
+
+class ShardedModelKit(ModelKit):
+    """Rank 0's kit over a model sharded across the job; use it like any ModelKit.
+    ``usable`` is False (and every call raises ``ShardedKitError``) once a rank
+    has failed; ``unload`` releases the followers."""
+
+    shard: ShardInfo
+
+    def attach_shard(self, model: MirroredModel, info: ShardInfo, num_params: int, compute_dtype, health: Health,
+                     control: ControlServer) -> None:
+        """Give the kit (built vocabulary-only) its shard of the model and the job's health and control channel."""
+        self.vocab_only = False
+        self.model = model
+        self.num_params = num_params  # of the whole model, as for a ModelKit
+        self.compute_dtype = compute_dtype
+        self.replace_prompt_cache(self.new_cache(model))
+        # The followers mirror in-place trims of each cache, not branches of one
+        # cache into another, so this kit keeps a single cached sequence.
+        self.prompt_cache.single_sequence = True
+        self.shard = info
+        self._health = health
+        self._control = control
+
+    def forget_generation(self) -> None:
+        """The generation that was running is blocked on a failed rank and will never
+        finish on its own: stop counting it, so that ``unload`` is allowed."""
+        act = self.activity
+        with act.lock:
+            act.active.clear()
+            act.known.clear()
+            act.cancelled.clear()
+
+    @property
+    def usable(self) -> bool:
+        return self._health.failure is None and self.model is not None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the kit is unusable (None while it is usable)."""
+        return self._health.failure
+
+    def unload(self) -> None:
+        """Release the followers and drop the model. After a failure this runs on the
+        calling thread and only drops references: MLX calls such as ``clear_cache``
+        can wait on the engine thread, which may be blocked on the failed rank."""
+        model = self.model
+        failed = self._health.failure is not None
+        if isinstance(model, MirroredModel) and not failed:
+            self._control.closing()
+            try:
+                model.stop_followers()
+            except RuntimeError as exc:
+                logger.warning("could not release the followers: %s", exc)
+        self._control.close()
+        if not failed:
+            super().unload()
+            return
+        self.model = self.prompt_cache = self.draft = self.cost_model = None
+
+
+def release_at_exit(ref: "weakref.ref[ShardedModelKit]") -> None:
+    """At process exit, release the followers of a kit that is still loaded."""
+    kit = ref()
+    if kit is None or not kit.usable or kit.model is None:
+        return
+    worker.shutting_down.set()  # a running generation stops at its next token
+    kit.worker.run_at_exit(kit.unload, EXIT_STOP_WAIT)
