@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from .batch_cache import RaggedBatch, can_batch, release_row
 from .cache import SequenceCache, common_prefix_length
+from .speculative import costs
 
 @dataclass
 class DraftModel:
@@ -41,6 +42,13 @@ class DraftModel:
         if self.drafted_seen < DRAFT_HISTORY_MIN_TOKENS:
             return default
         return self.accepted_seen / self.drafted_seen
+
+    def chained_step_seconds(self, vocab_size: int) -> float:
+        """Seconds per draft step as a drafter chains them, measured once per
+        loaded draft."""
+        if self.step_cost is None:
+            self.step_cost = costs.measure_chained_step(self.model, vocab_size)
+        return self.step_cost
 
     def lend(self, prompt: list[int], make) -> SequenceCache:
         """An idle draft cache for a request (the one sharing the longest prefix

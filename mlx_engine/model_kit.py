@@ -20,6 +20,7 @@ from .draft_pool import DraftModel  # re-exported: tests import it from here
 from .context import fit_context
 from .disk_cache import DiskCache, model_identity
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
+from .speculative import costs
 from .speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class ModelKit:
         self._prompt_cache_options = options.prompt_cache
         self.draft: DraftModel | None = None
         self.compute_dtype: mx.Dtype | None = None
-        self.cost_model = None  # measured lazily by the speculative router
+        self.cost_model: costs.CostModel | None = None  # see forward_costs
         # What earlier requests produced, for suffix drafting (speculative/suffix.py).
         self.suffix_memory = SuffixMemory(options.suffix_memory_tokens) if options.suffix_memory_tokens else None
         self.num_params = 0
@@ -176,6 +177,13 @@ class ModelKit:
         self.max_parallel = 1  # concurrent generations (see _init_batching)
         self._batch: RaggedBatch | None = None  # see ``batch``
         self._scheduler = None  # scheduler.Scheduler, made with the first parallel request
+
+    def forward_costs(self) -> costs.CostModel:
+        """The model's measured forward-pass costs by width, measured once per
+        kit (when speculation first needs them) and kept until unload."""
+        if self.cost_model is None:
+            self.cost_model = costs.measure(self.model, self.vocab_size)
+        return self.cost_model
 
     def check_architecture(self) -> None:
         """Refuse an architecture mlx-lm cannot build (VisionModelKit: mlx-vlm)."""

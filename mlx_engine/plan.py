@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .cache import SequenceCache, common_prefix_length
+from .cache import SequenceCache
 from .model_kit import ModelKit
 from .results import GenerationStats
 from .speculative import costs
@@ -104,20 +104,9 @@ def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngram
     return DecodingPlan("plain")
 
 
-def kit_costs(kit: ModelKit) -> costs.CostModel:
-    """The kit's measured forward-pass costs (measured once per kit)."""
-    if kit.cost_model is None:
-        kit.cost_model = costs.measure(kit.model, kit.vocab_size)
-    return kit.cost_model
-
-
 def draft_step_cost(kit: ModelKit) -> float:
-    """A draft-model step, as the drafter chains them, in main-model steps
-    (measured once per loaded draft)."""
-    draft = kit.draft
-    if draft.step_cost is None:
-        draft.step_cost = costs.measure_chained_step(draft.model, kit.vocab_size)
-    return draft.step_cost / kit_costs(kit).step()
+    """A draft-model step, as the drafter chains them, in main-model steps."""
+    return kit.draft.chained_step_seconds(kit.vocab_size) / kit.forward_costs().step()
 
 
 def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
@@ -125,11 +114,7 @@ def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
     when the request's own history has no match. Sequences that hold this whole
     prompt (earlier answers to it) are left out, so regenerating with a seed
     samples the same tokens again."""
-    if kit.prompt_cache is None:
-        return []
-    n = len(prompt) - 1
-    pc = kit.prompt_cache
-    return [e.tokens for e in pc.entries if not pc.is_busy(e) and common_prefix_length(e.tokens, prompt) < n]
+    return [] if kit.prompt_cache is None else kit.prompt_cache.idle_sequences(other_than_prefix_of=prompt)
 
 
 def build_drafter(
@@ -149,17 +134,17 @@ def build_drafter(
         lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
     if plan.kind == "prompt_lookup":
         if kit.max_parallel > 1:
-            lookup.batch_pricing = BatchPricing(lambda: kit_costs(kit), lambda: kit.open_generations)
+            lookup.batch_pricing = BatchPricing(kit.forward_costs, lambda: kit.open_generations)
         return lookup, None
     draft_drafter = None
     if plan.use_draft:
         # Round costs drive the adaptive length, and the router's choice of mode.
         needs_costs = plan.draft_k is None or plan.kind == "auto"
-        round_costs = costs.RoundCosts(kit_costs(kit), draft_step_cost(kit)) if needs_costs else None
+        round_costs = costs.RoundCosts(kit.forward_costs(), draft_step_cost(kit)) if needs_costs else None
         cache = kit.draft.lend(prompt, lambda: kit.new_cache(kit.draft.model))
         draft_drafter = DraftModelDrafter(kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size,
                                           cache=cache, batched=kit.max_parallel > 1)
     if plan.kind == "draft_model":
         return draft_drafter, draft_drafter
-    router = AutoRouter(prompt, kit_costs(kit), stats, lookup, draft_drafter, batch_rows=lambda: kit.open_generations)
+    router = AutoRouter(prompt, kit.forward_costs(), stats, lookup, draft_drafter, batch_rows=lambda: kit.open_generations)
     return router, draft_drafter

@@ -144,6 +144,14 @@ class PromptCache:
     def active(self) -> SequenceCache:
         return self.entries[-1]
 
+    def idle_sequences(self, other_than_prefix_of: list[int]) -> list[list[int]]:
+        """The token sequences of entries no running request holds, except those
+        holding all of ``other_than_prefix_of`` but its last token (earlier
+        answers to that very prompt), least recently used first."""
+        n = len(other_than_prefix_of) - 1
+        return [e.tokens for e in self.entries
+                if not self.is_busy(e) and common_prefix_length(e.tokens, other_than_prefix_of) < n]
+
     def is_busy(self, entry: SequenceCache) -> bool:
         """Whether a running request holds ``entry``."""
         return any(e is entry for e in self.busy)

@@ -4,6 +4,7 @@ import pytest
 
 import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
 from fixtures.tiny_models import MarkovLM, make_model, make_tokenizer, successor_table  # noqa: E402
+from mlx_engine.speculative.loop import TURN, Launch, forward_alone  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -116,3 +117,20 @@ def smollm():
     kit = mlx_engine.load_model(mlx_engine.DEFAULT_MODEL)
     yield kit
     mlx_engine.unload(kit)
+
+
+def run_alone(items):
+    """``decode``'s steps (or a request's results) with each launch run on its
+    own cache as it comes and its round sent back: the loop without a
+    scheduler, for tests of the loop itself."""
+    sent = None
+    while True:
+        try:
+            item = items.send(sent)
+        except StopIteration:
+            return
+        sent = None
+        if isinstance(item, Launch):
+            sent = forward_alone(item)
+        elif item is not TURN:
+            yield item

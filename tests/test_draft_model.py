@@ -3,7 +3,7 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from conftest import assert_same_or_near_tie, generate_ids, run_alone
 from fixtures.tiny_models import MarkovLM, make_model, successor_table
 
 import mlx_engine as me
@@ -12,7 +12,7 @@ from mlx_engine.model_kit import DraftModel
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.draft_model import DraftModelDrafter
-from mlx_engine.speculative.loop import decode as _decode, run_alone
+from mlx_engine.speculative.loop import decode as _decode
 
 
 def decode(*args, **kwargs):

@@ -7,11 +7,11 @@ import json
 import jsonschema
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, requires_default_model
+from conftest import generate_ids, requires_default_model, run_alone
 from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
 import mlx_engine as me
-from mlx_engine.speculative.loop import decode as _decode, run_alone
+from mlx_engine.speculative.loop import decode as _decode
 
 
 def decode(*args, **kwargs):

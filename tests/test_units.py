@@ -5,7 +5,7 @@ import gc
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids
+from conftest import generate_ids, run_alone
 from fixtures.tiny_models import MarkovLM, successor_table
 
 import mlx_engine as me
@@ -13,7 +13,7 @@ from mlx_engine.cache import UNKNOWN, CacheOptions, SequenceCache, common_prefix
 from mlx_engine.plan import DecodingPlan, choose_plan
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
-from mlx_engine.speculative.loop import decode, run_alone
+from mlx_engine.speculative.loop import decode
 from mlx_engine.stop_strings import StopStringMatcher
 
 VOCAB = 50

@@ -11,7 +11,7 @@ proposes. With no drafter, or a round with no draft, this is plain decoding.
 from __future__ import annotations
 
 import time
-from typing import Callable, Generator, Iterator, NamedTuple, Protocol
+from typing import Callable, Generator, NamedTuple, Protocol
 
 import mlx.core as mx
 
@@ -99,23 +99,6 @@ def forward_alone(launch: Launch, ids: mx.array | None = None) -> Round:
         logits = launch.cache.feed(launch.known)
         start = len(launch.cache)
     return launch.finish(logits, start, ids)
-
-
-def run_alone(items: Generator) -> Iterator:
-    """A generator's items other than launches and turns (``decode``'s steps or
-    a request's results), each launch run on its own cache as it comes and its
-    round sent back: one sequence, no scheduler."""
-    sent = None
-    while True:
-        try:
-            item = items.send(sent)
-        except StopIteration:
-            return
-        sent = None
-        if isinstance(item, Launch):
-            sent = forward_alone(item)
-        elif item is not TURN:
-            yield item
 
 
 class DrafterUnavailable(Exception):
