@@ -223,8 +223,8 @@ def _process_prompt(
 ) -> Iterator:
     """Prefill the main (and draft) caches with the prompt's uncached part,
     reporting progress from 0 to 100 over both models' work (the draft's weighted
-    by its size) and yielding ``TURN`` after each chunk. Raises _Cancelled
-    between chunks when asked to stop."""
+    by its size) and yielding ``TURN`` after each step's chunks (one of each
+    model's). Raises _Cancelled between chunks when asked to stop."""
     prompt, draft_drafter = prepared.prompt, prepared.draft_drafter
     draft_todo, draft_weight = 0, 0.0
     if draft_drafter is not None:
