@@ -115,8 +115,8 @@ def measure(kit, reps: int, prompt_tokens: int, max_tokens: int) -> dict[str, li
 
 def render(results: dict[str, list[dict]], label: str) -> list[str]:
     lines = [f"Draft prefill while {PLAIN_ROWS} plain rows decode ({label}); medians over rounds, seconds.", "",
-             "| scenario | prompt tokens | TTFT | rows' longest gap | rows' median gap while it prefills | "
-             "rows' median gap before |", "|---|---:|---:|---:|---:|---:|"]
+             ("| scenario | prompt tokens | TTFT | rows' longest gap | rows' median gap while it prefills | "
+              "rows' median gap before |"), "|---|---:|---:|---:|---:|---:|"]
     for name, rounds in results.items():
         med = {k: statistics.median(r[k] for r in rounds) for k in ("ttft", "max_gap", "median_gap",
                                                                       "median_gap_before", "prompt_tokens")}
