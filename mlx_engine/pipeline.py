@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator
+from itertools import zip_longest
 from typing import Callable, Iterator, NamedTuple
 
 import mlx.core as mx
@@ -222,8 +223,8 @@ def _process_prompt(
 ) -> Iterator:
     """Prefill the main (and draft) caches with the prompt's uncached part,
     reporting progress from 0 to 100 over both models' work (the draft's weighted
-    by its size) and yielding ``TURN`` after each chunk. Raises _Cancelled
-    between chunks when asked to stop."""
+    by its size) and yielding ``TURN`` after each step's chunks (one of each
+    model's). Raises _Cancelled between chunks when asked to stop."""
     prompt, draft_drafter = prepared.prompt, prepared.draft_drafter
     draft_todo, draft_weight = 0, 0.0
     if draft_drafter is not None:
@@ -260,10 +261,13 @@ def _process_prompt(
         # Other requests decode between our chunks: smaller chunks keep their
         # stalls short, at a small cost in prefill speed.
         chunk = min(chunk, INTERLEAVED_PREFILL_CHUNK)
-    for _ in kit.prefill_prompt(prepared.expanded, prepared.cache, prepared.todo, chunk_done(1.0), chunk):
+    main = kit.prefill_prompt(prepared.expanded, prepared.cache, prepared.todo, chunk_done(1.0), chunk)
+    # The draft model's chunks ride along with the main model's, one of each
+    # per step (a draft chunk costs a fraction of a main one), so neither
+    # stalls the other rows for a whole prompt nor adds steps to this one's.
+    draft = () if draft_drafter is None else draft_drafter.prefill_prompt(prompt, chunk_done(draft_weight), chunk)
+    for _ in zip_longest(main, draft):
         yield TURN
-    if draft_drafter is not None:
-        draft_drafter.prefill(prompt, chunk_done(draft_weight))
     report(100.0)
 
 

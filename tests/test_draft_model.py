@@ -192,7 +192,7 @@ def test_progress_covers_draft_prefill_and_cancel_there(llama_path, draft_path):
     assert seen == sorted(seen) and seen[-1] == 100.0 and any(55 < p < 100 for p in seen)
     kit2 = me.load_model(llama_path)
     me.load_draft_model(kit2, llama_path)
-    # Cancel once the main prompt is done and the draft's is under way.
+    # Cancel past half way: the main model's first chunk and the draft's (in the same step) are in.
     results = list(me.create_generator(kit2, prompt, max_tokens=3, prompt_progress_callback=lambda p: p <= 55))
     assert results[-1].stop_condition.stop_reason == "user_cancelled"
     ids, final = generate_ids(kit2, prompt, max_tokens=6)

@@ -492,3 +492,172 @@ def test_rows_with_cache_buffers_of_other_widths_join_one_batch(llama_path):
     one = me.load_model(llama_path, max_parallel=1)
     for i, p in enumerate(prompts):
         assert_same_or_near_tie(kit, p, solo(one, p, max_tokens=12, speculative_decoding_toggle=False), got[i])
+
+
+class _StepLog:
+    """Runs generations on a scheduler of its own, stepped one step at a time
+    inside one call on the kit's engine thread (so nothing else steps it), and
+    records per step which rows produced tokens and which prompt chunks each
+    model prefilled (``prefills``: ("main" | "draft", tokens))."""
+
+    def __init__(self, kit, monkeypatch):
+        from mlx_engine.cache import SequenceCache
+
+        self.kit, self.prefills, self.steps = kit, [], []
+        prefill = SequenceCache.prefill
+
+        def logged(cache, tokens, *a, **kw):
+            self.prefills.append(("draft" if cache.model is kit.draft.model else "main", len(tokens)))
+            return prefill(cache, tokens, *a, **kw)
+
+        monkeypatch.setattr(SequenceCache, "prefill", logged)
+
+    def start(self, sched, name: str, prompt, **kw):
+        from mlx_engine.generate import _start
+        from mlx_engine.request import GenerationOptions
+
+        return sched.admit(_start(self.kit, prompt, GenerationOptions.from_kwargs(dict(kw, request_id=name))), name)
+
+    def step(self, sched, lives) -> dict:
+        """One step: per row name, the token ids it produced; "prefills": the chunks."""
+        del self.prefills[:]
+        sched.step()
+        out = {"prefills": list(self.prefills)}
+        for live in lives:
+            items = [live.out.popleft() for _ in range(len(live.out))]
+            out[live.request_id] = [t.id for r in items if hasattr(r, "tokens") for t in r.tokens]
+            out[live.request_id + " error"] = next((r for r in items if isinstance(r, BaseException)), None)
+        self.steps.append(out)
+        return out
+
+
+def _draft_request_admitted_while_one_decodes(pkit, log, short, long, at_chunk=None, **late_kw):
+    """On the engine thread: ``short`` decodes alone until it has 2 tokens, then a
+    draft-model request "b" for ``long`` joins; steps until both end. With
+    ``at_chunk=(n, act)``, ``act(scheduler, b)`` runs after the step in which the
+    draft model prefilled its n-th chunk. Returns the two token lists and b's error."""
+    from mlx_engine.scheduler import Scheduler
+
+    def run():
+        sched = Scheduler(pkit)
+        a = log.start(sched, "a", short, max_tokens=40, speculative_decoding_toggle=False)
+        ids, error = {"a": [], "b": []}, None
+        while len(ids["a"]) < 2:  # decoding (its first rounds queue ahead before any token is read)
+            ids["a"] += log.step(sched, [a])["a"]
+        b = log.start(sched, "b", long, **late_kw)
+        chunks, pending = 0, at_chunk
+        while sched.live:
+            s = log.step(sched, [a, b])
+            ids["a"] += s["a"]
+            ids["b"] += s["b"]
+            error = error or s["b error"]
+            chunks += sum(1 for m, _ in s["prefills"] if m == "draft")
+            if pending is not None and chunks >= pending[0] and b in sched.live:
+                pending[1](sched, b)
+                pending = None
+        return ids["a"], ids["b"], error
+
+    return pkit._worker.call(run)
+
+
+def _solo_kit(llama_path, draft_path):
+    one = me.load_model(llama_path, max_parallel=1)
+    me.load_draft_model(one, draft_path)
+    one.eos_token_ids = set()
+    return one
+
+
+@pytest.mark.parametrize("mode,main_cached", [({"num_draft_tokens": 3}, False), ({"auto_speculative": True}, False),
+                                              ({"num_draft_tokens": 3}, True)])
+def test_a_draft_model_request_prefills_its_draft_between_the_others_steps(pkit, llama_path, draft_path, monkeypatch,
+                                                                            mode, main_cached):
+    """Admitting a draft-model (or auto) request with a long prompt: the draft
+    model's prompt is prefilled one chunk per step, as the main model's is,
+    while the running row decodes a token every step; outputs equal solo ones."""
+    from mlx_engine import pipeline
+
+    monkeypatch.setattr(pipeline, "INTERLEAVED_PREFILL_CHUNK", 64)
+    pkit.eos_token_ids = set()  # the random model must not end early
+    one = _solo_kit(llama_path, draft_path)
+    short, long = me.tokenize(pkit, TEXTS[0]), me.tokenize(pkit, TEXTS[3] * 10)
+    assert len(long) > 4 * 64
+    log = _StepLog(pkit, monkeypatch)
+    if main_cached:  # only the draft model has the prompt to prefill
+        solo(pkit, long, max_tokens=1, speculative_decoding_toggle=False)
+    a_ids, b_ids, _ = _draft_request_admitted_while_one_decodes(pkit, log, short, long, max_tokens=12, **mode)
+    prefilling = [s for s in log.steps if any(m == "draft" for m, _ in s["prefills"])]
+    assert len(prefilling) >= 4  # ceil((len(long) - 1) / 64) chunks, one per step
+    assert sum(n for s in prefilling for m, n in s["prefills"] if m == "draft") == len(long) - 1
+    for s in prefilling:
+        assert [n for m, n in s["prefills"] if m == "draft"] in ([64], [(len(long) - 1) % 64 or 64])
+        assert len(s["a"]) == 1, "\n".join(map(repr, log.steps))  # the running row decoded in every one of those steps
+    assert_same_or_near_tie(pkit, short, solo(one, short, max_tokens=40), a_ids)
+    assert_same_or_near_tie(pkit, long, solo(one, long, max_tokens=12, **mode), b_ids)
+
+
+@pytest.mark.parametrize("how", ["close", "stop"])
+def test_a_request_ended_mid_draft_prefill_leaves_a_reusable_draft_cache(pkit, llama_path, draft_path, monkeypatch, how):
+    """Closed or stopped between two draft prefill chunks: the draft cache goes
+    back to the pool holding exactly the chunks prefilled (never lent out as if
+    complete); the next request with that prompt prefills only the rest, and
+    every output equals its solo output."""
+    from mlx_engine import pipeline
+
+    monkeypatch.setattr(pipeline, "INTERLEAVED_PREFILL_CHUNK", 64)
+    pkit.eos_token_ids = set()
+    one = _solo_kit(llama_path, draft_path)
+    short, long = me.tokenize(pkit, TEXTS[0]), me.tokenize(pkit, TEXTS[3] * 10)
+    log = _StepLog(pkit, monkeypatch)
+
+    def end(sched, b):
+        if how == "close":
+            sched.close(b)
+        else:
+            me.stop_generation(pkit, "b")  # seen at the next chunk
+
+    a_ids, b_ids, error = _draft_request_admitted_while_one_decodes(pkit, log, short, long, at_chunk=(2, end),
+                                                                    max_tokens=12, num_draft_tokens=3)
+    assert b_ids == [] and error is None
+    assert_same_or_near_tie(pkit, short, solo(one, short, max_tokens=40), a_ids)
+    draft = pkit.draft
+    assert not draft.lent
+    held = max([draft.cache, *draft.spare], key=len)
+    assert held.tokens == long[: 2 * 64] and held.layers[0].offset == 2 * 64
+    del log.prefills[:]
+    ids = solo(pkit, long, max_tokens=12, num_draft_tokens=3)
+    assert sum(n for m, n in log.prefills if m == "draft") == len(long) - 1 - 2 * 64  # only the rest
+    assert_same_or_near_tie(pkit, long, solo(one, long, max_tokens=12, num_draft_tokens=3), ids)
+
+
+def test_a_failing_draft_prefill_fails_its_request_alone(pkit, llama_path, draft_path, monkeypatch):
+    """The draft model failing on a prompt chunk fails that request only: the
+    running row decodes on, exact; the failed request's draft cache is reset
+    (nothing half-computed is lent again) and the kit serves the prompt next."""
+    from mlx_engine import pipeline
+    from mlx_engine.cache import SequenceCache
+
+    monkeypatch.setattr(pipeline, "INTERLEAVED_PREFILL_CHUNK", 64)
+    pkit.eos_token_ids = set()
+    one = _solo_kit(llama_path, draft_path)
+    short, long = me.tokenize(pkit, TEXTS[0]), me.tokenize(pkit, TEXTS[3] * 10)
+    log = _StepLog(pkit, monkeypatch)
+    logged, calls = SequenceCache.prefill, [0]
+
+    def failing(cache, tokens, *a, **kw):
+        if cache.model is pkit.draft.model:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected draft prefill failure")
+        return logged(cache, tokens, *a, **kw)
+
+    monkeypatch.setattr(SequenceCache, "prefill", failing)
+    a_ids, b_ids, error = _draft_request_admitted_while_one_decodes(pkit, log, short, long, max_tokens=12,
+                                                                    num_draft_tokens=3)
+    assert isinstance(error, RuntimeError) and "injected" in str(error) and b_ids == []
+    assert_same_or_near_tie(pkit, short, solo(one, short, max_tokens=40), a_ids)
+    # Its draft cache (the pool's only one: the running row is plain) held two chunks; it was reset.
+    assert not pkit.draft.lent and not pkit.draft.spare
+    assert len(pkit.draft.cache) == 0 and pkit.draft.cache.layers[0].offset == 0
+    monkeypatch.setattr(SequenceCache, "prefill", logged)
+    ids = solo(pkit, long, max_tokens=12, num_draft_tokens=3)
+    assert_same_or_near_tie(pkit, long, solo(one, long, max_tokens=12, num_draft_tokens=3), ids)

@@ -4,12 +4,12 @@ batched draft jobs. Checking and loading a draft model is draft_loading.py."""
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
 from ..batch_cache import release_row
-from ..cache import SequenceCache
+from ..cache import PREFILL_CHUNK, SequenceCache
 from ..draft_pool import DraftModel
 from . import costs, speedup
 from .loop import DrafterUnavailable, PendingDrafts
@@ -73,13 +73,19 @@ class DraftModelDrafter:
         drafted round: the next one starts where its accepted drafts end."""
         return not self._last_drafted and self.policy.idle_next()
 
-    def prefill(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None) -> int:
-        """Bring the draft cache to ``prompt[:-1]``; returns tokens to process."""
+    def prefill_prompt(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None,
+                       chunk_size: int = PREFILL_CHUNK) -> Iterator[None]:
+        """Bring the draft cache to ``prompt[:-1]`` (keeping the prefix it shares),
+        yielding after each chunk of ``chunk_size`` tokens, as the main model's
+        prefill does (``ModelKit.prefill_prompt``): the scheduler lets the other
+        requests take a step there. Each chunk is evaluated before the yield, so
+        a request ended between chunks leaves the cache holding a consistent
+        prefix of the prompt, which the next request to borrow it extends."""
         cache = self.cache
-        keep = cache.sync_to(prompt[:-1])
-        todo = prompt[keep:-1]
-        cache.prefill(todo, on_chunk)
-        return len(todo)
+        todo = prompt[cache.sync_to(prompt[:-1]) : -1]
+        for i in range(0, len(todo), chunk_size):
+            cache.prefill(todo[i : i + chunk_size], on_chunk, chunk_size)
+            yield
 
     def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
         self._resolve()
