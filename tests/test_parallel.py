@@ -621,7 +621,7 @@ def test_a_request_ended_mid_draft_prefill_leaves_a_reusable_draft_cache(pkit, l
     assert_same_or_near_tie(pkit, short, solo(one, short, max_tokens=40), a_ids)
     draft = pkit.draft
     assert not draft.lent
-    held = max([draft.cache, *draft.spare], key=len)
+    held = max([draft.first_cache, *draft.spare], key=len)
     assert held.tokens == long[: 2 * 64] and held.layers[0].offset == 2 * 64
     del log.prefills[:]
     ids = solo(pkit, long, max_tokens=12, num_draft_tokens=3)
@@ -657,7 +657,7 @@ def test_a_failing_draft_prefill_fails_its_request_alone(pkit, llama_path, draft
     assert_same_or_near_tie(pkit, short, solo(one, short, max_tokens=40), a_ids)
     # Its draft cache (the pool's only one: the running row is plain) held two chunks; it was reset.
     assert not pkit.draft.lent and not pkit.draft.spare
-    assert len(pkit.draft.cache) == 0 and pkit.draft.cache.layers[0].offset == 0
+    assert len(pkit.draft.first_cache) == 0 and pkit.draft.first_cache.layers[0].offset == 0
     monkeypatch.setattr(SequenceCache, "prefill", logged)
     ids = solo(pkit, long, max_tokens=12, num_draft_tokens=3)
     assert_same_or_near_tie(pkit, long, solo(one, long, max_tokens=12, num_draft_tokens=3), ids)
