@@ -94,3 +94,10 @@ def test_training_lowers_the_loss_and_the_draft_reloads(tiny, tmp_path):
         opt.update(draft, grads)
         mx.eval(draft.parameters(), opt.state)
     assert step(draft, *batch)[0].item() < first.item()
+
+
+def test_engine_costs_price_the_draft_like_the_engine(tiny):
+    draft = early.new_draft(tiny, 1, np.arange(64), frozen=0)
+    out = early.engine_costs(tiny, draft, agreement=0.0)
+    assert out["draft_chained_step_ms"] > 0 and out["target_step_ms"] > 0
+    assert out["at_draft_length"] == 1 and out["predicted_speedup"] < 1  # a draft never accepted only costs

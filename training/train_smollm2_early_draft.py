@@ -77,10 +77,16 @@ def target_args(kit: me.ModelKit) -> dict:
 
 
 def frequent_ids(examples: list[dict], n: int, vocab: int, always: list[int]) -> tuple[np.ndarray, float]:
-    """The ``n`` most frequent answer tokens (``always`` included), sorted, and
-    the share of answer tokens they cover."""
+    """The ``n`` tokens the target chooses most (``always`` included), sorted,
+    and the share of answer tokens they cover. Ranked by answer counts plus the
+    target's top-k probability mass at every answer position: a few thousand
+    answers leave most of a 4096-token subset with a count of 0 or 1, and the
+    target's runners-up rank those tokens by what it would also say."""
     counts = np.bincount(np.concatenate([np.asarray(ex["answer"]) for ex in examples]), minlength=vocab)
-    ids = [int(t) for t in always] + [int(t) for t in np.argsort(-counts, kind="stable") if t not in always]
+    top = np.concatenate([np.asarray(ex["top_ids"]).reshape(-1) for ex in examples])
+    lp = np.concatenate([np.asarray(ex["top_lp"], dtype=np.float64).reshape(-1) for ex in examples])
+    score = counts + np.bincount(top, weights=np.exp(lp), minlength=vocab)
+    ids = [int(t) for t in always] + [int(t) for t in np.argsort(-score, kind="stable") if t not in always]
     ids = np.sort(np.array(ids[:n], dtype=np.int64))
     return ids, float(counts[ids].sum() / max(counts.sum(), 1))
 
@@ -210,6 +216,8 @@ def train(args: argparse.Namespace) -> dict:
     step_fn = nn.value_and_grad(draft, loss_fn)
     rng, start, step, seen, ema = random.Random(args.seed), time.time(), 0, 0, None
     while time.time() - start < args.minutes * 60 and step < args.total_steps:
+        if step % 200 == 0:  # pick up shards a running ``generate`` has added
+            examples = load_examples(args.work)
         opt.learning_rate = lr_at(args, step, (time.time() - start) / (args.minutes * 60))
         batch = make_batch(examples, rng, args, sub_of)
         loss, grads = step_fn(draft, *batch)
@@ -230,14 +238,72 @@ def train(args: argparse.Namespace) -> dict:
     return meta
 
 
+def engine_costs(kit: me.ModelKit, draft: nn.Module, agreement: float) -> dict:
+    """The draft's chained step and the target's verify passes as the engine
+    measures them (mlx_engine.speculative.costs), and the speed-up over plain
+    decoding they predict at the best draft length if each draft token is
+    accepted independently with probability ``agreement`` (acceptance is
+    burstier than that in practice, which favours longer drafts)."""
+    from mlx_engine.speculative import costs
+
+    target = costs.measure(kit.model, kit.vocab_size)
+    draft_step = costs.measure_chained_step(draft, kit.vocab_size)
+    gain = {k: costs.expected_tokens(agreement, k) * target.step() / (k * draft_step + target.seconds[k])
+            for k in range(1, 9)}
+    best = max(gain, key=gain.get)
+    return {"target_step_ms": target.step() * 1e3, "draft_chained_step_ms": draft_step * 1e3,
+            "ratio": target.step() / draft_step, "verify": target.summary(),
+            "predicted_speedup": round(gain[best], 3), "at_draft_length": best}
+
+
+def heldout_answers(kit: me.ModelKit, args: argparse.Namespace) -> list[tuple[list[int], list[int]]]:
+    """(prompt, greedy answer) for the held-out chat prompts, as
+    ``eval_smollm2_draft.chat_agreement`` makes them; kept in ``--work`` so
+    several drafts are measured on one generation."""
+    from mlx_lm.generate import batch_generate
+
+    from .smollm2_prompts import chat_prompts
+    from .train_smollm2_draft import HELDOUT_EVERY
+
+    path = args.work / f"heldout-{args.eval_prompts}-{args.max_new}.json"
+    if path.exists():
+        return [tuple(x) for x in json.loads(path.read_text())]
+    prompts = [me.apply_chat_template(kit, [{"role": "user", "content": t}])
+               for i, t in enumerate(chat_prompts()) if i % HELDOUT_EVERY == 0]
+    prompts = [p for p in prompts if len(p) <= 256][: args.eval_prompts]
+    res = batch_generate(kit.model, kit.tokenizer, prompts, max_tokens=args.max_new, return_token_ids=True,
+                         completion_batch_size=len(prompts))
+    pairs = [(p, list(map(int, a))) for p, a in zip(prompts, res.token_ids)]
+    path.write_text(json.dumps(pairs))
+    return pairs
+
+
+def agreement(draft: nn.Module, pairs: list[tuple[list[int], list[int]]]) -> dict:
+    """Share of answer tokens where the draft's argmax is the target's greedy
+    token, and the share inside the draft's output subset (its ceiling)."""
+    from .eval_smollm2_draft import argmax_all
+
+    hits = inside = total = 0
+    ids = set(np.array(draft.token_ids).tolist()) if hasattr(draft, "token_ids") else None
+    for p, a in pairs:
+        pred = argmax_all(draft, p + a)[len(p) - 1: len(p) + len(a) - 1]
+        hits += sum(int(x == y) for x, y in zip(pred, a))
+        inside += len(a) if ids is None else sum(int(t in ids) for t in a)
+        total += len(a)
+    return {"prompts": len(pairs), "answer_tokens": total, "agreement": hits / max(total, 1),
+            "answer_tokens_in_subset": inside / max(total, 1)}
+
+
 def evaluate(args: argparse.Namespace) -> dict:
-    """Agreement on held-out chat answers and step cost, as the shipped draft's eval."""
-    from .eval_smollm2_draft import chat_agreement, step_costs
+    """Agreement on held-out chat answers and step cost, as the shipped draft's
+    eval, plus the costs the engine measures and the speed-up they predict."""
+    from .eval_smollm2_draft import step_costs
 
     kit = me.load_model(args.target)
     draft = load(kit, args.out)
-    out = {"step_cost": step_costs(kit, draft),
-           "agreement_heldout_chat": chat_agreement(kit, draft, args.eval_prompts, args.max_new)}
+    out = {"agreement_heldout_chat": agreement(draft, heldout_answers(kit, args)),
+           "step_cost": step_costs(kit, draft)}
+    out["engine_costs"] = engine_costs(kit, draft, out["agreement_heldout_chat"]["agreement"])
     logger.info("eval: %s", json.dumps(out))
     (args.out / "eval.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
