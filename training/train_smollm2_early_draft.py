@@ -215,9 +215,10 @@ def train(args: argparse.Namespace) -> dict:
     opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.0)
     step_fn = nn.value_and_grad(draft, loss_fn)
     rng, start, step, seen, ema = random.Random(args.seed), time.time(), 0, 0, None
+    loaded_at = start
     while time.time() - start < args.minutes * 60 and step < args.total_steps:
-        if step % 200 == 0:  # pick up shards a running ``generate`` has added
-            examples = load_examples(args.work)
+        if time.time() - loaded_at > 180:  # pick up shards a running ``generate`` has added
+            examples, loaded_at = load_examples(args.work), time.time()
         opt.learning_rate = lr_at(args, step, (time.time() - start) / (args.minutes * 60))
         batch = make_batch(examples, rng, args, sub_of)
         loss, grads = step_fn(draft, *batch)
