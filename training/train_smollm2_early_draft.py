@@ -14,9 +14,11 @@ target verifies every drafted token.
 
 Subcommands: ``generate`` (the target's answers to a spread of the training
 prompts, in small shards), ``train`` (until ``--minutes`` or ``--total-steps``; writes
-``--out/early_draft.safetensors`` and ``training.json``) and ``eval`` (agreement
-on the held-out chat prompts and the decode-step cost, as
-``training/eval_smollm2_draft.py`` measures the shipped draft).
+``--out/early_draft.safetensors``, the trained weights and the subset, and
+``training.json``) and ``eval`` (agreement on the held-out chat prompts and the
+decode-step cost, as ``training/eval_smollm2_draft.py`` measures the shipped draft,
+plus the subset's coverage and the engine's costs with the speed-up they predict).
+Results: docs/demo-models.md.
 """
 
 from __future__ import annotations
