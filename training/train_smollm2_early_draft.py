@@ -247,11 +247,11 @@ def engine_costs(kit: me.ModelKit, draft: nn.Module, agreement: float) -> dict:
     decoding they predict at the best draft length if each draft token is
     accepted independently with probability ``agreement`` (acceptance is
     burstier than that in practice, which favours longer drafts)."""
-    from mlx_engine.speculative import costs
+    from mlx_engine.speculative import costs, speedup
 
     target = costs.measure(kit.model, kit.vocab_size)
     draft_step = costs.measure_chained_step(draft, kit.vocab_size)
-    gain = {k: costs.expected_tokens(agreement, k) * target.step() / (k * draft_step + target.seconds[k])
+    gain = {k: speedup.expected_tokens(agreement, k) * target.step() / (k * draft_step + target.seconds[k])
             for k in range(1, 9)}
     best = max(gain, key=gain.get)
     return {"target_step_ms": target.step() * 1e3, "draft_chained_step_ms": draft_step * 1e3,
