@@ -98,6 +98,10 @@ class AutoRouter:
         self._rejected_at: int | None = None
         self._history: list[int] | None = None  # the loop's history (the list it extends)
         self._proposed = False  # propose ran for the round being observed
+        # With a draft model loaded, which drafter made the round being observed
+        # when it is not the mode's own: "lookup" (a lookup round inside the draft
+        # model's mode) or "draft_model" (a draft round inside lookup's).
+        self._round_by: str | None = None
         self._lookup_exits = 0  # times lookup was left because no length paid
         # Weak lookup matches' acceptance (RouterSettings.weak_match), from
         # their rounds and shadows in every mode of this request.
@@ -166,12 +170,21 @@ class AutoRouter:
             rounds, rows = self._lookup_pricing()
             if rows > 1 and costs.best_draft_length(self.lookup_acceptance, rounds, self.lookup_k, rows=rows)[0] == 0:
                 return True
-        return self.mode == "plain" or (self.mode == "draft_model" and self.draft.plain_ahead)
+        if self.mode == "draft_model":
+            # Not while lookup has earned rounds of its own here: they are chosen in propose.
+            return self.draft.plain_ahead and not self._lookup_earns()
+        return self.mode == "plain"
 
     def propose(self, history: list[int], limit: int) -> Drafts:
-        self._history, self._proposed = history, True
+        self._history, self._proposed, self._round_by = history, True, None
         if self.mode == "prompt_lookup":
-            return self._lookup_round(history, limit)
+            drafts = self._lookup_round(history, limit)
+            if not drafts and self.draft is not None:
+                # Nothing lookup would draft pays this round: the draft model's turn,
+                # at the length its own record on this request chooses (maybe none).
+                self._round_by = "draft_model"
+                return self.draft.propose(history, limit)
+            return drafts
         if self.mode == "probe":
             self.lookup.num_tokens = self.lookup_k
             drafts = self.lookup.propose(history, limit)
@@ -187,8 +200,47 @@ class AutoRouter:
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
         if self.mode == "draft_model":
+            if drafts := self._lookup_instead(history, limit):
+                self._round_by = "lookup"
+                return drafts
             return self.draft.propose(history, limit)
         return []
+
+    def _lookup_instead(self, history: list[int], limit: int) -> list[int]:
+        """While the draft model runs, this round's lookup draft when lookup's
+        record on this request (its shadow drafts, which also score the rounds
+        this returns) expects more from it than the draft model's record from a
+        round of its own; else nothing. Per round, so a draft that is right 60%
+        of the time gives way to lookup that is right 95% on the copied lines of
+        an answer, and keeps the rounds where nothing is copied."""
+        if not self._lookup_earns():
+            return []
+        max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
+        drafts = self.lookup.peek(history, min(max_k, limit))
+        if not drafts or self._is_weak(drafts):
+            return []
+        k, speedup = costs.best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), len(drafts))
+        evidence = 1 + self.s.thin_evidence / self.shadow_positions
+        return drafts[:k] if k and speedup > evidence * max(1.0, self._draft_speedup()) else []
+
+    def _lookup_earns(self) -> bool:
+        """Whether lookup's record on this request (enough decided shadow
+        positions) makes some lookup length pay beside the draft model."""
+        if self.shadow_positions < self.s.shadow_rounds or self._lookup_retired:
+            return False
+        return costs.best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), self.max_lookup)[0] > 0
+
+    def _draft_speedup(self) -> float:
+        """The draft model's expected speed-up from its record on this request."""
+        return costs.best_draft_length(self.draft.acceptance, self.draft.round_costs, costs.MAX_MODEL_DRAFT)[1]
+
+    def _lookup_rounds_beside_draft(self) -> list[float]:
+        """Lookup rounds' times while the draft model runs: lookup's own line
+        comes from the short-context measurement or a few probe rounds; the draft's
+        rounds, timed here and now, less the draft model's work, keep it from being
+        priced under what its rounds cost (at a 1024-token context it was about 40%
+        under, and lookup won switches it then lost)."""
+        return [max(a, b) for a, b in zip(self.lookup_costs.table(), self.draft.round_costs.without_drafting())]
 
     def _lookup_round(self, history: list[int], limit: int) -> list[int]:
         """Each round the length with the best expected speed-up, within the
@@ -233,13 +285,22 @@ class AutoRouter:
             # loop's list as it stands now (this round's token not appended yet).
             self._shadow_lookup(self._history)
         self._proposed = False
-        # Round times teach the cost of the mode that ran; an undrafted round
-        # costs the same whichever mode would have drafted.
-        if self.mode in ("probe", "prompt_lookup") or drafted == 0:
+        by, self._round_by = self._round_by, None
+        if by == "draft_model":
+            # A draft round inside lookup's mode teaches the draft model alone.
+            self.draft.observe(drafted, accepted, seconds)
+            if drafted == 0:
+                self.lookup_costs.observe(0, seconds)
+            self._round_weak = False
+            return
+        lookups = by == "lookup" or self.mode in ("probe", "prompt_lookup")
+        # Round times teach the cost of the drafter that ran; an undrafted round
+        # costs the same whichever would have drafted.
+        if lookups or drafted == 0:
             self.lookup_costs.observe(drafted, seconds)
         if self.draft is not None and self.mode != "draft_model" and drafted == 0:
             self.draft.round_costs.observe(0, seconds)
-        if drafted:
+        if drafted and lookups:
             # As for the draft model (policy.py): after a rejection the next draft
             # is at most 2·(a+1)+2 long; the burst that just ended says little there.
             self._rejected_at = accepted + 1 if accepted < drafted else None
@@ -267,8 +328,10 @@ class AutoRouter:
             # pauses drafting by itself and keeps exploring, so it resumes when
             # the text turns predictable (plain decoding could only leave for
             # prompt lookup; after a pessimistic start on open-gen-1024 that
-            # left 2.2x on the table).
-            self.draft.observe(drafted, accepted, seconds)
+            # left 2.2x on the table). A lookup round (by == "lookup") is
+            # scored by its shadow draft, not here.
+            if by is None:
+                self.draft.observe(drafted, accepted, seconds)
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
 
@@ -321,15 +384,8 @@ class AutoRouter:
         lookup_rounds, rows = self._lookup_pricing()
         current = 1.0
         if self.mode == "draft_model":
-            current = costs.best_draft_length(self.draft.acceptance, self.draft.round_costs, costs.MAX_MODEL_DRAFT)[1]
-            # Lookup's own line comes from the short-context measurement or a few
-            # probe rounds; the draft's rounds, timed here and now, less the draft
-            # model's work, keep it from being priced under what its rounds cost
-            # (at a 1024-token context it was about 40% under, and lookup won
-            # switches it then lost).
-            own = self.lookup_costs.table()
-            lookup_rounds = [max(a, b) for a, b in zip(own, self.draft.round_costs.without_drafting())]
-            rows = 1
+            current = self._draft_speedup()
+            lookup_rounds, rows = self._lookup_rounds_beside_draft(), 1
         k, speedup = costs.best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
         margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
         if k and speedup > margin * current:
