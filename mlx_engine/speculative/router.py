@@ -8,8 +8,10 @@ growing 4x each time it is accepted whole; commit to prompt lookup above 30%
 acceptance. (The proposal's pre-filter on prompt length and n-gram density is
 off by default: chat prompts that are copied from are short, and their density
 did not tell them from free chat; a probe that finds nothing to copy drafts
-nothing.) With a draft model the router starts with it and leaves lookup to the
-shadow drafts below, which cost nothing while the draft model earns. Beyond it:
+nothing.) With a draft model loaded, the drafter is chosen per round: the
+probe's rounds and lookup's that lookup would not draft are the draft model's,
+and while the draft model runs, a round drafts from lookup when lookup's record
+on this request (its shadow drafts, below) expects more from it. Beyond it:
 acceptance is turned into expected speed with the kit's measured verify costs
 (and the draft model's step cost), the draft length is the one with the best
 expected speed, and acceptance keeps being watched so the mode switches when it no
@@ -109,28 +111,19 @@ class AutoRouter:
         self._round_weak = False  # the round being observed drafted from a weak match
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
-        if draft is not None and self.lookup_allowed and not self._draft_pays():
-            # The draft's record on this kit (its acceptance prior) says it does
-            # not pay: the probe costs little beside it and finds copying at once.
-            self._enter("probe", f"{facts}: the draft model has not paid on this kit so far; probing prompt lookup")
+        if self.lookup_allowed:
+            # With a draft model, the probe's rounds that lookup has nothing to
+            # draft for are the draft model's, so the probe costs a verify pass only
+            # where lookup's own draft misses, and finds copying at once.
+            # (Starting with the draft model instead, lookup tried by shadow drafts
+            # alone, took 3+ rounds to reach a copy and lost 10-45% on the chat
+            # copy workloads in bench.replay --draft-mix.)
+            also = "; the draft model drafts the rounds lookup has nothing for" if draft is not None else ""
+            self._enter("probe", f"{facts}: probing prompt lookup{also}")
         elif draft is not None:
-            # No probe: a probe round that misses costs a verify pass, a shadow
-            # draft costs nothing and the draft model earns meanwhile. On the
-            # long-prompt benchmarks every probe ended in the draft model anyway,
-            # and skipping it was 1-25% faster (paired rounds).
-            why = ("draft model loaded; prompt lookup is tried with shadow drafts, not a probe" if self.lookup_allowed
-                   else "prompt too short or sparse for lookup; draft model loaded")
-            self._enter("draft_model", f"{facts}: {why}")
-        elif self.lookup_allowed:
-            self._enter("probe", f"{facts}: probing prompt lookup")
+            self._enter("draft_model", f"{facts}: prompt too short or sparse for lookup; draft model loaded")
         else:
             self._enter("plain", f"{facts}: prompt too short or sparse for lookup")
-
-    def _draft_pays(self) -> bool:
-        """Whether some draft length is expected to beat plain decoding, from
-        the draft's acceptance so far (its prior) and its round costs."""
-        d = self.draft
-        return d.round_costs is None or costs.best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
 
     # -- bookkeeping -------------------------------------------------------
     def _reset_evidence(self) -> None:
@@ -195,7 +188,10 @@ class AutoRouter:
             self._round_weak = self._is_weak(drafts)
             if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
-                return []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
+                drafts = []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
+            if not drafts and self.draft is not None:
+                self._round_by = "draft_model"
+                return self.draft.propose(history, limit)
             return drafts
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
@@ -287,11 +283,7 @@ class AutoRouter:
         self._proposed = False
         by, self._round_by = self._round_by, None
         if by == "draft_model":
-            # A draft round inside lookup's mode teaches the draft model alone.
-            self.draft.observe(drafted, accepted, seconds)
-            if drafted == 0:
-                self.lookup_costs.observe(0, seconds)
-            self._round_weak = False
+            self._observe_draft_round(drafted, accepted, seconds)
             return
         lookups = by == "lookup" or self.mode in ("probe", "prompt_lookup")
         # Round times teach the cost of the drafter that ran; an undrafted round
@@ -334,6 +326,18 @@ class AutoRouter:
                 self.draft.observe(drafted, accepted, seconds)
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
+
+    def _observe_draft_round(self, drafted: int, accepted: int, seconds: float | None) -> None:
+        """A draft-model round inside the probe or lookup: it teaches the draft
+        model alone (an undrafted one also lookup's undrafted time); the probe
+        counts its tokens, so a probe that finds nothing to copy still ends."""
+        self.draft.observe(drafted, accepted, seconds)
+        if drafted == 0:
+            self.lookup_costs.observe(0, seconds)
+        self._round_weak = False
+        if self.mode == "probe":
+            self.produced += accepted + 1
+            self._after_probe_round()
 
     def _shadow_lookup(self, history: list[int]) -> None:
         """Score earlier shadow proposals position by position as the output
