@@ -116,8 +116,8 @@ class AutoRouter:
             # draft for are the draft model's, so the probe costs a verify pass only
             # where lookup's own draft misses, and finds copying at once.
             # (Starting with the draft model instead, lookup tried by shadow drafts
-            # alone, took 3+ rounds to reach a copy and lost 10-45% on the chat
-            # copy workloads in bench.replay --draft-mix.)
+            # alone, reached a copy 3+ rounds late: 0.5-1.0x this start on the chat
+            # workloads in bench.replay --draft-mix.)
             also = "; the draft model drafts the rounds lookup has nothing for" if draft is not None else ""
             self._enter("probe", f"{facts}: probing prompt lookup{also}")
         elif draft is not None:
@@ -172,12 +172,7 @@ class AutoRouter:
         self._history, self._proposed, self._round_by = history, True, None
         if self.mode == "prompt_lookup":
             drafts = self._lookup_round(history, limit)
-            if not drafts and self.draft is not None:
-                # Nothing lookup would draft pays this round: the draft model's turn,
-                # at the length its own record on this request chooses (maybe none).
-                self._round_by = "draft_model"
-                return self.draft.propose(history, limit)
-            return drafts
+            return self._draft_turn(history, limit) if not drafts and self.draft is not None else drafts
         if self.mode == "probe":
             self.lookup.num_tokens = self.lookup_k
             drafts = self.lookup.propose(history, limit)
@@ -189,10 +184,7 @@ class AutoRouter:
             if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
                 drafts = []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
-            if not drafts and self.draft is not None:
-                self._round_by = "draft_model"
-                return self.draft.propose(history, limit)
-            return drafts
+            return self._draft_turn(history, limit) if not drafts and self.draft is not None else drafts
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
         if self.mode == "draft_model":
@@ -201,6 +193,13 @@ class AutoRouter:
                 return drafts
             return self.draft.propose(history, limit)
         return []
+
+    def _draft_turn(self, history: list[int], limit: int) -> Drafts:
+        """A probe or lookup round that lookup does not draft (no match, or one
+        that does not pay): the draft model's, at the length its own record
+        chooses (maybe none)."""
+        self._round_by = "draft_model"
+        return self.draft.propose(history, limit)
 
     def _lookup_instead(self, history: list[int], limit: int) -> list[int]:
         """While the draft model runs, this round's lookup draft when lookup's
