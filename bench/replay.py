@@ -317,7 +317,7 @@ def draft_mix_main(args: argparse.Namespace) -> None:
                 continue
             prompt, output = tr["prompt"], tr["output"][:200]
 
-            def run(make_router: bool) -> tuple[float, str]:
+            def run(make_router: bool, prompt=prompt, output=output, rate=rate) -> tuple[float, str]:
                 sim = SimulatedDraft(output, len(prompt), rate, costs.RoundCosts(cm, args.draft_step), args.draft_step)
                 drafter = AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT), sim) \
                     if make_router else sim

@@ -7,19 +7,21 @@ Deterministic: Markov models (logits from the last token alone) stand in for the
 target and the draft, and the router is never shown a round's time, so it prices
 rounds with the given costs only."""
 
-import mlx.core as mx
-from fixtures.tiny_models import MarkovLM
+from itertools import pairwise
 
+import mlx.core as mx
+
+from fixtures.tiny_models import MarkovLM
 from mlx_engine.cache import SequenceCache
 from mlx_engine.model_kit import DraftModel
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.costs import CostModel, RoundCosts
 from mlx_engine.speculative.draft_model import DraftModelDrafter
-from mlx_engine.speculative.loop import decode as _decode, run_alone
+from mlx_engine.speculative.loop import decode as _decode
+from mlx_engine.speculative.loop import run_alone
 from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
 from mlx_engine.speculative.router import AutoRouter
-
 
 
 def decode(*args, **kwargs):
@@ -49,8 +51,8 @@ def _chain_table(successor: dict[int, int]) -> mx.array:
 
 
 def _successors() -> dict[int, int]:
-    chain = [199] + OUTPUT
-    return dict(zip(chain, chain[1:]))
+    chain = [199, *OUTPUT]
+    return dict(pairwise(chain))
 
 
 def _draft_successors() -> dict[int, int]:

@@ -314,15 +314,14 @@ class AutoRouter:
             self.lookup_acceptance.observe(drafted, accepted)
             self.lookup_own.observe(drafted, accepted)
             self._watch_lookup()
-        elif self.mode == "draft_model":
+        elif self.mode == "draft_model" and by is None:
             # Not left for plain decoding when it stops paying: the drafter then
             # pauses drafting by itself and keeps exploring, so it resumes when
             # the text turns predictable (plain decoding could only leave for
             # prompt lookup; after a pessimistic start on open-gen-1024 that
             # left 2.2x on the table). A lookup round (by == "lookup") is
             # scored by its shadow draft, not here.
-            if by is None:
-                self.draft.observe(drafted, accepted, seconds)
+            self.draft.observe(drafted, accepted, seconds)
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
 
