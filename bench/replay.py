@@ -27,6 +27,12 @@ SmolLM2's ``bench.chat`` workloads) are recorded once to ``--traces``; then
 fixed lookup lengths and the engine's own ``AutoRouter`` are replayed on them
 (every proposal checked against the recorded output), priced with round costs
 ``1 + JUMP + SLOPE*k`` (``--cost-lines toy=...,chat=...``).
+
+``--draft-mix 0.2,0.6`` replays the router with a draft model loaded on those
+traces: a simulated draft right at that share of output positions (a fixed
+pseudo-random draw per position), its lengths from the engine's
+``DraftLengthPolicy``, each of its rounds also paying its draft steps
+(``--draft-step``); beside lookup alone, the draft alone and auto without a draft.
 """
 
 from __future__ import annotations
@@ -299,7 +305,8 @@ class SimulatedDraft:
 
 def draft_mix_main(args: argparse.Namespace) -> None:
     """Replay the router with a simulated draft model of each ``--draft-mix``
-    acceptance beside prompt lookup alone and the draft alone, on the chat traces."""
+    acceptance beside prompt lookup alone and the draft alone, on every trace in
+    ``--traces`` (``--lookup --chat`` records them)."""
     from mlx_engine.results import GenerationStats
     from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
     from mlx_engine.speculative.router import AutoRouter
@@ -313,8 +320,6 @@ def draft_mix_main(args: argparse.Namespace) -> None:
     ratios = []
     for rate in (float(r) for r in args.draft_mix.split(",")):
         for name, tr in traces.items():
-            if not name.startswith("chat/"):
-                continue
             prompt, output = tr["prompt"], tr["output"][:200]
 
             def run(make_router: bool, prompt=prompt, output=output, rate=rate) -> tuple[float, str]:
@@ -351,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
                         "it learns the --cost-lines rounds as they are timed, as the engine does")
     p.add_argument("--auto-max", type=int, default=costs.MAX_DRAFT, help="with --lookup: the router's longest lookup draft")
     p.add_argument("--draft-mix", metavar="RATE,...",
-                   help="replay the router on the chat --traces with a simulated draft model right at this share of "
+                   help="replay the router on the --traces with a simulated draft model right at this share of "
                         "positions, beside lookup alone and the draft alone (deterministic)")
     p.add_argument("--chat-line", default="0.27+0.07k", help="with --draft-mix: round costs 1 + JUMP + SLOPE*k")
     p.add_argument("--draft-step", type=float, default=1 / 16.5,
