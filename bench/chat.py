@@ -145,12 +145,15 @@ def _extra_args(p) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the draft systems ('' for none)")
     p.add_argument("--systems", help="comma-separated subset of the systems (mlx-lm and engine-plain always run)")
     p.add_argument("--workloads", help=f"comma-separated subset of: {', '.join(chat_prompts())}")
+    p.add_argument("--suffix-memory", type=int, default=None,
+                   help="the kit's suffix_memory_tokens (default: the kit's default; 0: off). With the memory on, "
+                        "every round after the first drafts the same prompt's earlier answer")
 
 
-def load_models(draft: str) -> S.Models:
+def load_models(draft: str, suffix_memory: int | None = None) -> S.Models:
     """The default model, with ``draft`` loaded into the kit; mlx-lm gets the kit's
     own modules (two loads of the same weights measured up to 5% apart)."""
-    kit = me.load_model(me.DEFAULT_MODEL)
+    kit = me.load_model(me.DEFAULT_MODEL, suffix_memory_tokens=suffix_memory)
     draft_module = None
     if draft:
         me.load_draft_model(kit, draft)
@@ -161,7 +164,7 @@ def load_models(draft: str) -> S.Models:
 def main(argv: list[str] | None = None) -> int:
     args = bench_args("python -m bench.chat", __doc__.split("\n\n")[0], 5, 200, argv, _extra_args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    models = load_models(args.draft)
+    models = load_models(args.draft, args.suffix_memory)
     kit = models.kit
     names = SYSTEM_NAMES + (DRAFT_SYSTEM_NAMES if args.draft else ())
     if args.systems:

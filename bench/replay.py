@@ -27,6 +27,12 @@ SmolLM2's ``bench.chat`` workloads) are recorded once to ``--traces``; then
 fixed lookup lengths and the engine's own ``AutoRouter`` are replayed on them
 (every proposal checked against the recorded output), priced with round costs
 ``1 + JUMP + SLOPE*k`` (``--cost-lines toy=...,chat=...``).
+
+``--draft-mix 0.2,0.6`` replays the router with a draft model loaded on those
+traces: a simulated draft right at that share of output positions (a fixed
+pseudo-random draw per position), its lengths from the engine's
+``DraftLengthPolicy``, each of its rounds also paying its draft steps
+(``--draft-step``); beside lookup alone, the draft alone and auto without a draft.
 """
 
 from __future__ import annotations
@@ -210,8 +216,9 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
             n += 1
         # Timed in undrafted-round units; the first round is not (the loop reads
         # it right after the prompt's pass).
-        drafter.observe(len(drafts), n, round_cost[len(drafts)] if rounds else None)
-        spent += round_cost[len(drafts)] if rounds else 0.0
+        seconds = round_cost(len(drafts)) if callable(round_cost) else round_cost[len(drafts)]
+        drafter.observe(len(drafts), n, seconds if rounds else None)
+        spent += seconds if rounds else 0.0
         history.extend(output[t : t + n + 1])
         t += n + 1
         first = first or t  # tokens of the first round
@@ -254,6 +261,87 @@ def lookup_main(args: argparse.Namespace) -> None:
     print("| geomean | " + " | ".join(f"{math.exp(sum(v) / len(v)):.3f}" for v in logs.values()) + " |")
 
 
+class SimulatedDraft:
+    """A draft model for ``--draft-mix``: right at each output position with
+    probability ``rate`` (a fixed pseudo-random draw per position, so every
+    replay sees the same draft), its length chosen by the engine's own
+    ``DraftLengthPolicy``; each of its rounds also costs ``draft_step`` undrafted
+    rounds per draft token plus one for catching up. Implements what the router
+    reads of a ``DraftModelDrafter``."""
+
+    def __init__(self, output: list[int], start: int, rate: float, rounds: costs.RoundCosts, draft_step: float):
+        import random
+
+        draw = random.Random(f"{rate}:{len(output)}")
+        self.right = [draw.random() < rate for _ in output]
+        self.output, self.start, self.draft_step = output, start, draft_step
+        # Its record on the kit (DraftModel.acceptance_prior) after a few requests: its rate.
+        self.policy = DraftLengthPolicy(None, rounds, prior_acceptance=rate)
+        self.drafted_last = 0  # drafts of the last round this drafter made (0 if it made none)
+        self._proposed = False
+
+    acceptance = property(lambda self: self.policy.acceptance)
+    round_costs = property(lambda self: self.policy.round_costs)
+    plain_ahead = False
+
+    def propose(self, history: list[int], limit: int) -> list[int]:
+        self._proposed = True
+        t = len(history) - self.start
+        k = self.policy.num_tokens(min(limit, len(self.output) - t))
+        self.drafted_last = k
+        return [self.output[t + i] if self.right[t + i] else -1 for i in range(k)]
+
+    def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        if not self._proposed:
+            self.policy.skip()
+        self._proposed = False
+        self.policy.observe(drafted, accepted, seconds)
+
+    def extra_cost(self) -> float:
+        """The draft model's work in the round just made (0 when it made none)."""
+        k, self.drafted_last = self.drafted_last, 0
+        return (k + 1) * self.draft_step if k else 0.0
+
+
+def draft_mix_main(args: argparse.Namespace) -> None:
+    """Replay the router with a simulated draft model of each ``--draft-mix``
+    acceptance beside prompt lookup alone and the draft alone, on every trace in
+    ``--traces`` (``--lookup --chat`` records them)."""
+    from mlx_engine.results import GenerationStats
+    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+    from mlx_engine.speculative.router import AutoRouter
+
+    traces = json.loads(args.traces.read_text())
+    jump, slope = _parse_line(f"chat={args.chat_line}")[1]
+    line = [1.0] + [1.0 + jump + slope * k for k in range(1, costs.MAX_DRAFT + 1)]
+    cm = costs.CostModel(tuple(line))
+    print("| workload | draft rate | lookup k=32 | auto, no draft | draft | auto | best | auto / best | final mode |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    ratios = []
+    for rate in (float(r) for r in args.draft_mix.split(",")):
+        for name, tr in traces.items():
+            prompt, output = tr["prompt"], tr["output"][:200]
+
+            def run(make_router: bool, prompt=prompt, output=output, rate=rate) -> tuple[float, str]:
+                sim = SimulatedDraft(output, len(prompt), rate, costs.RoundCosts(cm, args.draft_step), args.draft_step)
+                drafter = AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT), sim) \
+                    if make_router else sim
+                cost = lambda k: line[k] + sim.extra_cost()  # noqa: E731
+                speed = replay_drafter(prompt, output, drafter, cost)[0]
+                return speed, drafter.stats.decoding_mode if make_router else ""
+
+            lookup = replay_drafter(prompt, output, PromptLookupDrafter(costs.MAX_DRAFT), line)[0]
+            alone = AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT))
+            no_draft = replay_drafter(prompt, output, alone, line)[0]
+            draft, _ = run(False)
+            auto, mode = run(True)
+            best = max(1.0, lookup, draft)
+            ratios.append(auto / best)
+            print(f"| {name} | {rate:.2f} | {lookup:.2f} | {no_draft:.2f} | {draft:.2f} | {auto:.2f} | {best:.2f} | {auto / best:.2f} | {mode} |")
+    print(f"| geomean auto / best | | | | | | | {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f} | "
+          f"worst {min(ratios):.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lookup", action="store_true", help="replay prompt lookup and the router (no draft model)")
@@ -267,6 +355,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --lookup: the verify-cost measurement the router starts from (default: --cost-lines); "
                         "it learns the --cost-lines rounds as they are timed, as the engine does")
     p.add_argument("--auto-max", type=int, default=costs.MAX_DRAFT, help="with --lookup: the router's longest lookup draft")
+    p.add_argument("--draft-mix", metavar="RATE,...",
+                   help="replay the router on the --traces with a simulated draft model right at this share of "
+                        "positions, beside lookup alone and the draft alone (deterministic)")
+    p.add_argument("--chat-line", default="0.27+0.07k", help="with --draft-mix: round costs 1 + JUMP + SLOPE*k")
+    p.add_argument("--draft-step", type=float, default=1 / 16.5,
+                   help="with --draft-mix: one draft-model step in undrafted rounds")
     p.add_argument("--model", default=DEFAULT_MODEL, help="a model directory, .gguf file or catalog name")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="a draft directory or catalog name")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens replayed per workload")
@@ -276,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
                         "context CTX (128 or 1024) instead of measuring; e.g. '128=0.55+0.12k,1024=0.45+0.16k', "
                         "the lines timed rounds fitted on the development machine. Deterministic.")
     args = p.parse_args(argv)
+    if args.draft_mix:
+        return draft_mix_main(args)
     if args.lookup:
         args.traces.parent.mkdir(parents=True, exist_ok=True)
         return lookup_main(args)

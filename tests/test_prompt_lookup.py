@@ -335,6 +335,9 @@ def test_router_switches_to_lookup_when_output_starts_repeating(llama_path):
     assert s.decoding_mode == "auto:prompt_lookup" and s.acceptance_rate > 0.8
 
 
+NO_PROBE = RouterSettings(min_prompt_tokens=10**6)  # every prompt too short: no probe
+
+
 class _StubDraft:
     """Stands in for a DraftModelDrafter whose drafts are always rejected."""
 
@@ -352,8 +355,9 @@ class _StubDraft:
 @pytest.mark.parametrize("repeating", [True, False])
 def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(repeating):
     stats = GenerationStats()
-    history = list(range(1000, 1100))  # short, fresh prompt: no probe, straight to the draft
-    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft())
+    history = list(range(1000, 1100))
+    # The pre-filter skips the probe: the router starts in the draft model's mode.
+    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft(), settings=NO_PROBE)
     assert router.mode == "draft_model"
     for i in range(60):
         router.propose(history, 8)
@@ -368,25 +372,27 @@ def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(r
         assert router.mode == "draft_model" and not stats.mode_switches
 
 
-def test_router_with_a_draft_model_tries_lookup_with_shadow_drafts_instead_of_a_probe():
-    prompt = list(range(50)) * 8  # long and repetitive: worth trying prompt lookup
-    assert AutoRouter(prompt, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8)).mode == "probe"
+def test_router_with_a_draft_model_probes_lookup_and_gives_the_draft_the_rounds_lookup_cannot_draft():
+    prompt = list(range(50)) * 8
     stats = GenerationStats()
-    router = AutoRouter(prompt, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft())
-    assert router.mode == "draft_model" and "shadow drafts" in stats.mode_reason
-    history = list(prompt)
-    for _ in range(30):  # the text keeps repeating: the free shadow drafts find it
-        router.propose(history, 8)
-        router.observe(1, 0)
-        history.append(history[-50])
-    assert router.mode == "prompt_lookup", stats.mode_switches
-    assert "shadow drafts" in stats.mode_switches[-1]
+    draft = _StubDraft()
+    router = AutoRouter(prompt, flat_costs(1.5), stats, PromptLookupDrafter(8), draft)
+    assert router.mode == "probe" and "the draft model drafts the rounds lookup has nothing for" in stats.mode_reason
+    history = prompt + [700, 701]  # fresh tokens: lookup has nothing to draft
+    assert router.propose(history, 8) == [0]  # the draft model's round
+    router.observe(1, 0)
+    assert draft.acceptance.drafted == 1 and router.lookup_acceptance.drafted == 0  # its record, not lookup's
+    history += [702] + list(range(20))  # the text copies the prompt again: lookup drafts
+    drafts = router.propose(history, 8)
+    assert drafts == list(range(20, 24)) and router.mode == "probe"
+    router.observe(4, 4)
+    assert router.lookup_acceptance.drafted == 4 and draft.acceptance.drafted == 1
 
 
 def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadows_promised():
     stats = GenerationStats()
     history = list(range(1000, 1100))
-    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft())
+    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft(), settings=NO_PROBE)
 
     def run(rounds: int, drafted_accepted) -> None:
         for _ in range(rounds):
@@ -564,17 +570,15 @@ def test_auto_with_plain_rounds_queued_ahead_is_exact(kit):
     assert_same_or_near_tie(kit, prompt, plain, ids)
 
 
-def test_router_probes_lookup_first_when_the_draft_has_not_paid_on_this_kit():
+def test_router_probe_that_misses_ends_in_the_draft_model():
     prompt = list(range(50)) * 8
-    weak, good = _StubDraft(), _StubDraft()
-    weak.acceptance = AcceptanceModel(prior=0.05)  # its record on the kit: hardly ever accepted
     stats = GenerationStats()
-    router = AutoRouter(prompt, flat_costs(1.5), stats, PromptLookupDrafter(8), weak)
-    assert router.mode == "probe" and "has not paid" in stats.mode_reason
+    router = AutoRouter(prompt, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft())
+    assert router.mode == "probe"
     for _ in range(4):
-        router.observe(4, 0)  # lookup misses too: the probe ends in the draft model
+        router.propose(prompt, 8)
+        router.observe(4, 0)  # lookup's drafts miss: the probe ends in the draft model
     assert router.mode == "draft_model"
-    assert AutoRouter(prompt, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8), good).mode == "draft_model"
 
 
 def test_finder_reports_the_strength_of_its_match():

@@ -4,9 +4,11 @@ is expected to give the most tokens per second on this machine.
 
 Without a draft model, a probe of up to 16 tokens with prompt lookup that stops
 after 4 consecutive misses, its draft growing 4x each time it is accepted whole;
-commit to prompt lookup above 30% acceptance. With a draft model the router
-starts with it and leaves lookup to the shadow drafts below, which cost nothing
-while the draft model earns. Beyond it:
+commit to prompt lookup above 30% acceptance. With a draft model loaded, the
+drafter is chosen per round: the probe's rounds and lookup's that lookup would
+not draft are the draft model's, and while the draft model runs, a round drafts
+from lookup when lookup's record on this request (its shadow drafts, below)
+expects more from it. Beyond it:
 acceptance is turned into expected speed with the kit's measured verify costs
 (and the draft model's step cost), the draft length is the one with the best
 expected speed, and acceptance keeps being watched so the mode switches when it no
@@ -99,6 +101,10 @@ class AutoRouter:
         self._rejected_at: int | None = None
         self._history: list[int] | None = None  # the loop's history (the list it extends)
         self._proposed = False  # propose ran for the round being observed
+        # With a draft model loaded, which drafter made the round being observed
+        # when it is not the mode's own: "lookup" (a lookup round inside the draft
+        # model's mode) or "draft_model" (a draft round inside lookup's).
+        self._round_by: str | None = None
         self._lookup_exits = 0  # times lookup was left because no length paid
         # Weak lookup matches' acceptance (RouterSettings.weak_match), from
         # their rounds and shadows in every mode of this request.
@@ -106,26 +112,17 @@ class AutoRouter:
         self._round_weak = False  # the round being observed drafted from a weak match
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
-        if draft_drafter is not None and self.lookup_allowed and not self._draft_pays():
-            # The draft's record on this kit (its acceptance prior) says it does
-            # not pay: the probe costs little beside it and finds copying at once.
-            self._enter("probe", f"{facts}: the draft model has not paid on this kit so far; probing prompt lookup")
+        if self.lookup_allowed:
+            # With a draft model, the probe's rounds that lookup has nothing to
+            # draft for are the draft model's, so the probe costs a verify pass only
+            # where lookup's own draft misses, and finds copying at once
+            # (docs/decoding.md, "Auto with a draft loaded").
+            also = "; the draft model drafts the rounds lookup has nothing for" if draft_drafter is not None else ""
+            self._enter("probe", f"{facts}: probing prompt lookup{also}")
         elif draft_drafter is not None:
-            # No probe: a probe round that misses costs a verify pass, a shadow
-            # draft costs nothing and the draft model earns meanwhile.
-            why = ("draft model loaded; prompt lookup is tried with shadow drafts, not a probe" if self.lookup_allowed
-                   else "prompt too short or sparse for lookup; draft model loaded")
-            self._enter("draft_model", f"{facts}: {why}")
-        elif self.lookup_allowed:
-            self._enter("probe", f"{facts}: probing prompt lookup")
+            self._enter("draft_model", f"{facts}: prompt too short or sparse for lookup; draft model loaded")
         else:
             self._enter("plain", f"{facts}: prompt too short or sparse for lookup")
-
-    def _draft_pays(self) -> bool:
-        """Whether some draft length is expected to beat plain decoding, from
-        the draft's acceptance so far (its prior) and its round costs."""
-        d = self.draft_drafter
-        return d.round_costs is None or best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
 
     # -- bookkeeping -------------------------------------------------------
     def _reset_evidence(self) -> None:
@@ -161,8 +158,12 @@ class AutoRouter:
         this, plain rounds under the router cost a few percent more than plain
         decoding's."""
         if self.mode in ("probe", "prompt_lookup") and self._lookup_pays_nothing():
-            return True
-        return self.mode == "plain" or (self.mode == "draft_model" and self.draft_drafter.plain_ahead)
+            # In prompt lookup, a round lookup does not draft may be the draft model's.
+            return self.mode == "probe" or self.draft_drafter is None or self.draft_drafter.plain_ahead
+        if self.mode == "draft_model":
+            # Not while lookup has earned rounds of its own here: they are chosen in propose.
+            return self.draft_drafter.plain_ahead and not self._lookup_earns()
+        return self.mode == "plain"
 
     def _lookup_pays_nothing(self) -> bool:
         """Whether, in the batch as it is now, no lookup round of any length pays
@@ -179,9 +180,10 @@ class AutoRouter:
         return strong == 0 and best_draft_length(self.weak, rounds, max_k, rows=rows)[0] == 0
 
     def propose(self, history: list[int], limit: int) -> Drafts:
-        self._history, self._proposed = history, True
+        self._history, self._proposed, self._round_by = history, True, None
         if self.mode == "prompt_lookup":
-            return self._lookup_round(history, limit)
+            drafts = self._lookup_round(history, limit)
+            return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
         if self.mode == "probe":
             self.lookup.num_tokens = self.lookup_k
             drafts = self.lookup.propose(history, limit)
@@ -192,13 +194,63 @@ class AutoRouter:
             self._round_weak = self._is_weak(drafts)
             if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
-                return []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
-            return drafts
+                drafts = []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
+            return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
         if self.mode == "draft_model":
+            if drafts := self._lookup_instead(history, limit):
+                self._round_by = "lookup"
+                return drafts
             return self.draft_drafter.propose(history, limit)
         return []
+
+    def _draft_turn(self, history: list[int], limit: int) -> Drafts:
+        """A probe or lookup round that lookup does not draft (no match, or one
+        that does not pay): the draft model's, at the length its own record
+        chooses, if some length pays; else a plain round. No exploration drafts
+        here (they are the draft model's mode's): with the shipped draft (21%
+        accepted) they cost a short answer's probe a failed round in three."""
+        d = self.draft_drafter
+        if d.round_costs is not None and best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] == 0:
+            return []
+        self._round_by = "draft_model"
+        return d.propose(history, limit)
+
+    def _lookup_instead(self, history: list[int], limit: int) -> list[int]:
+        """While the draft model runs, this round's lookup draft when lookup's
+        record on this request (its shadow drafts, which also score the rounds
+        this returns) expects more from it than the draft model's record from a
+        round of its own; else nothing. Per round, so a draft that is right 60%
+        of the time gives way to lookup that is right 95% on the copied lines of
+        an answer, and keeps the rounds where nothing is copied."""
+        if not self._lookup_earns():
+            return []
+        max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
+        drafts = self.lookup.peek(history, min(max_k, limit))
+        if not drafts or self._is_weak(drafts):
+            return []
+        k, speedup = best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), len(drafts))
+        evidence = 1 + self.s.thin_evidence / self.shadow_positions
+        return drafts[:k] if k and speedup > evidence * max(1.0, self._draft_speedup()) else []
+
+    def _lookup_earns(self) -> bool:
+        """Whether lookup's record on this request (enough decided shadow
+        positions) makes some lookup length pay beside the draft model."""
+        if self.shadow_positions < self.s.shadow_rounds or self._lookup_retired:
+            return False
+        return best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), self.max_lookup)[0] > 0
+
+    def _draft_speedup(self) -> float:
+        """The draft model's expected speed-up from its record on this request."""
+        return best_draft_length(self.draft_drafter.acceptance, self.draft_drafter.round_costs, costs.MAX_MODEL_DRAFT)[1]
+
+    def _lookup_rounds_beside_draft(self) -> list[float]:
+        """Lookup rounds' times while the draft model runs: lookup's own line
+        comes from the short-context measurement or a few probe rounds; the draft's
+        rounds, timed here and now, less the draft model's work, keep it from being
+        priced under what its rounds cost at long contexts (docs/decoding.md)."""
+        return [max(a, b) for a, b in zip(self.lookup_costs.table(), self.draft_drafter.round_costs.without_drafting())]
 
     def _lookup_round(self, history: list[int], limit: int) -> list[int]:
         """Each round the length with the best expected speed-up, within the
@@ -243,13 +295,18 @@ class AutoRouter:
             # loop's list as it stands now (this round's token not appended yet).
             self._shadow_lookup(self._history)
         self._proposed = False
-        # Round times teach the cost of the mode that ran; an undrafted round
-        # costs the same whichever mode would have drafted.
-        if self.mode in ("probe", "prompt_lookup") or drafted == 0:
+        by, self._round_by = self._round_by, None
+        if by == "draft_model":
+            self._observe_draft_round(drafted, accepted, seconds)
+            return
+        lookups = by == "lookup" or self.mode in ("probe", "prompt_lookup")
+        # Round times teach the cost of the drafter that ran; an undrafted round
+        # costs the same whichever would have drafted.
+        if lookups or drafted == 0:
             self.lookup_costs.observe(drafted, seconds)
         if self.draft_drafter is not None and self.mode != "draft_model" and drafted == 0:
             self.draft_drafter.round_costs.observe(0, seconds)
-        if drafted:
+        if drafted and lookups:
             # As for the draft model (policy.py): after a rejection the next draft
             # is at most 2·(a+1)+2 long; the burst that just ended says little there.
             self._rejected_at = accepted + 1 if accepted < drafted else None
@@ -272,14 +329,27 @@ class AutoRouter:
             self.lookup_acceptance.observe(drafted, accepted)
             self.lookup_own.observe(drafted, accepted)
             self._watch_lookup()
-        elif self.mode == "draft_model":
+        elif self.mode == "draft_model" and by is None:
             # Not left for plain decoding when it stops paying: the drafter then
             # pauses drafting by itself and keeps exploring, so it resumes when
             # the text turns predictable (plain decoding could only leave for
-            # prompt lookup, so a pessimistic start would forfeit the draft).
+            # prompt lookup, so a pessimistic start would forfeit the draft). A
+            # lookup round (by == "lookup") is scored by its shadow draft, not here.
             self.draft_drafter.observe(drafted, accepted, seconds)
         if self.mode in ("plain", "draft_model"):
             self._consider_lookup()
+
+    def _observe_draft_round(self, drafted: int, accepted: int, seconds: float | None) -> None:
+        """A draft-model round inside the probe or lookup: it teaches the draft
+        model alone (an undrafted one also lookup's undrafted time); the probe
+        counts its tokens, so a probe that finds nothing to copy still ends."""
+        self.draft_drafter.observe(drafted, accepted, seconds)
+        if drafted == 0:
+            self.lookup_costs.observe(0, seconds)
+        self._round_weak = False
+        if self.mode == "probe":
+            self.produced += accepted + 1
+            self._after_probe_round()
 
     def _shadow_lookup(self, history: list[int]) -> None:
         """Score earlier shadow proposals position by position as the output
@@ -329,14 +399,8 @@ class AutoRouter:
         lookup_rounds, rows = self._lookup_pricing()
         current = 1.0
         if self.mode == "draft_model":
-            current = best_draft_length(self.draft_drafter.acceptance, self.draft_drafter.round_costs, costs.MAX_MODEL_DRAFT)[1]
-            # Lookup's own line comes from the short-context measurement or a few
-            # probe rounds; the draft's rounds, timed here and now, less the draft
-            # model's work, keep it from being priced under what its rounds cost
-            # at long contexts.
-            own = self.lookup_costs.table()
-            lookup_rounds = [max(a, b) for a, b in zip(own, self.draft_drafter.round_costs.without_drafting())]
-            rows = 1
+            current = self._draft_speedup()
+            lookup_rounds, rows = self._lookup_rounds_beside_draft(), 1
         k, speedup = best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
         margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
         if k and speedup > margin * current:

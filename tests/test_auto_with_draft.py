@@ -1,0 +1,129 @@
+"""Auto with a draft model loaded chooses per round between prompt lookup, the
+draft model and plain decoding from what each has earned on the request
+(issue 31, item 4): a draft that is good on free text but worse than lookup on a
+copy gives way to lookup on the copy and is used again on the free text after it.
+
+Deterministic: Markov models (logits from the last token alone) stand in for the
+target and the draft, and the router is never shown a round's time, so it prices
+rounds with the given costs only."""
+
+from itertools import pairwise
+
+import mlx.core as mx
+
+from fixtures.tiny_models import MarkovLM
+from mlx_engine.cache import SequenceCache
+from mlx_engine.model_kit import DraftModel
+from mlx_engine.results import GenerationStats
+from mlx_engine.sampling import SamplingParams, build_sampler
+from mlx_engine.speculative.costs import CostModel, RoundCosts
+from mlx_engine.speculative.draft_model import DraftModelDrafter
+from mlx_engine.speculative.loop import decode as _decode
+from mlx_engine.speculative.loop import run_alone
+from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+from mlx_engine.speculative.router import AutoRouter
+
+
+def decode(*args, **kwargs):
+    return run_alone(_decode(*args, **kwargs))
+
+
+VOCAB = 320
+# Verify costs shaped like the 2-core CPU's (1.27 + 0.07k single steps) and a
+# draft step 1/16.5 of a target step, as measured for SmolLM2 and its draft.
+CPU_COSTS = CostModel(tuple(0.01 * (1.0 if n == 1 else 1.27 + 0.07 * (n - 1)) for n in range(1, 34)))
+DRAFT_STEP = 1 / 16.5
+
+LEAD = list(range(10, 30))
+PASSAGE = [100 + (7 * i) % 64 for i in range(64)]  # 64 distinct tokens in a scrambled order
+FRESH_1 = list(range(200, 248))  # never in the prompt: lookup has nothing there
+FRESH_2 = list(range(250, 298))
+PROMPT = LEAD + PASSAGE + [30, 31, 199]
+OUTPUT = FRESH_1 + PASSAGE + FRESH_2  # what greedy decoding continues PROMPT with
+
+
+def _chain_table(successor: dict[int, int]) -> mx.array:
+    """Logits whose argmax after token t is successor[t] (t+1 elsewhere), with noise."""
+    nxt = [successor.get(t, (t + 1) % VOCAB) for t in range(VOCAB)]
+    sharp = mx.zeros((VOCAB, VOCAB))
+    sharp[mx.arange(VOCAB), mx.array(nxt)] = 12.0
+    return sharp + mx.random.normal((VOCAB, VOCAB), key=mx.random.key(0))
+
+
+def _successors() -> dict[int, int]:
+    chain = [199, *OUTPUT]
+    return dict(pairwise(chain))
+
+
+def _draft_successors() -> dict[int, int]:
+    """The target's chain, except: right on 60% of the passage's transitions and
+    on 90% of the fresh text's."""
+    wrong = {}
+    for i, t in enumerate(PASSAGE[:-1]):
+        if i % 5 in (1, 3):
+            wrong[t] = 310
+    for i, t in enumerate(FRESH_1 + FRESH_2):
+        if i % 10 == 9:
+            wrong[t] = 311
+    return {**_successors(), **wrong}
+
+
+class _Spy:
+    """The router as the loop sees it, with every round's time withheld (the
+    decisions then depend on the given costs alone) and each round's drafts
+    logged with the position they start at and which drafter made them."""
+
+    def __init__(self, router: AutoRouter):
+        self.router, self.rounds = router, []
+        self._draft_propose = router.draft_drafter.propose
+        router.draft_drafter.propose = self._drafted
+        self._by_draft = False
+
+    def _drafted(self, history, limit):
+        self._by_draft = True
+        return self._draft_propose(history, limit)
+
+    @property
+    def plain_ahead(self) -> bool:
+        return self.router.plain_ahead
+
+    def propose(self, history, limit):
+        self._by_draft = False
+        drafts = self.router.propose(history, limit)
+        n = drafts.size if isinstance(drafts, mx.array) else len(drafts)
+        self.rounds.append((len(history) - len(PROMPT), n, "draft" if self._by_draft else "lookup"))
+        return drafts
+
+    def observe(self, drafted, accepted, seconds=None):
+        self.router.observe(drafted, accepted, None)
+
+
+def _drafted_by(rounds, who: str, start: int, end: int) -> int:
+    """Draft tokens ``who`` proposed in rounds starting at output positions [start, end)."""
+    return sum(n for pos, n, by in rounds if by == who and start <= pos < end)
+
+
+def test_auto_with_a_draft_drafts_from_lookup_on_a_copy_and_from_the_draft_on_free_text():
+    target = MarkovLM(_chain_table(_successors()))
+    draft_lm = MarkovLM(_chain_table(_draft_successors()))
+    sampler = build_sampler(SamplingParams())
+    n = len(OUTPUT)
+    plain = [s.token for s in decode(SequenceCache(target), list(PROMPT), n, sampler, [], 4096, None, GenerationStats())]
+    assert plain == OUTPUT
+
+    stats = GenerationStats()
+    draft = DraftModelDrafter(DraftModel(None, draft_lm, SequenceCache(draft_lm), 0), None,
+                              RoundCosts(CPU_COSTS, draft_step=DRAFT_STEP), vocab_size=VOCAB)
+    router = AutoRouter(list(PROMPT), CPU_COSTS, stats, PromptLookupDrafter(32), draft)
+    spy = _Spy(router)
+    out = [s.token for s in decode(SequenceCache(target), list(PROMPT), n, sampler, [], 4096, spy, stats)]
+    assert out == plain  # greedy output is the same whoever drafts
+
+    copy_start, copy_end = len(FRESH_1), len(FRESH_1) + len(PASSAGE)
+    # The free text before the copy: the draft model drafts it (lookup has nothing).
+    assert _drafted_by(spy.rounds, "draft", 0, copy_start) >= len(FRESH_1) // 2
+    # The copy: lookup drafts it, not the draft model that is right 60% of the time there.
+    assert _drafted_by(spy.rounds, "lookup", copy_start, copy_end) >= len(PASSAGE) - 16
+    assert _drafted_by(spy.rounds, "draft", copy_start + 8, copy_end) <= 4
+    # The free text after the copy: the draft model's again, not plain rounds.
+    assert _drafted_by(spy.rounds, "draft", copy_end + 4, n) >= len(FRESH_2) // 2
