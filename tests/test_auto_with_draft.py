@@ -19,7 +19,7 @@ from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.costs import CostModel, RoundCosts
 from mlx_engine.speculative.draft_model import DraftModelDrafter
 from mlx_engine.speculative.loop import decode as _decode
-from mlx_engine.speculative.loop import run_alone
+from conftest import run_alone
 from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
 from mlx_engine.speculative.router import AutoRouter
 
