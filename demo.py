@@ -1,20 +1,22 @@
 #!/usr/bin/env python
 """Command-line demo of mlx-engine: stream an answer with statistics.
 
-    python demo.py                                   # SmolLM2-135M-Instruct answers a question
-    python demo.py --chat                            # multi-turn chat; the prompt cache grows each turn
-    python demo.py --prompt "Name three rivers in Europe."
-    python demo.py --model path/to/model.gguf --prompt "Hello"
-    python demo.py --prompt-lookup-num-tokens 8      # prompt-lookup decoding
-    python demo.py --auto-speculative                # let the engine choose
-    python demo.py --draft                           # draft-model speculation with the default model's draft
-    python demo.py --json-schema person.json --prompt "Describe a person as JSON."
-    python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
-    python demo.py --parallel 4                      # four questions at once, decoded in one batch
-    python demo.py --tools examples/tools.json       # a tool call, the tool's result, then the answer
+python demo.py                                   # SmolLM2-135M-Instruct answers a question
+python demo.py --chat                            # multi-turn chat; the prompt cache grows each turn
+python demo.py --prompt "Name three rivers in Europe."
+python demo.py --model path/to/model.gguf --prompt "Hello"
+python demo.py --prompt-lookup-num-tokens 8      # prompt-lookup decoding
+python demo.py --auto-speculative                # let the engine choose
+python demo.py --draft                           # draft-model speculation with the default model's draft
+python demo.py --json-schema person.json --prompt "Describe a person as JSON."
+python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
+python demo.py --parallel 4                      # four questions at once, decoded in one batch
+python demo.py --tools examples/tools.json       # a tool call, the tool's result, then the answer
 """
 
 from __future__ import annotations
+
+import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 
 import argparse
 import ast
@@ -27,13 +29,13 @@ import threading
 import time
 from pathlib import Path
 
-import mlx_engine as me  # first: loads OpenBLAS before mlx.core
-
 ROOT = Path(__file__).resolve().parent
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer briefly and accurately."
 # Base models (no chat template), like the bundled toy model, continue this text.
-DEFAULT_BASE_PROMPT = "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return the paths of all .py files under root.\"\"\"\n"
+DEFAULT_BASE_PROMPT = (
+    'import os\n\n\ndef list_python_files(root):\n    """Return the paths of all .py files under root."""\n'
+)
 PARALLEL_QUESTIONS = (
     DEFAULT_QUESTION,
     "Name three rivers in Europe.",
@@ -64,10 +66,17 @@ def resolve_model(name: str | None) -> str | Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Stream text from a local model with mlx-engine.")
-    p.add_argument("--model", help=f"model directory, .gguf file, catalog name, or a name under the LM Studio models folders (default: {me.DEFAULT_MODEL})")
+    p.add_argument(
+        "--model",
+        help=f"model directory, .gguf file, catalog name, or a name under the LM Studio models folders (default: {me.DEFAULT_MODEL})",
+    )
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat (an empty line or EOF ends it)")
     p.add_argument("--prompt", default=None, help="prompt text; '-' reads standard input")
-    p.add_argument("--system", default=None, help=f"system message for the chat template (default: {DEFAULT_SYSTEM!r}; '' for none)")
+    p.add_argument(
+        "--system",
+        default=None,
+        help=f"system message for the chat template (default: {DEFAULT_SYSTEM!r}; '' for none)",
+    )
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
@@ -78,24 +87,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-kv-size", type=int, default=None)
     p.add_argument("--print-prompt-progress", action="store_true", help="show a prompt-processing progress bar")
-    p.add_argument("--draft-model", default=None, help="draft model for speculative decoding (a path or a catalog name)")
-    p.add_argument("--draft", action="store_true",
-                   help="use the draft model the catalog lists for --model (smollm2-135m-draft for the default model)")
+    p.add_argument(
+        "--draft-model", default=None, help="draft model for speculative decoding (a path or a catalog name)"
+    )
+    p.add_argument(
+        "--draft",
+        action="store_true",
+        help="use the draft model the catalog lists for --model (smollm2-135m-draft for the default model)",
+    )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
-    p.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="prompt-lookup decoding with this many draft tokens")
-    p.add_argument("--auto-speculative", action="store_true", help="let the engine pick plain, prompt lookup or draft model per request")
-    p.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the answer to this JSON schema (a .json file)")
+    p.add_argument(
+        "--prompt-lookup-num-tokens", type=int, default=None, help="prompt-lookup decoding with this many draft tokens"
+    )
+    p.add_argument(
+        "--auto-speculative",
+        action="store_true",
+        help="let the engine pick plain, prompt lookup or draft model per request",
+    )
+    p.add_argument(
+        "--json-schema", default=None, metavar="FILE", help="constrain the answer to this JSON schema (a .json file)"
+    )
     p.add_argument("--regex", default=None, help="constrain the answer to this regular expression")
     p.add_argument("--grammar", default=None, metavar="FILE", help="constrain the answer to this Lark grammar file")
-    p.add_argument("--tools", default=None, metavar="FILE",
-                   help="OpenAI tool definitions (a .json list, e.g. examples/tools.json): the model calls one, the demo "
-                        "runs it and the model answers from its result")
-    p.add_argument("--tool-choice", default="required", metavar="CHOICE",
-                   help="auto, required (default: a 135M model seldom calls on its own) or a tool's name")
-    p.add_argument("--images", nargs="+", default=None, metavar="FILE", help="image files for a vision model (sent base64-encoded)")
+    p.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="OpenAI tool definitions (a .json list, e.g. examples/tools.json): the model calls one, the demo "
+        "runs it and the model answers from its result",
+    )
+    p.add_argument(
+        "--tool-choice",
+        default="required",
+        metavar="CHOICE",
+        help="auto, required (default: a 135M model seldom calls on its own) or a tool's name",
+    )
+    p.add_argument(
+        "--images", nargs="+", default=None, metavar="FILE", help="image files for a vision model (sent base64-encoded)"
+    )
     p.add_argument("--verbose", action="store_true", help="log engine decisions")
-    p.add_argument("--parallel", type=int, default=None, metavar="N", help="answer N prompts at once (built-in questions, or --prompt N times) and print the aggregate throughput")
-    p.add_argument("--sharded", action="store_true", help="shard the model over the ranks of an mlx.launch job (implied under mlx.launch; docs/distributed.md)")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="answer N prompts at once (built-in questions, or --prompt N times) and print the aggregate throughput",
+    )
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help="shard the model over the ranks of an mlx.launch job (implied under mlx.launch; docs/distributed.md)",
+    )
     return p
 
 
@@ -109,7 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.draft_model is None:
             parser.error(f"--draft: the catalog lists no draft model for {args.model!r}; pass --draft-model")
     if args.prompt_lookup_num_tokens is not None and args.draft_model and not args.auto_speculative:
-        parser.error("--prompt-lookup-num-tokens and --draft-model are two different drafters; pick one, or add --auto-speculative")
+        parser.error(
+            "--prompt-lookup-num-tokens and --draft-model are two different drafters; pick one, or add --auto-speculative"
+        )
     if args.num_draft_tokens is not None and not args.draft_model:
         parser.error("--num-draft-tokens needs --draft-model")
     if args.max_tokens <= 0:
@@ -191,13 +235,20 @@ def constraints(args: argparse.Namespace) -> dict:
 
 
 # -- tools -------------------------------------------------------------------------
-BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-          ast.Pow: operator.pow, ast.Mod: operator.mod}
+BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.Mod: operator.mod,
+}
 UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def arithmetic(expression: str) -> float:
     """Evaluate + - * / % ** and parentheses over numbers (nothing else is run)."""
+
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
             return node.value
@@ -206,6 +257,7 @@ def arithmetic(expression: str) -> float:
         if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
             return UNARY[type(node.op)](value(node.operand))
         raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+
     return value(ast.parse(expression.replace("^", "**"), mode="eval").body)
 
 
@@ -251,8 +303,16 @@ def tools_exchange(kit: me.ModelKit, args: argparse.Namespace) -> int:
     if not calls:
         print_stats(final.stats, final.stop_condition)
         return 0
-    messages.append({"role": "assistant", "content": answer or None, "tool_calls": [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]})
+    messages.append(
+        {
+            "role": "assistant",
+            "content": answer or None,
+            "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                for c in calls
+            ],
+        }
+    )
     for call in calls:
         result = json.dumps(run_tool(call))
         print(f"[tool call] {call.name}({call.arguments_json}) -> {result}", flush=True)
@@ -288,7 +348,9 @@ def print_stats(s: me.GenerationStats, stop: me.GenerationStopCondition) -> None
         decoding_line(s),
     ]
     if s.setup_time >= 0.005:
-        lines.insert(2, f"One-off cost measurement: {s.setup_time:.2f}s (in the time to first token, not the prompt rate)")
+        lines.insert(
+            2, f"One-off cost measurement: {s.setup_time:.2f}s (in the time to first token, not the prompt rate)"
+        )
     if s.drafted_tokens:
         lines += [
             f"Drafted/accepted tokens: {s.drafted_tokens}/{s.accepted_tokens}",
@@ -318,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="[%(name)s] %(message)s")
     try:
         return run(args)
-    except (ValueError, me.ShardedKitError) as exc:  # bad arguments, model folders, a failed rank: one line, like argparse
+    except (
+        ValueError,
+        me.ShardedKitError,
+    ) as exc:  # bad arguments, model folders, a failed rank: one line, like argparse
         if args.verbose:
             raise
         print(f"{Path(sys.argv[0]).name}: error: {error_line(exc, args)}", file=sys.stderr)
@@ -353,8 +418,9 @@ def request_options(args: argparse.Namespace) -> dict:
     )
 
 
-def generate(kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], images_b64,
-             options: dict | None = None) -> tuple[me.GenerationResult, str, list[me.ToolCall]]:
+def generate(
+    kit: me.ModelKit, args: argparse.Namespace, prompt: list[int], images_b64, options: dict | None = None
+) -> tuple[me.GenerationResult, str, list[me.ToolCall]]:
     """Stream one answer to stdout; returns the final result, the whole text and the tool calls."""
     final, pieces, calls = None, [], []
     for result in me.create_generator(kit, prompt, images_b64=images_b64, **(options or request_options(args))):
@@ -394,7 +460,11 @@ def parallel(kit: me.ModelKit, args: argparse.Namespace) -> int:
     """Answer N prompts at once, each consumed by its own thread; print each
     answer and the aggregate throughput."""
     n = args.parallel
-    texts = [args.prompt] * n if args.prompt is not None else [PARALLEL_QUESTIONS[i % len(PARALLEL_QUESTIONS)] for i in range(n)]
+    texts = (
+        [args.prompt] * n
+        if args.prompt is not None
+        else [PARALLEL_QUESTIONS[i % len(PARALLEL_QUESTIONS)] for i in range(n)]
+    )
     prompts = [build_prompt(kit, args, t, []) for t in texts]
     answers: list = [None] * n
 
@@ -420,7 +490,9 @@ def parallel(kit: me.ModelKit, args: argparse.Namespace) -> int:
         if final is not None:
             total += final.stats.generated_tokens
             s = final.stats
-            print(f"    ({s.generated_tokens} tokens, {s.generation_tps:.1f} tok/s, first token after {s.time_to_first_token:.2f} s; {decoding_line(s)})\n")
+            print(
+                f"    ({s.generated_tokens} tokens, {s.generation_tps:.1f} tok/s, first token after {s.time_to_first_token:.2f} s; {decoding_line(s)})\n"
+            )
     print(f"{n} requests, {total} tokens in {seconds:.2f} s: {total / seconds:.1f} tok/s aggregate", file=sys.stderr)
     return 0 if all(a[1] is not None for a in answers) else 1
 
@@ -431,8 +503,12 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(kit, me.Follower):
             return 0 if kit.serve().reason == "stopped" else 1
     else:
-        kit = me.load_model(resolve_model(args.model), max_kv_size=args.max_kv_size, seed=args.seed,
-                            max_parallel=max(args.parallel or 1, 4) if not args.images else None)
+        kit = me.load_model(
+            resolve_model(args.model),
+            max_kv_size=args.max_kv_size,
+            seed=args.seed,
+            max_parallel=max(args.parallel or 1, 4) if not args.images else None,
+        )
     if args.draft_model:
         me.load_draft_model(kit, resolve_model(args.draft_model))
     if args.chat:

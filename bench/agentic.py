@@ -28,14 +28,13 @@ absolute rates drift; the paired ratios are what to read. Writes
 from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+from mlx_engine.speculative.suffix import SuffixMemory  # noqa: E402
 
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from typing import NamedTuple  # noqa: E402
-
-from mlx_engine.speculative.suffix import SuffixMemory  # noqa: E402
 
 from .run import geomean, machine_info  # noqa: E402
 from .stats import bench_args  # noqa: E402
@@ -57,10 +56,18 @@ SYSTEMS = (
     System("auto-suffix", {"auto_speculative": True}, True),
 )
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string",
-                   "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
 
 QUESTION = "Explain what a Python decorator is, with a short example."
 #: scenario -> turns of (chat id, user message); a new chat id starts a new conversation.
@@ -72,10 +79,19 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("a", "Add a docstring to the function and return the whole function."),
     ],
     "tool-calls": [(c, f"What is the weather in {c} right now?") for c in ("Paris", "Tokyo", "Lima")],
-    "json-shape": [(c, f"Give the capital, continent and official language of {c} as JSON with the keys "
-                       "\"country\", \"capital\", \"continent\" and \"language\".") for c in ("France", "Japan", "Brazil")],
-    "revisit": [("a", QUESTION), ("a", "What is a Python list comprehension?"),
-                ("a", "Back to the first question: " + QUESTION)],
+    "json-shape": [
+        (
+            c,
+            f"Give the capital, continent and official language of {c} as JSON with the keys "
+            '"country", "capital", "continent" and "language".',
+        )
+        for c in ("France", "Japan", "Brazil")
+    ],
+    "revisit": [
+        ("a", QUESTION),
+        ("a", "What is a Python list comprehension?"),
+        ("a", "Back to the first question: " + QUESTION),
+    ],
 }
 
 
@@ -109,7 +125,9 @@ def run_scenario(kit: me.ModelKit, system: System, turns: list[tuple[str, str]],
         end = time.perf_counter()
         seconds, decode = end - t0, end - (first if first is not None else t0)
         stats = final.stats if final is not None else None
-        out.append(Turn(tokens, seconds, decode, stats.accepted_tokens if stats else 0, stats.decoding_mode if stats else None))
+        out.append(
+            Turn(tokens, seconds, decode, stats.accepted_tokens if stats else 0, stats.decoding_mode if stats else None)
+        )
         messages.append({"role": "assistant", "content": "".join(pieces)})
     return out
 
@@ -122,7 +140,7 @@ def measure(kit, systems, scenarios, reps: int, max_tokens: int) -> dict:
     for system in systems:
         run_scenario(kit, system, first, max_tokens)
     for rnd in range(1, reps + 1):
-        order = systems[rnd % len(systems):] + systems[: rnd % len(systems)]
+        order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
         for name, turns in scenarios.items():
             for system in order:
                 result = run_scenario(kit, system, turns, max_tokens)
@@ -140,11 +158,20 @@ def analyse(runs: dict, systems) -> tuple[list[dict], dict]:
                 rounds = by_system[system.name]
                 ratios = [p[t].seconds / r[t].seconds for p, r in zip(plain, rounds)]
                 decode = [p[t].decode_seconds / max(r[t].decode_seconds, 1e-9) for p, r in zip(plain, rounds)]
-                rows.append({"scenario": scenario, "turn": t + 1, "system": system.name,
-                             "new_tokens": len(rounds[0][t].tokens), "speedup": geomean(ratios),
-                             "decode_speedup": geomean(decode),
-                             "ratios": ratios, "accepted": rounds[0][t].accepted, "mode": rounds[0][t].mode,
-                             "same_as_plain": all(r[t].tokens == plain[0][t].tokens for r in rounds)})
+                rows.append(
+                    {
+                        "scenario": scenario,
+                        "turn": t + 1,
+                        "system": system.name,
+                        "new_tokens": len(rounds[0][t].tokens),
+                        "speedup": geomean(ratios),
+                        "decode_speedup": geomean(decode),
+                        "ratios": ratios,
+                        "accepted": rounds[0][t].accepted,
+                        "mode": rounds[0][t].mode,
+                        "same_as_plain": all(r[t].tokens == plain[0][t].tokens for r in rounds),
+                    }
+                )
     summary = {}
     for system in systems:
         mine = [r for r in rows if r["system"] == system.name]
@@ -154,22 +181,39 @@ def analyse(runs: dict, systems) -> tuple[list[dict], dict]:
 
 def render(rows: list[dict], summary: dict, reps: int, max_tokens: int) -> str:
     names = list(summary)
-    lines = [f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured "
-             "rounds after a warm-up. Speed-up over plain decoding per turn: plain's wall time / the "
-             "system's (prefill included), paired per round, geometric mean. The machine is shared: read the "
-             "ratios, not absolute rates.", "",
-             "| scenario | turn | new | " + " | ".join(names) + " | accepted (" + ", ".join(names[1:]) + ") | same as plain |",
-             "|---|---:|---:|" + "---:|" * len(names) + "---|---|"]
+    lines = [
+        f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured "
+        "rounds after a warm-up. Speed-up over plain decoding per turn: plain's wall time / the "
+        "system's (prefill included), paired per round, geometric mean. The machine is shared: read the "
+        "ratios, not absolute rates.",
+        "",
+        "| scenario | turn | new | "
+        + " | ".join(names)
+        + " | accepted ("
+        + ", ".join(names[1:])
+        + ") | same as plain |",
+        "|---|---:|---:|" + "---:|" * len(names) + "---|---|",
+    ]
     keyed = {(r["scenario"], r["turn"], r["system"]): r for r in rows}
     for scenario, turn in dict.fromkeys((r["scenario"], r["turn"]) for r in rows):
         cells = [keyed[(scenario, turn, n)] for n in names]
-        same = "yes" if all(c["same_as_plain"] for c in cells) else "NO: " + ",".join(
-            c["system"] for c in cells if not c["same_as_plain"])
-        lines.append(f"| {scenario} | {turn} | {cells[0]['new_tokens']} | "
-                     + " | ".join(f"{c['speedup']:.2f}" for c in cells)
-                     + " | " + ", ".join(str(c["accepted"]) for c in cells[1:]) + f" | {same} |")
-    lines += ["", "| system | geomean speed-up over plain, all turns (wall) | the same, after the first token |",
-              "|---|---:|---:|"]
+        same = (
+            "yes"
+            if all(c["same_as_plain"] for c in cells)
+            else "NO: " + ",".join(c["system"] for c in cells if not c["same_as_plain"])
+        )
+        lines.append(
+            f"| {scenario} | {turn} | {cells[0]['new_tokens']} | "
+            + " | ".join(f"{c['speedup']:.2f}" for c in cells)
+            + " | "
+            + ", ".join(str(c["accepted"]) for c in cells[1:])
+            + f" | {same} |"
+        )
+    lines += [
+        "",
+        "| system | geomean speed-up over plain, all turns (wall) | the same, after the first token |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {n} | {w:.2f} | {d:.2f} |" for n, (w, d) in summary.items() if not math.isnan(w)]
     return "\n".join(lines) + "\n"
 
@@ -190,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, summary, args.reps, args.max_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "agentic.md").write_text(text)
-    (args.out / "agentic.json").write_text(json.dumps({"machine": machine_info(), "rows": rows, "summary": summary},
-                                                      indent=1))
+    (args.out / "agentic.json").write_text(
+        json.dumps({"machine": machine_info(), "rows": rows, "summary": summary}, indent=1)
+    )
     print(text)
     return 0
 

@@ -35,10 +35,18 @@ logger = logging.getLogger("bench")
 SYSTEM_NAMES = ("mlx-lm", "engine-plain", "engine-lookup", "engine-lookup-32", "engine-auto-nodraft")
 DRAFT_SYSTEM_NAMES = ("mlx-lm-spec", "engine-draft", "engine-auto")
 DEFAULT_DRAFT = "smollm2-135m-draft"
-AUTO_NO_DRAFT = S.System("engine-auto-nodraft", "engine", {"auto_speculative": True, "speculative_decoding_toggle": False},
-                         "engine, auto_speculative=True (no draft model: plain or lookup)")
-LOOKUP_32 = S.System("engine-lookup-32", "engine", {"prompt_lookup_num_tokens": 32, "speculative_decoding_toggle": False},
-                     "engine, prompt lookup (32 tokens)")
+AUTO_NO_DRAFT = S.System(
+    "engine-auto-nodraft",
+    "engine",
+    {"auto_speculative": True, "speculative_decoding_toggle": False},
+    "engine, auto_speculative=True (no draft model: plain or lookup)",
+)
+LOOKUP_32 = S.System(
+    "engine-lookup-32",
+    "engine",
+    {"prompt_lookup_num_tokens": 32, "speculative_decoding_toggle": False},
+    "engine, prompt lookup (32 tokens)",
+)
 EXTRA_SYSTEMS = (LOOKUP_32, AUTO_NO_DRAFT)
 
 DOCUMENT = (
@@ -68,15 +76,27 @@ def chat_prompts() -> dict[str, tuple[str, str]]:
     quote_src = textwrap.dedent(inspect.getsource(shlex.quote))
     return {
         "echo-code": ("echo", f"Repeat this function exactly as it is.\n\n```python\n{dedent_src}```"),
-        "edit-rename": ("edit", "Rename the function `indent` to `indent_lines` and return the whole function, "
-                                f"unchanged otherwise.\n\n```python\n{indent_src}```"),
-        "edit-param": ("edit", "Add a parameter `safe_chars=''` to this function: characters in it are also "
-                               f"considered safe. Return the whole function.\n\n```python\n{quote_src}```"),
-        "quote-doc": ("quote", f"Document:\n{DOCUMENT}\n\nQuote the sentence of the document that says when "
-                               "the foundation was founded, then the sentence about its conference."),
+        "edit-rename": (
+            "edit",
+            "Rename the function `indent` to `indent_lines` and return the whole function, "
+            f"unchanged otherwise.\n\n```python\n{indent_src}```",
+        ),
+        "edit-param": (
+            "edit",
+            "Add a parameter `safe_chars=''` to this function: characters in it are also "
+            f"considered safe. Return the whole function.\n\n```python\n{quote_src}```",
+        ),
+        "quote-doc": (
+            "quote",
+            f"Document:\n{DOCUMENT}\n\nQuote the sentence of the document that says when "
+            "the foundation was founded, then the sentence about its conference.",
+        ),
         "summarise": ("summarise", f"Summarise this passage in three sentences.\n\n{PASSAGE}"),
-        "continue-list": ("list", "Here are the first planets of the solar system, in order from the Sun:\n"
-                                  f"{LIST_START}\n\nWrite the whole numbered list of all eight planets."),
+        "continue-list": (
+            "list",
+            "Here are the first planets of the solar system, in order from the Sun:\n"
+            f"{LIST_START}\n\nWrite the whole numbered list of all eight planets.",
+        ),
         "free-chat": ("chat", "Write a short story about a robot who learns to paint."),
     }
 
@@ -108,9 +128,15 @@ def analyse(kit, systems, workloads, runs) -> tuple[list[dict], dict]:
         for s in systems:
             rs = runs[w.name][s.name]
             tps = [r.gen_tps for r in rs]
-            row = {"workload": w.name, "system": s.name, "prompt_tokens": len(w.prompt),
-                   "new_tokens": len(rs[0].tokens), "gen_tps": _median(tps), "ttft": _median([r.ttft for r in rs]),
-                   "exact": exactness(kit, w.prompt, ref, rs[0].tokens)}
+            row = {
+                "workload": w.name,
+                "system": s.name,
+                "prompt_tokens": len(w.prompt),
+                "new_tokens": len(rs[0].tokens),
+                "gen_tps": _median(tps),
+                "ttft": _median([r.ttft for r in rs]),
+                "exact": exactness(kit, w.prompt, ref, rs[0].tokens),
+            }
             for peer in peers:
                 pr = paired_ratio(tps, [r.gen_tps for r in runs[w.name][peer]])
                 row[f"vs_{peer}"] = {"ratio": pr.ratio, "low": pr.low, "high": pr.high, "verdict": pr.verdict}
@@ -118,8 +144,10 @@ def analyse(kit, systems, workloads, runs) -> tuple[list[dict], dict]:
             row["mode"] = stats.get("decoding_mode")
             row["accepted_per_round"] = stats.get("mean_accepted_per_round")
             rows.append(row)
-    summary = {s.name: {peer: geomean([r[f"vs_{peer}"]["ratio"] for r in rows if r["system"] == s.name])
-                        for peer in peers} for s in systems}
+    summary = {
+        s.name: {peer: geomean([r[f"vs_{peer}"]["ratio"] for r in rows if r["system"] == s.name]) for peer in peers}
+        for s in systems
+    }
     return rows, summary
 
 
@@ -127,17 +155,24 @@ def render(rows: list[dict], summary: dict, reps: int, max_tokens: int, ref: str
     def ratio(d):
         return format_paired(d["ratio"], d["low"], d["high"]) if d else "–"
 
-    lines = [f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured rounds; "
-             "ratios are paired per round (95% bootstrap interval).", "",
-             f"| workload | system | prompt | new | gen tok/s | vs mlx-lm | vs engine-plain | mode | acc/round | output vs {ref} |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    lines = [
+        f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured rounds; "
+        "ratios are paired per round (95% bootstrap interval).",
+        "",
+        f"| workload | system | prompt | new | gen tok/s | vs mlx-lm | vs engine-plain | mode | acc/round | output vs {ref} |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
     for r in rows:
         acc = f"{r['accepted_per_round']:.2f}" if r.get("accepted_per_round") else ""
-        lines.append(f"| {r['workload']} | {r['system']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['gen_tps']:.1f} | "
-                     f"{ratio(r.get('vs_mlx-lm'))} | {ratio(r.get('vs_engine-plain'))} | {r['mode'] or ''} | {acc} | {r['exact']} |")
+        lines.append(
+            f"| {r['workload']} | {r['system']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['gen_tps']:.1f} | "
+            f"{ratio(r.get('vs_mlx-lm'))} | {ratio(r.get('vs_engine-plain'))} | {r['mode'] or ''} | {acc} | {r['exact']} |"
+        )
     lines += ["", "| system | geomean vs mlx-lm | geomean vs engine-plain |", "|---|---:|---:|"]
-    lines += [f"| {name} | {v.get('mlx-lm', float('nan')):.2f} | {v.get('engine-plain', float('nan')):.2f} |"
-              for name, v in summary.items()]
+    lines += [
+        f"| {name} | {v.get('mlx-lm', float('nan')):.2f} | {v.get('engine-plain', float('nan')):.2f} |"
+        for name, v in summary.items()
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -145,9 +180,13 @@ def _extra_args(p) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the draft systems ('' for none)")
     p.add_argument("--systems", help="comma-separated subset of the systems (mlx-lm and engine-plain always run)")
     p.add_argument("--workloads", help=f"comma-separated subset of: {', '.join(chat_prompts())}")
-    p.add_argument("--suffix-memory", type=int, default=None,
-                   help="the kit's suffix_memory_tokens (default: the kit's default; 0: off). With the memory on, "
-                        "every round after the first drafts the same prompt's earlier answer")
+    p.add_argument(
+        "--suffix-memory",
+        type=int,
+        default=None,
+        help="the kit's suffix_memory_tokens (default: the kit's default; 0: off). With the memory on, "
+        "every round after the first drafts the same prompt's earlier answer",
+    )
 
 
 def load_models(draft: str, suffix_memory: int | None = None) -> S.Models:
@@ -174,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(lengths=(), multi_turn_lengths=(), max_tokens=args.max_tokens, reps=args.reps, warmup=1)
     runs, measured = measure(models, systems, workloads, plan)
     rows, summary = analyse(kit, systems, workloads, runs)
-    text = render(rows, summary, measured, args.max_tokens, "mlx-lm" if "mlx-lm" in runs[workloads[0].name] else "engine-plain")
+    text = render(
+        rows, summary, measured, args.max_tokens, "mlx-lm" if "mlx-lm" in runs[workloads[0].name] else "engine-plain"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chat.md").write_text(text)
-    (args.out / "chat.json").write_text(json.dumps({"machine": machine_info(), "rows": rows, "summary": summary}, indent=1))
+    (args.out / "chat.json").write_text(
+        json.dumps({"machine": machine_info(), "rows": rows, "summary": summary}, indent=1)
+    )
     print(text)
     return 0
 

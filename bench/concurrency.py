@@ -38,8 +38,9 @@ def prompt_sets(kit: me.ModelKit) -> dict[str, list[list[int]]]:
     return {"mixed": list(ids.values()), "copy": [ids[n] for n in COPY]}
 
 
-def run_streams(kit, prompts: list[list[int]], max_tokens: int, mode: dict,
-                one_stream: bool = False) -> tuple[float, list[list[int]]]:
+def run_streams(
+    kit, prompts: list[list[int]], max_tokens: int, mode: dict, one_stream: bool = False
+) -> tuple[float, list[list[int]]]:
     """All ``prompts`` at once (or one after another with ``one_stream``);
     returns (aggregate tok/s, each request's ids)."""
     outs: list = [None] * len(prompts)
@@ -120,22 +121,32 @@ def exactness(kit, sets, outputs, max_tokens: int) -> dict:
 
 
 def render(rates, same, ttft, reps: int, max_tokens: int) -> list[str]:
-    lines = [f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens per request, "
-             f"{reps} interleaved rounds; ratios paired per round (95% bootstrap interval).", "",
-             "| prompts | streams | mode | aggregate tok/s | vs one stream in turn | vs plain, same streams | equal to solo |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens per request, "
+        f"{reps} interleaved rounds; ratios paired per round (95% bootstrap interval).",
+        "",
+        "| prompts | streams | mode | aggregate tok/s | vs one stream in turn | vs plain, same streams | equal to solo |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     for (set_name, n, mode_name), rs in rates.items():
         if mode_name == "one stream":
             lines.append(f"| {set_name} | {n} | one stream, plain, in turn | {_median(rs):.1f} | 1.00 | | |")
             continue
         one = paired_ratio(rs, rates[(set_name, n, "one stream")])
         plain = paired_ratio(rs, rates[(set_name, n, "plain")])
-        lines.append(f"| {set_name} | {n} | {mode_name} | {_median(rs):.1f} | {format_paired(one.ratio, one.low, one.high)} | "
-                     f"{format_paired(plain.ratio, plain.low, plain.high)} | {same[(set_name, n, mode_name)]}/{n} |")
+        lines.append(
+            f"| {set_name} | {n} | {mode_name} | {_median(rs):.1f} | {format_paired(one.ratio, one.low, one.high)} | "
+            f"{format_paired(plain.ratio, plain.low, plain.high)} | {same[(set_name, n, mode_name)]}/{n} |"
+        )
     alone, admitted = ttft
-    lines += ["", "| time to first token | median s |", "|---|---:|",
-              f"| alone | {_median(alone):.3f} |", f"| admitted while 3 others decode | {_median(admitted):.3f} |",
-              f"| ratio | {_median(admitted) / _median(alone):.2f} |"]
+    lines += [
+        "",
+        "| time to first token | median s |",
+        "|---|---:|",
+        f"| alone | {_median(alone):.3f} |",
+        f"| admitted while 3 others decode | {_median(admitted):.3f} |",
+        f"| ratio | {_median(admitted) / _median(alone):.2f} |",
+    ]
     return lines
 
 
@@ -148,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     known, rest = pre.parse_known_args(argv)
     args = bench_args("python -m bench.concurrency", __doc__.split("\n\n")[0], 2, 96, rest)
     streams = tuple(sorted(set(known.streams) | {1}))
-    kit = me.load_model(me.DEFAULT_MODEL, max_parallel=max(max(streams), 4),
-                        suffix_memory_tokens=known.suffix_memory_tokens)
+    kit = me.load_model(
+        me.DEFAULT_MODEL, max_parallel=max(max(streams), 4), suffix_memory_tokens=known.suffix_memory_tokens
+    )
     sets = prompt_sets(kit)
     rates, outputs = measure(kit, sets, args.reps, args.max_tokens, streams)
     same = exactness(kit, sets, outputs, args.max_tokens)
@@ -159,10 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     lines = render(rates, same, (alone, admitted), args.reps, args.max_tokens)
     lines += ["", f"Machine: {machine_info()}"]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "concurrency.json").write_text(json.dumps({
-        "rates": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in rates.items()},
-        "equal_to_solo": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in same.items()},
-        "ttft_alone": alone, "ttft_admitted": admitted}, indent=1))
+    (args.out / "concurrency.json").write_text(
+        json.dumps(
+            {
+                "rates": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in rates.items()},
+                "equal_to_solo": {f"{k[0]}/{k[1]}/{k[2]}": v for k, v in same.items()},
+                "ttft_alone": alone,
+                "ttft_admitted": admitted,
+            },
+            indent=1,
+        )
+    )
     return write_report(lines, args.out, "concurrency.md")
 
 

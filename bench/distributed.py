@@ -51,8 +51,13 @@ def make_models() -> None:
 def workloads(kit) -> dict[str, list[int]]:
     from bench.workloads import build_workloads
 
-    built = build_workloads(lambda t: me.tokenize(kit, t), lambda p, n: [], lengths=(512,), multi_turn_lengths=(),
-                            kinds=("echo", "open-gen"))
+    built = build_workloads(
+        lambda t: me.tokenize(kit, t),
+        lambda p, n: [],
+        lengths=(512,),
+        multi_turn_lengths=(),
+        kinds=("echo", "open-gen"),
+    )
     return {w.name: w.prompt for w in built}
 
 
@@ -63,8 +68,14 @@ def run_once(kit, prompt: list[int], max_tokens: int, options: dict) -> dict:
         ids.extend(t.id for t in final.tokens)
     s = final.stats
     rounds = max(1, s.generated_tokens - s.accepted_tokens)  # each pass emits its accepted drafts + 1
-    return {"tps": s.generation_tps, "tokens": s.generated_tokens, "accepted": s.accepted_tokens,
-            "tokens_per_pass": s.generated_tokens / rounds, "mode": s.decoding_mode, "ids": ids}
+    return {
+        "tps": s.generation_tps,
+        "tokens": s.generated_tokens,
+        "accepted": s.accepted_tokens,
+        "tokens_per_pass": s.generated_tokens / rounds,
+        "mode": s.decoding_mode,
+        "ids": ids,
+    }
 
 
 def measure(kit, reps: int, max_tokens: int) -> dict:
@@ -106,10 +117,26 @@ def launch_two_ranks(reps: int, max_tokens: int) -> dict:
     out = RESULTS / "raw" / "distributed-2ranks.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable, str(Path(__file__).resolve()),
-           "--job", str(out), "--reps", str(reps), "--max-tokens", str(max_tokens)]
+    cmd = [
+        str(launcher),
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--python",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--job",
+        str(out),
+        "--reps",
+        str(reps),
+        "--max-tokens",
+        str(max_tokens),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)  # the ranks import bench/
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )  # the ranks import bench/
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return json.loads(out.read_text())
 
@@ -131,9 +158,14 @@ def render(one: dict, two: dict, reps: int, max_tokens: int, load: str) -> str:
             f"{a['tokens_per_pass']:.2f} / {b['tokens_per_pass']:.2f} | {a['tps'] / pa:.2f} / {b['tps'] / pb:.2f} | "
             f"{'yes' if a['ids'] == b['ids'] else 'no'} |"
         )
-    lines += ["", "Forward-pass costs the engine measured (what drives draft lengths and the router): "
-              "a 1-token step, and an n-token verify pass in steps:", "",
-              "| kit | step | 2 tokens | 5 tokens | 9 tokens | 17 tokens |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Forward-pass costs the engine measured (what drives draft lengths and the router): "
+        "a 1-token step, and an n-token verify pass in steps:",
+        "",
+        "| kit | step | 2 tokens | 5 tokens | 9 tokens | 17 tokens |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, res in (("1 rank", one), ("2 ranks", two)):
         c = res["costs"]
         rel = " | ".join(f"{c['relative'][n]:.2f}" for n in ("2", "5", "9", "17"))

@@ -97,8 +97,14 @@ def one_round(kit, rows: list[list[int]], prompt: list[int], main_cached: bool, 
                 before.append(b - a)
             elif b <= first or a < first:  # a gap ending, or one still open, while the request prefilled
                 during.append(b - a)
-    return {"ttft": first - admitted, "max_gap": max(during), "median_gap": statistics.median(during),
-            "median_gap_before": statistics.median(before[1:] or before), "ids": ids, "prompt_tokens": len(prompt)}
+    return {
+        "ttft": first - admitted,
+        "max_gap": max(during),
+        "median_gap": statistics.median(during),
+        "median_gap_before": statistics.median(before[1:] or before),
+        "ids": ids,
+        "prompt_tokens": len(prompt),
+    }
 
 
 def measure(kit, reps: int, prompt_tokens: int, max_tokens: int) -> dict[str, list[dict]]:
@@ -114,14 +120,24 @@ def measure(kit, reps: int, prompt_tokens: int, max_tokens: int) -> dict[str, li
 
 
 def render(results: dict[str, list[dict]], label: str) -> list[str]:
-    lines = [f"Draft prefill while {PLAIN_ROWS} plain rows decode ({label}); medians over rounds, seconds.", "",
-             ("| scenario | prompt tokens | TTFT | rows' longest gap | rows' median gap while it prefills | "
-              "rows' median gap before |"), "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Draft prefill while {PLAIN_ROWS} plain rows decode ({label}); medians over rounds, seconds.",
+        "",
+        (
+            "| scenario | prompt tokens | TTFT | rows' longest gap | rows' median gap while it prefills | "
+            "rows' median gap before |"
+        ),
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, rounds in results.items():
-        med = {k: statistics.median(r[k] for r in rounds) for k in ("ttft", "max_gap", "median_gap",
-                                                                      "median_gap_before", "prompt_tokens")}
-        lines.append(f"| {name} | {med['prompt_tokens']:.0f} | {med['ttft']:.2f} | {med['max_gap']:.2f} | "
-                     f"{med['median_gap']:.2f} | {med['median_gap_before']:.2f} |")
+        med = {
+            k: statistics.median(r[k] for r in rounds)
+            for k in ("ttft", "max_gap", "median_gap", "median_gap_before", "prompt_tokens")
+        }
+        lines.append(
+            f"| {name} | {med['prompt_tokens']:.0f} | {med['ttft']:.2f} | {med['max_gap']:.2f} | "
+            f"{med['median_gap']:.2f} | {med['median_gap_before']:.2f} |"
+        )
     return lines
 
 

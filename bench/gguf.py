@@ -29,7 +29,8 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 PROMPT = "Explain in three sentences why the sky is blue."
 
-_ENGINE_RUN = r"""
+_ENGINE_RUN = (
+    r"""
 import json, resource, sys, time, tracemalloc
 import mlx_engine as me
 import mlx.core as mx
@@ -49,9 +50,12 @@ for last in me.create_generator(kit, prompt, max_tokens=n, temp=0.0):
 print(json.dumps({"load_s": load_s, "peak_rss_mib": peak_kib / 1024, "mlx_peak_mib": mlx_peak / 2**20,
                   "numpy_peak_mib": numpy_peak / 2**20, "weights_mib": weights / 2**20, "decode_tok_s": last.stats.generation_tps,
                   "tokens": last.stats.generated_tokens, "compute_dtype": str(kit.compute_dtype)}))
-""" % PROMPT
+"""
+    % PROMPT
+)
 
-_LLAMA_CPP_RUN = r"""
+_LLAMA_CPP_RUN = (
+    r"""
 import json, sys, time
 from llama_cpp import Llama
 path, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -63,7 +67,9 @@ for chunk in llm.create_chat_completion(messages, max_tokens=n, temperature=0.0,
         count += 1
         first = first or time.perf_counter()
 print(json.dumps({"tokens": count, "decode_s": time.perf_counter() - first}))
-""" % PROMPT
+"""
+    % PROMPT
+)
 
 _QUANTIZE = r"""
 import sys, llama_cpp
@@ -113,8 +119,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-cpp-python", help="a Python with llama-cpp-python installed (llama.cpp reference)")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--llama-cpp-threads", type=int, default=2,
-                        help="llama.cpp's threads; its OpenMP workers spin-wait, so on a loaded machine 1 is steadier")
+    parser.add_argument(
+        "--llama-cpp-threads",
+        type=int,
+        default=2,
+        help="llama.cpp's threads; its OpenMP workers spin-wait, so on a loaded machine 1 is steadier",
+    )
     args = parser.parse_args()
     from mlx_engine import catalog
 
@@ -125,12 +135,18 @@ def main() -> None:
         files[qtype] = reencode(source, work / f"smollm2-{qtype}.gguf", qtype)
     if args.llama_cpp_python:  # llama.cpp's own K-quant mix, from the F16 file
         dst = work / "smollm2-Q4_K_M.gguf"
-        subprocess.run([args.llama_cpp_python, "-c", _QUANTIZE, files["F16"], dst, "LLAMA_FTYPE_MOSTLY_Q4_K_M"], check=True)
+        subprocess.run(
+            [args.llama_cpp_python, "-c", _QUANTIZE, files["F16"], dst, "LLAMA_FTYPE_MOSTLY_Q4_K_M"], check=True
+        )
         files["Q4_K_M (llama.cpp)"] = dst
     rows = []
     for label, path in files.items():
         memory = _run(sys.executable, _ENGINE_RUN, path, 1, "trace")
-        row = {"file": label, "size_mb": path.stat().st_size / 1e6, **_run(sys.executable, _ENGINE_RUN, path, args.tokens, "time")}
+        row = {
+            "file": label,
+            "size_mb": path.stat().st_size / 1e6,
+            **_run(sys.executable, _ENGINE_RUN, path, args.tokens, "time"),
+        }
         row.update({k: memory[k] for k in ("peak_rss_mib", "mlx_peak_mib", "numpy_peak_mib", "weights_mib")})
         if args.llama_cpp_python:
             ref = _run(args.llama_cpp_python, _LLAMA_CPP_RUN, path, args.tokens, args.llama_cpp_threads)
@@ -140,12 +156,16 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gguf.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| file | MB | load s | weights MiB | MLX peak MiB | numpy peak MiB | RSS growth MiB | engine tok/s | llama.cpp tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| file | MB | load s | weights MiB | MLX peak MiB | numpy peak MiB | RSS growth MiB | engine tok/s | llama.cpp tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ref = f"{r['llama_cpp_tok_s']:.1f}" if "llama_cpp_tok_s" in r else "-"
-        lines.append(f"| {r['file']} | {r['size_mb']:.0f} | {r['load_s']:.2f} | {r['weights_mib']:.0f} | {r['mlx_peak_mib']:.0f} | "
-                     f"{r['numpy_peak_mib']:.0f} | {r['peak_rss_mib']:.0f} | {r['decode_tok_s']:.1f} | {ref} |")
+        lines.append(
+            f"| {r['file']} | {r['size_mb']:.0f} | {r['load_s']:.2f} | {r['weights_mib']:.0f} | {r['mlx_peak_mib']:.0f} | "
+            f"{r['numpy_peak_mib']:.0f} | {r['peak_rss_mib']:.0f} | {r['decode_tok_s']:.1f} | {ref} |"
+        )
     (RESULTS / "gguf.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

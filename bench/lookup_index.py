@@ -6,13 +6,13 @@ history length (default 32k tokens of Python source from the stdlib).
 
 from __future__ import annotations
 
+from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+
 import argparse
 import random
 import sysconfig
 import time
 from pathlib import Path
-
-from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
 
 
 def stdlib_tokens(n: int) -> list[int]:
@@ -44,8 +44,10 @@ def main() -> None:
         history.append(rng.choice(history[-200:]))  # one new token per round, as in decoding
         hits += bool(drafter.propose(history, 8))
     per_round = (time.perf_counter() - t0) / args.rounds
-    print(f"history {len(history)} tokens: index build {build * 1e3:.1f} ms, "
-          f"per round (append 1 token + lookup) {per_round * 1e6:.1f} us, drafts found in {hits / args.rounds:.0%} of rounds")
+    print(
+        f"history {len(history)} tokens: index build {build * 1e3:.1f} ms, "
+        f"per round (append 1 token + lookup) {per_round * 1e6:.1f} us, drafts found in {hits / args.rounds:.0%} of rounds"
+    )
 
 
 if __name__ == "__main__":

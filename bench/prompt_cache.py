@@ -59,8 +59,15 @@ def chat(kit, text: str) -> list[int]:
 
 
 def next_turn(kit, prompt: list[int], answer: list[int]) -> list[int]:
-    return prompt + answer + me.tokenize(kit, "<|im_end|>\n<|im_start|>user\nAnd in fewer words?<|im_end|>\n"
-                                              "<|im_start|>assistant\n", add_special_tokens=False)
+    return (
+        prompt
+        + answer
+        + me.tokenize(
+            kit,
+            "<|im_end|>\n<|im_start|>user\nAnd in fewer words?<|im_end|>\n<|im_start|>assistant\n",
+            add_special_tokens=False,
+        )
+    )
 
 
 def switching(kit, reps: int) -> list[str]:
@@ -74,8 +81,10 @@ def switching(kit, reps: int) -> list[str]:
         t_switch, _, s = ttft(kit, a2)
         t_regen, _, s2 = ttft(kit, a2)
         rows.append((len(a2), t_switch, s.cache_source, t_regen, s2.cache_source, cold(kit, a2)))
-    return [f"| {n} | {ts:.2f} ({src}) | {tr:.2f} ({src2}) | {tc:.2f} | {ts / tc:.1%} | {tr / tc:.1%} |"
-            for n, ts, src, tr, src2, tc in rows]
+    return [
+        f"| {n} | {ts:.2f} ({src}) | {tr:.2f} ({src2}) | {tc:.2f} | {ts / tc:.1%} | {tr / tc:.1%} |"
+        for n, ts, src, tr, src2, tc in rows
+    ]
 
 
 def disk(reps: int) -> list[str]:
@@ -109,18 +118,22 @@ def soak(n_requests: int = 200, n_chats: int = 20, budget: int = 64 * 2**20) -> 
         chats[c] = nxt if len(nxt) < 1500 else first[c]  # a chat that grew long starts over
         hits += s.cached_tokens > 0
         peak = max(peak, kit.prompt_cache.memory_bytes())
-    return (f"{n_requests} requests over {n_chats} chats, budget {budget / 2**20:.0f} MiB: largest cache "
-            f"{peak / 2**20:.1f} MiB, {len(kit.prompt_cache.entries)} entries at the end, {hits} requests reused a prefix")
+    return (
+        f"{n_requests} requests over {n_chats} chats, budget {budget / 2**20:.0f} MiB: largest cache "
+        f"{peak / 2**20:.1f} MiB, {len(kit.prompt_cache.entries)} entries at the end, {hits} requests reused a prefix"
+    )
 
 
 def lookup_memory(kit, reps: int) -> str:
     """The same question in a new chat (another system prompt, so no shared
     prefix): prompt lookup can draft the answer from the first chat."""
     question = "Write a Python function that checks whether a string is a palindrome, with a docstring."
-    first = me.apply_chat_template(kit, [{"role": "system", "content": "You are a helpful assistant."},
-                                         {"role": "user", "content": question}])
-    second = me.apply_chat_template(kit, [{"role": "system", "content": "You are a Python expert."},
-                                          {"role": "user", "content": question}])
+    first = me.apply_chat_template(
+        kit, [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}]
+    )
+    second = me.apply_chat_template(
+        kit, [{"role": "system", "content": "You are a Python expert."}, {"role": "user", "content": question}]
+    )
     ratios = []
     for _ in range(reps):
         kit.prompt_cache.clear()
@@ -131,19 +144,29 @@ def lookup_memory(kit, reps: int) -> str:
         _, ids_own, s_own = ttft(kit, second, max_tokens=160, prompt_lookup_num_tokens=8)
         assert ids_mem == ids_own, "lookup memory changed greedy output"
         ratios.append(s_mem.generation_tps / s_own.generation_tps)
-    return (f"the same question in a second chat, prompt lookup: {statistics.median(ratios):.2f}x generation tok/s "
-            f"with lookup memory (median of {reps}; accepted {s_mem.accepted_tokens}/{s_mem.drafted_tokens} drafts "
-            f"against {s_own.accepted_tokens}/{s_own.drafted_tokens} without; same output)")
+    return (
+        f"the same question in a second chat, prompt lookup: {statistics.median(ratios):.2f}x generation tok/s "
+        f"with lookup memory (median of {reps}; accepted {s_mem.accepted_tokens}/{s_mem.drafted_tokens} drafts "
+        f"against {s_own.accepted_tokens}/{s_own.drafted_tokens} without; same output)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = bench_args("python -m bench.prompt_cache", __doc__.split("\n\n")[0], 3, 16, argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     kit = me.load_model(me.DEFAULT_MODEL)
-    lines = ["| prompt tokens | switch back (s) | regenerate (s) | cold (s) | switch / cold | regenerate / cold |",
-             "|---:|---:|---:|---:|---:|---:|", *switching(kit, args.reps), "",
-             "| prompt tokens | after restart, disk tier (s) | cold (s) | disk / cold |", "|---:|---:|---:|---:|",
-             *disk(args.reps), "", "- " + soak(), "- " + lookup_memory(kit, args.reps)]
+    lines = [
+        "| prompt tokens | switch back (s) | regenerate (s) | cold (s) | switch / cold | regenerate / cold |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *switching(kit, args.reps),
+        "",
+        "| prompt tokens | after restart, disk tier (s) | cold (s) | disk / cold |",
+        "|---:|---:|---:|---:|",
+        *disk(args.reps),
+        "",
+        "- " + soak(),
+        "- " + lookup_memory(kit, args.reps),
+    ]
     return write_report(lines, args.out, "prompt_cache.md")
 
 

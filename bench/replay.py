@@ -38,6 +38,8 @@ pseudo-random draw per position), its lengths from the engine's
 from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+from mlx_engine.speculative import costs  # noqa: E402
+from mlx_engine.speculative.policy import DraftLengthPolicy  # noqa: E402
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -47,19 +49,21 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from mlx_engine.speculative import costs  # noqa: E402
-from mlx_engine.speculative.policy import DraftLengthPolicy  # noqa: E402
-
 from . import workloads as W  # noqa: E402
 from .run import DEFAULT_DRAFT, DEFAULT_MODEL  # noqa: E402
 
 
 def greedy(kit: me.ModelKit, prompt: list[int], n: int) -> list[int]:
-    return [t.id for r in me.create_generator(kit, prompt, max_tokens=n, temp=0.0, speculative_decoding_toggle=False)
-            for t in r.tokens]
+    return [
+        t.id
+        for r in me.create_generator(kit, prompt, max_tokens=n, temp=0.0, speculative_decoding_toggle=False)
+        for t in r.tokens
+    ]
 
 
-def accept_lengths(draft: mx.array, sequence: list[int], start: int, count: int, max_k: int = costs.MAX_MODEL_DRAFT) -> list[int]:
+def accept_lengths(
+    draft: mx.array, sequence: list[int], start: int, count: int, max_k: int = costs.MAX_MODEL_DRAFT
+) -> list[int]:
     """For each position t in [start, start + count): how many of the draft's
     greedy tokens from ``sequence[:t]`` equal ``sequence[t:]`` (up to max_k)."""
     cache = make_prompt_cache(draft)
@@ -178,15 +182,19 @@ def record_traces(path: Path, tokens: int, chat: bool, toy_model: str | Path) ->
     def add(kit: me.ModelKit, name: str, prompt: list[int]) -> None:
         if name in traces:
             return
-        out = [t.id for r in me.create_generator(kit, prompt, max_tokens=tokens, temp=0.0,
-                                                  prompt_lookup_num_tokens=8) for t in r.tokens]
+        out = [
+            t.id
+            for r in me.create_generator(kit, prompt, max_tokens=tokens, temp=0.0, prompt_lookup_num_tokens=8)
+            for t in r.tokens
+        ]
         traces[name] = {"prompt": prompt, "output": out}
         path.write_text(json.dumps(traces))
 
     kit = me.load_model(toy_model)
     tokenize = lambda s: kit.tokenizer.encode(s)  # noqa: E731
-    for w in W.build_workloads(tokenize, lambda p, n: greedy(kit, p, n), lengths=(128, 512, 1024),
-                               multi_turn_lengths=(512,)):
+    for w in W.build_workloads(
+        tokenize, lambda p, n: greedy(kit, p, n), lengths=(128, 512, 1024), multi_turn_lengths=(512,)
+    ):
         add(kit, f"toy/{w.name}", w.prompt)
     if chat:
         from . import chat as C
@@ -257,7 +265,11 @@ def lookup_main(args: argparse.Namespace) -> None:
         row["auto / best"] = row["auto"] / row["best"]
         for n, v in row.items():
             logs[n].append(math.log(v))
-        print(f"| {name} | " + " | ".join(f"{v:.2f}" for v in row.values()) + f" | <!-- {router.stats.decoding_mode} {len(router.stats.mode_switches)} -->")
+        print(
+            f"| {name} | "
+            + " | ".join(f"{v:.2f}" for v in row.values())
+            + f" | <!-- {router.stats.decoding_mode} {len(router.stats.mode_switches)} -->"
+        )
     print("| geomean | " + " | ".join(f"{math.exp(sum(v) / len(v)):.3f}" for v in logs.values()) + " |")
 
 
@@ -324,8 +336,11 @@ def draft_mix_main(args: argparse.Namespace) -> None:
 
             def run(make_router: bool, prompt=prompt, output=output, rate=rate) -> tuple[float, str]:
                 sim = SimulatedDraft(output, len(prompt), rate, costs.RoundCosts(cm, args.draft_step), args.draft_step)
-                drafter = AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT), sim) \
-                    if make_router else sim
+                drafter = (
+                    AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT), sim)
+                    if make_router
+                    else sim
+                )
                 cost = lambda k: line[k] + sim.extra_cost()  # noqa: E731
                 speed = replay_drafter(prompt, output, drafter, cost)[0]
                 return speed, drafter.stats.decoding_mode if make_router else ""
@@ -337,9 +352,13 @@ def draft_mix_main(args: argparse.Namespace) -> None:
             auto, mode = run(True)
             best = max(1.0, lookup, draft)
             ratios.append(auto / best)
-            print(f"| {name} | {rate:.2f} | {lookup:.2f} | {no_draft:.2f} | {draft:.2f} | {auto:.2f} | {best:.2f} | {auto / best:.2f} | {mode} |")
-    print(f"| geomean auto / best | | | | | | | {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f} | "
-          f"worst {min(ratios):.2f} |")
+            print(
+                f"| {name} | {rate:.2f} | {lookup:.2f} | {no_draft:.2f} | {draft:.2f} | {auto:.2f} | {best:.2f} | {auto / best:.2f} | {mode} |"
+            )
+    print(
+        f"| geomean auto / best | | | | | | | {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f} | "
+        f"worst {min(ratios):.2f} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -347,28 +366,43 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lookup", action="store_true", help="replay prompt lookup and the router (no draft model)")
     p.add_argument("--chat", action="store_true", help="with --lookup: also SmolLM2's bench.chat workloads")
     p.add_argument("--traces", type=Path, default=Path("bench/results/raw/lookup_traces.json"))
-    p.add_argument("--toy-model", default=DEFAULT_MODEL,
-                   help="with --lookup: the model whose bench.run workloads are replayed (the default model; "
-                        "the name is kept from the retired toy pair it once was)")
+    p.add_argument(
+        "--toy-model",
+        default=DEFAULT_MODEL,
+        help="with --lookup: the model whose bench.run workloads are replayed (the default model; "
+        "the name is kept from the retired toy pair it once was)",
+    )
     p.add_argument("--only", help="with --lookup: comma-separated substrings of workload names")
-    p.add_argument("--prior-lines", metavar="toy=JUMP+SLOPEk,chat=...",
-                   help="with --lookup: the verify-cost measurement the router starts from (default: --cost-lines); "
-                        "it learns the --cost-lines rounds as they are timed, as the engine does")
-    p.add_argument("--auto-max", type=int, default=costs.MAX_DRAFT, help="with --lookup: the router's longest lookup draft")
-    p.add_argument("--draft-mix", metavar="RATE,...",
-                   help="replay the router on the --traces with a simulated draft model right at this share of "
-                        "positions, beside lookup alone and the draft alone (deterministic)")
+    p.add_argument(
+        "--prior-lines",
+        metavar="toy=JUMP+SLOPEk,chat=...",
+        help="with --lookup: the verify-cost measurement the router starts from (default: --cost-lines); "
+        "it learns the --cost-lines rounds as they are timed, as the engine does",
+    )
+    p.add_argument(
+        "--auto-max", type=int, default=costs.MAX_DRAFT, help="with --lookup: the router's longest lookup draft"
+    )
+    p.add_argument(
+        "--draft-mix",
+        metavar="RATE,...",
+        help="replay the router on the --traces with a simulated draft model right at this share of "
+        "positions, beside lookup alone and the draft alone (deterministic)",
+    )
     p.add_argument("--chat-line", default="0.27+0.07k", help="with --draft-mix: round costs 1 + JUMP + SLOPE*k")
-    p.add_argument("--draft-step", type=float, default=1 / 16.5,
-                   help="with --draft-mix: one draft-model step in undrafted rounds")
+    p.add_argument(
+        "--draft-step", type=float, default=1 / 16.5, help="with --draft-mix: one draft-model step in undrafted rounds"
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help="a model directory, .gguf file or catalog name")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="a draft directory or catalog name")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens replayed per workload")
     p.add_argument("--decays", default="0.9,0.8", help="acceptance-model decays to replay")
-    p.add_argument("--cost-lines", metavar="CTX=JUMP+SLOPEk,...",
-                   help="replay with round costs T(k) = 1 + JUMP + SLOPE*k undrafted rounds for workloads at "
-                        "context CTX (128 or 1024) instead of measuring; e.g. '128=0.55+0.12k,1024=0.45+0.16k', "
-                        "the lines timed rounds fitted on the development machine. Deterministic.")
+    p.add_argument(
+        "--cost-lines",
+        metavar="CTX=JUMP+SLOPEk,...",
+        help="replay with round costs T(k) = 1 + JUMP + SLOPE*k undrafted rounds for workloads at "
+        "context CTX (128 or 1024) instead of measuring; e.g. '128=0.55+0.12k,1024=0.45+0.16k', "
+        "the lines timed rounds fitted on the development machine. Deterministic.",
+    )
     args = p.parse_args(argv)
     if args.draft_mix:
         return draft_mix_main(args)
@@ -380,14 +414,17 @@ def main(argv: list[str] | None = None) -> None:
     kit = me.load_model(args.model)
     me.load_draft_model(kit, args.draft)
     tokenize = lambda s: kit.tokenizer.encode(s)  # noqa: E731
-    workloads = W.build_workloads(tokenize, lambda p, n: greedy(kit, p, n), lengths=(128, 512, 1024),
-                                  multi_turn_lengths=(512,))
+    workloads = W.build_workloads(
+        tokenize, lambda p, n: greedy(kit, p, n), lengths=(128, 512, 1024), multi_turn_lengths=(512,)
+    )
     draft_step = costs.measure_chained_step(kit.draft.model, kit.vocab_size) if lines is None else 0.0
     measured: dict[int, costs.CostModel] = {}
     policies = {f"k={k}": (lambda rounds, k=k: Fixed(k)) for k in (1, 2, 3, 4, 6, 8)}
     for decay in (float(d) for d in args.decays.split(",")):
+
         def adaptive(rounds: costs.RoundCosts, decay: float = decay) -> DraftLengthPolicy:
             return DraftLengthPolicy(None, rounds, decay=decay)
+
         policies[f"adaptive d={decay:g}"] = adaptive
     policies["follow-the-leader"] = lambda rounds: FollowTheLeader([t / rounds.prior[0] for t in rounds.prior])
     extra = ["best fixed k", "oracle"]

@@ -37,8 +37,8 @@ from tqdm import tqdm  # noqa: E402
 from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
 from . import systems as S  # noqa: E402
-from .stats import paired_ratio  # noqa: E402
 from . import workloads as W  # noqa: E402
+from .stats import paired_ratio  # noqa: E402
 from .workloads import Workload, build_workloads  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -60,7 +60,6 @@ class Plan:
     max_tokens: int
     reps: int
     warmup: int = 1  # warm-up rounds per workload (a global warm-up always runs first)
-
 
     budget_s: float | None = None  # for the measurement loop; later rounds are dropped past it
 
@@ -89,8 +88,9 @@ def machine_info() -> dict[str, Any]:
         pass
     blas = me.blas_status()
     try:
-        git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
+        git = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         git = ""
     return {
@@ -145,8 +145,9 @@ def make_tiny_models(where: Path) -> tuple[Path, Path]:
 
 
 # -- measurement ----------------------------------------------------------------
-def measure(models: S.Models, systems: list[S.System], workloads: list[Workload], plan: Plan,
-            budget_s: float | None = None) -> tuple[dict[str, dict[str, list[S.Run]]], int]:
+def measure(
+    models: S.Models, systems: list[S.System], workloads: list[Workload], plan: Plan, budget_s: float | None = None
+) -> tuple[dict[str, dict[str, list[S.Run]]], int]:
     """All runs, ``runs[workload][system]`` with warm-up rounds dropped, and the
     number of complete measured rounds.
 
@@ -179,8 +180,14 @@ def measure(models: S.Models, systems: list[S.System], workloads: list[Workload]
                 bar.set_postfix_str(f"{'warm-up' if warm else f'round {measured + 1}'}: {w.name}")
                 shift = rnd % len(systems)
                 for s in systems[shift:] + systems[:shift]:
-                    r = S.run(models, s, w.prompt, min(WARMUP_TOKENS, plan.max_tokens) if warm else plan.max_tokens,
-                              setup=w.setup, setup_tokens=w.setup_tokens)
+                    r = S.run(
+                        models,
+                        s,
+                        w.prompt,
+                        min(WARMUP_TOKENS, plan.max_tokens) if warm else plan.max_tokens,
+                        setup=w.setup,
+                        setup_tokens=w.setup_tokens,
+                    )
                     if not warm:
                         runs[w.name][s.name].append(r)
                     bar.update()
@@ -190,8 +197,9 @@ def measure(models: S.Models, systems: list[S.System], workloads: list[Workload]
             if warm:
                 logger.warning("time budget (%.0f s) spent: skipping the rest of the warm-up round", budget_s)
             else:
-                logger.warning("time budget (%.0f s) spent: %d complete measured round(s) of %d", budget_s, measured,
-                               plan.reps)
+                logger.warning(
+                    "time budget (%.0f s) spent: %d complete measured round(s) of %d", budget_s, measured, plan.reps
+                )
                 break
     return runs, measured
 
@@ -217,8 +225,13 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def analyse(models: S.Models, systems: list[S.System], workloads: list[Workload],
-            runs: dict[str, dict[str, list[S.Run]]], plan: Plan) -> tuple[list[dict], dict]:
+def analyse(
+    models: S.Models,
+    systems: list[S.System],
+    workloads: list[Workload],
+    runs: dict[str, dict[str, list[S.Run]]],
+    plan: Plan,
+) -> tuple[list[dict], dict]:
     """Per workload x system rows, and the per-system summary."""
     rows: list[dict] = []
     for w in workloads:
@@ -230,7 +243,10 @@ def analyse(models: S.Models, systems: list[S.System], workloads: list[Workload]
         for s in systems:
             rs = runs[w.name][s.name]
             row: dict[str, Any] = {
-                "workload": w.name, "kind": w.kind, "system": s.name, "prompt_tokens": len(w.prompt),
+                "workload": w.name,
+                "kind": w.kind,
+                "system": s.name,
+                "prompt_tokens": len(w.prompt),
                 "generated_tokens": len(rs[0].tokens),
                 "gen_tps": _median([r.gen_tps for r in rs]),
                 "ttft_s": _median([r.ttft for r in rs]),
@@ -324,13 +340,15 @@ def _render_peers(rows: list[dict], names: list[str], workloads: list[str]) -> l
     if not pairs:
         return []
     peer_of = {n: next(by[(w, n)]["peer"] for w in workloads if by.get((w, n))) for n in pairs}
-    out = ["\n#### Against mlx-lm doing the same job (paired rounds)\n",
-           "Geometric mean over measured rounds of (engine tok/s ÷ peer tok/s in the same round), with a 95% "
-           "bootstrap interval over rounds: **ahead** or **behind** only when the whole interval is on that side "
-           "of 1, else level. Pairing within a round cancels most of the machine's drift, so these are tighter "
-           "than ratios of medians.\n",
-           "| workload | " + " | ".join(f"{n} ÷ {peer_of[n]}" for n in pairs) + " |",
-           "|---|" + "---:|" * len(pairs)]
+    out = [
+        "\n#### Against mlx-lm doing the same job (paired rounds)\n",
+        "Geometric mean over measured rounds of (engine tok/s ÷ peer tok/s in the same round), with a 95% "
+        "bootstrap interval over rounds: **ahead** or **behind** only when the whole interval is on that side "
+        "of 1, else level. Pairing within a round cancels most of the machine's drift, so these are tighter "
+        "than ratios of medians.\n",
+        "| workload | " + " | ".join(f"{n} ÷ {peer_of[n]}" for n in pairs) + " |",
+        "|---|" + "---:|" * len(pairs),
+    ]
     tally = {n: {"ahead": 0, "level": 0, "behind": 0, "?": 0} for n in pairs}
     for wn in workloads:
         cells = []
@@ -344,8 +362,11 @@ def _render_peers(rows: list[dict], names: list[str], workloads: list[str]) -> l
             mark = {"ahead": " **ahead**", "behind": " **behind**"}.get(v["verdict"], "")
             cells.append(f"{v['ratio']:.2f}{ci}{mark}")
         out.append(f"| {wn} | " + " | ".join(cells) + " |")
-    out.append("| ahead / level / behind | " + " | ".join(
-        f"{t['ahead']} / {t['level']} / {t['behind']}" for t in tally.values()) + " |")
+    out.append(
+        "| ahead / level / behind | "
+        + " | ".join(f"{t['ahead']} / {t['level']} / {t['behind']}" for t in tally.values())
+        + " |"
+    )
     return out
 
 
@@ -357,60 +378,82 @@ def render_markdown(report: dict) -> str:
     by = {(r["workload"], r["system"]): r for r in rows}
     out: list[str] = []
     cfg = report["config"]
-    out.append(f"Run: `{cfg['command']}` — {cfg['max_tokens']} new tokens, greedy, {cfg['warmup']} warm-up + "
-               f"{_reps(rows)} measured rounds per workload (systems interleaved, order rotating each round), medians; "
-               f"{report['machine']['date']}, {report['elapsed_s']:.0f} s.\n")
+    out.append(
+        f"Run: `{cfg['command']}` — {cfg['max_tokens']} new tokens, greedy, {cfg['warmup']} warm-up + "
+        f"{_reps(rows)} measured rounds per workload (systems interleaved, order rotating each round), medians; "
+        f"{report['machine']['date']}, {report['elapsed_s']:.0f} s.\n"
+    )
     out.append("#### Summary (geometric means over workloads)\n")
     out.append("| system | what | gen tok/s vs mlx-lm | end-to-end speedup | exact |")
     out.append("|---|---|---:|---:|---:|")
     for n in names:
         sm = summary[n]
-        out.append(f"| {n} | {sm['description']} | {_f(sm['geomean_gen_ratio'], '{:.2f}x')} | "
-                   f"{_f(sm['geomean_e2e_speedup'], '{:.2f}x')} | {sm['exact_workloads']}/{sm['workloads']} |")
+        out.append(
+            f"| {n} | {sm['description']} | {_f(sm['geomean_gen_ratio'], '{:.2f}x')} | "
+            f"{_f(sm['geomean_e2e_speedup'], '{:.2f}x')} | {sm['exact_workloads']}/{sm['workloads']} |"
+        )
     if "_overhead" in summary:
         o = summary["_overhead"]
         verdict = "meets" if o["geomean"] >= o["goal"] else "misses"
-        out.append(f"\nEngine overhead (engine-plain ÷ mlx-lm generation tok/s): geomean **{o['geomean']:.3f}x**, "
-                   f"lowest {o['min']:.3f}x on {o['min_workload']} — {verdict} the >= {o['goal']:.2f}x goal.\n")
+        out.append(
+            f"\nEngine overhead (engine-plain ÷ mlx-lm generation tok/s): geomean **{o['geomean']:.3f}x**, "
+            f"lowest {o['min']:.3f}x on {o['min_workload']} — {verdict} the >= {o['goal']:.2f}x goal.\n"
+        )
     out.append("#### Generation tok/s relative to mlx-lm\n")
-    out.append("Cells are ratios of median generation tok/s; `*` marks output that differs from mlx-lm's greedy tokens.\n")
+    out.append(
+        "Cells are ratios of median generation tok/s; `*` marks output that differs from mlx-lm's greedy tokens.\n"
+    )
     out.append("| workload | prompt tok | mlx-lm tok/s | " + " | ".join(n for n in names if n != S.BASELINE) + " |")
     out.append("|---|---:|---:|" + "---:|" * (len(names) - 1))
     for wn in workloads:
         base = by[(wn, S.BASELINE)]
-        cells = [f"{_f(by[(wn, n)]['gen_ratio'], '{:.2f}x')}{'' if by[(wn, n)]['exact'] else '*'}"
-                 for n in names if n != S.BASELINE]
+        cells = [
+            f"{_f(by[(wn, n)]['gen_ratio'], '{:.2f}x')}{'' if by[(wn, n)]['exact'] else '*'}"
+            for n in names
+            if n != S.BASELINE
+        ]
         out.append(f"| {wn} | {base['prompt_tokens']} | {_f(base['gen_tps'])} | " + " | ".join(cells) + " |")
     out.extend(_render_peers(rows, names, workloads))
     out.append("\n#### Details\n")
-    out.append("Prompt tok/s = prompt tokens ÷ TTFT (cached prefix tokens count, so cache reuse shows up here); "
-               "e2e = mlx-lm's total time ÷ this system's; acceptance = accepted ÷ drafted tokens.\n")
-    out.append("| workload | system | gen tok/s | vs mlx-lm | prompt tok/s | TTFT ms | e2e | acceptance | mode | exact |")
+    out.append(
+        "Prompt tok/s = prompt tokens ÷ TTFT (cached prefix tokens count, so cache reuse shows up here); "
+        "e2e = mlx-lm's total time ÷ this system's; acceptance = accepted ÷ drafted tokens.\n"
+    )
+    out.append(
+        "| workload | system | gen tok/s | vs mlx-lm | prompt tok/s | TTFT ms | e2e | acceptance | mode | exact |"
+    )
     out.append("|---|---|---:|---:|---:|---:|---:|---:|---|---|")
     for wn in workloads:
         for n in names:
             r = by[(wn, n)]
-            mode = "/".join(r.get("mode", [])) or ("speculative" if r["system"] != S.BASELINE and
-                                                    r.get("acceptance") is not None else "plain")
+            mode = "/".join(r.get("mode", [])) or (
+                "speculative" if r["system"] != S.BASELINE and r.get("acceptance") is not None else "plain"
+            )
             if r.get("mode_switches"):
                 mode += f" (via {_mode_path(r['mode_switches'])})"
             exact = "yes" if r["exact"] else f"no @{r['divergence']['position']}"
             if not r["deterministic"]:
                 exact += " (varies)"
-            out.append(f"| {wn} | {n} | {_f(r['gen_tps'])} | {_f(r['gen_ratio'], '{:.2f}x')} | {_f(r['prompt_tps'], '{:.0f}')} | "
-                       f"{_f(r['ttft_s'], '{:.0f}', 1000)} | {_f(r['e2e_speedup'], '{:.2f}x')} | "
-                       f"{_f(r['acceptance'], '{:.0%}')} | {mode} | {exact} |")
+            out.append(
+                f"| {wn} | {n} | {_f(r['gen_tps'])} | {_f(r['gen_ratio'], '{:.2f}x')} | {_f(r['prompt_tps'], '{:.0f}')} | "
+                f"{_f(r['ttft_s'], '{:.0f}', 1000)} | {_f(r['e2e_speedup'], '{:.2f}x')} | "
+                f"{_f(r['acceptance'], '{:.0%}')} | {mode} | {exact} |"
+            )
     div = [r for r in rows if not r["exact"]]
     if div:
         out.append("\n#### Divergences from mlx-lm's greedy output\n")
-        out.append("The baseline's top-2 logit gap at the first differing token (fresh-cache forward pass of "
-                   "prompt + baseline tokens up to there); a gap near 0 is a float near-tie, a large one a bug.\n")
+        out.append(
+            "The baseline's top-2 logit gap at the first differing token (fresh-cache forward pass of "
+            "prompt + baseline tokens up to there); a gap near 0 is a float near-tie, a large one a bug.\n"
+        )
         out.append("| workload | system | position | baseline token | system token | top-2 logit gap |")
         out.append("|---|---|---:|---:|---:|---:|")
         for r in div:
             d = r["divergence"]
-            out.append(f"| {r['workload']} | {r['system']} | {d['position']} | {d['baseline_token']} | "
-                       f"{d['system_token']} | {d['top2_logit_gap']:.4f} |")
+            out.append(
+                f"| {r['workload']} | {r['system']} | {d['position']} | {d['baseline_token']} | "
+                f"{d['system_token']} | {d['top2_logit_gap']:.4f} |"
+            )
     else:
         out.append("\nEvery system reproduced mlx-lm's greedy tokens exactly on every workload.")
     return "\n".join(out) + "\n"
@@ -428,8 +471,10 @@ def render_chart(report: dict, path: Path) -> None:
     by = {(r["workload"], r["system"]): r for r in report["rows"]}
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(workloads) + 3), 8), sharex=True)
     width = 0.8 / max(1, len(names))
-    for ax, key, label in ((axes[0], "gen_ratio", "generation tok/s ÷ mlx-lm"),
-                           (axes[1], "e2e_speedup", "end-to-end speedup vs mlx-lm")):
+    for ax, key, label in (
+        (axes[0], "gen_ratio", "generation tok/s ÷ mlx-lm"),
+        (axes[1], "e2e_speedup", "end-to-end speedup vs mlx-lm"),
+    ):
         for i, n in enumerate(names):
             xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(workloads))]
             ys = [by[(w, n)][key] for w in workloads]
@@ -438,8 +483,9 @@ def render_chart(report: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(ncol=min(3, len(names)), fontsize=8)
-    axes[0].set_title(f"mlx-engine vs mlx-lm — {report['models']['target']['path']} "
-                      f"({report['config']['max_tokens']} new tokens)")
+    axes[0].set_title(
+        f"mlx-engine vs mlx-lm — {report['models']['target']['path']} ({report['config']['max_tokens']} new tokens)"
+    )
     axes[1].set_xticks(range(len(workloads)))
     axes[1].set_xticklabels(workloads, rotation=30, ha="right")
     fig.tight_layout()
@@ -456,7 +502,8 @@ def render_docs(report: dict, results_md: str, out_dir: Path, docs_path: Path) -
         "",
         "mlx-engine's decoding modes against mlx-lm on the same weights, in the same process (so dtype and BLAS "
         f"are identical), on `{models['target']['path'].split('/')[-1]}`"
-        + (f" with the draft `{models['draft']['path'].split('/')[-1]}`" if models.get("draft") else "") + ". Regenerate with:",
+        + (f" with the draft `{models['draft']['path'].split('/')[-1]}`" if models.get("draft") else "")
+        + ". Regenerate with:",
         "",
         "```",
         "python -m bench.run            # full run (SmolLM2-135M-Instruct and its draft; budgeted to ~13 min of measuring)",
@@ -485,8 +532,10 @@ def render_docs(report: dict, results_md: str, out_dir: Path, docs_path: Path) -
     ]
     for role, info in models.items():
         if info:
-            lines.append(f"| {role} | `{info['path']}` | {info['parameters'] / 1e6:.2f}M | {info['layers']} × "
-                         f"{info['hidden_size']} | {info['vocab_size']} | {info['compute_dtype']} |")
+            lines.append(
+                f"| {role} | `{info['path']}` | {info['parameters'] / 1e6:.2f}M | {info['layers']} × "
+                f"{info['hidden_size']} | {info['vocab_size']} | {info['compute_dtype']} |"
+            )
     lines += [
         "",
         "### Method",
@@ -531,7 +580,7 @@ def splice_docs(existing: str, generated: str) -> str:
     hand-written sections around it (the real-model and structured-output results)."""
     if DOCS_START in existing and DOCS_END in existing:
         head = existing[: existing.index(DOCS_START) + len(DOCS_START)]
-        return f"{head}\n{generated}\n{existing[existing.index(DOCS_END):]}"
+        return f"{head}\n{generated}\n{existing[existing.index(DOCS_END) :]}"
     return f"# Benchmarks\n\n{DOCS_START}\n{generated}\n{DOCS_END}\n"
 
 
@@ -570,7 +619,9 @@ def _nan_to_none(o: Any) -> Any:
 # -- CLI --------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer workloads, 64 tokens, 2 reps (measuring budgeted to 140 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer workloads, 64 tokens, 2 reps (measuring budgeted to 140 s)"
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results directory")
     p.add_argument("--model", default=DEFAULT_MODEL, help="a model directory, .gguf file or catalog name")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (directory or catalog name); '' for none")
@@ -580,8 +631,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="new tokens per run")
     p.add_argument("--reps", type=int, help="measured rounds per workload")
     p.add_argument("--lengths", help="comma-separated prompt lengths, e.g. 128,512,1024")
-    p.add_argument("--budget", type=float, help="seconds for the measurement loop (0: no limit); rounds after the "
-                   "first measured one are dropped past it (default 140 quick, 780 full)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for the measurement loop (0: no limit); rounds after the "
+        "first measured one are dropped past it (default 140 quick, 780 full)",
+    )
     p.add_argument("--docs", type=Path, default=Path(DEFAULT_DOCS), help="benchmarks page to regenerate")
     p.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -610,14 +665,23 @@ def _resolve(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     t_start = time.perf_counter()
     plan = QUICK if args.quick else FULL
     if args.max_tokens or args.reps or args.lengths:
         lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else plan.lengths
-        plan = Plan(lengths, plan.multi_turn_lengths if not args.lengths else lengths[-1:],
-                    args.max_tokens or plan.max_tokens, args.reps or plan.reps, plan.warmup, plan.budget_s)
+        plan = Plan(
+            lengths,
+            plan.multi_turn_lengths if not args.lengths else lengths[-1:],
+            args.max_tokens or plan.max_tokens,
+            args.reps or plan.reps,
+            plan.warmup,
+            plan.budget_s,
+        )
     if args.budget == 0:
         args.budget = float("inf")
     model_path, draft_path = _resolve(args)
@@ -643,32 +707,77 @@ def main(argv: list[str] | None = None) -> int:
         return S.run_mlx_lm(models, baseline, prompt, n).tokens
 
     kinds = tuple(args.kinds.split(",")) if args.kinds else None
-    workloads = build_workloads(lambda t: me.tokenize(kit, t), continue_fn, lengths=plan.lengths,
-                                multi_turn_lengths=plan.multi_turn_lengths, setup_tokens=plan.max_tokens,
-                                **({"kinds": kinds} if kinds else {}))
-    logger.info("%d workloads x %d systems x %d rounds (%d warm-up)", len(workloads), len(systems),
-                plan.warmup + plan.reps, plan.warmup)
-    runs, measured = measure(models, systems, workloads, plan, args.budget if args.budget is not None else plan.budget_s)
+    workloads = build_workloads(
+        lambda t: me.tokenize(kit, t),
+        continue_fn,
+        lengths=plan.lengths,
+        multi_turn_lengths=plan.multi_turn_lengths,
+        setup_tokens=plan.max_tokens,
+        **({"kinds": kinds} if kinds else {}),
+    )
+    logger.info(
+        "%d workloads x %d systems x %d rounds (%d warm-up)",
+        len(workloads),
+        len(systems),
+        plan.warmup + plan.reps,
+        plan.warmup,
+    )
+    runs, measured = measure(
+        models, systems, workloads, plan, args.budget if args.budget is not None else plan.budget_s
+    )
     logger.info("measured in %.0f s; checking exactness", time.perf_counter() - t_start)
     rows, summary = analyse(models, systems, workloads, runs, plan)
     machine["loadavg_end"] = list(os.getloadavg())
     command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {
         "machine": machine,
-        "config": {"command": command.strip(), "quick": args.quick, "compute_dtype": str(kit.compute_dtype or "native"),
-                   **asdict(plan), "measured_reps": measured, "texts": W.text_source},
-        "models": {"target": model_info(model_path, kit.model, kit.config),
-                   "draft": model_info(draft_path, draft_module) if draft_path else None},
-        "systems": [{"name": s.name, "backend": s.backend, "kwargs": s.kwargs, "description": s.description}
-                    for s in systems],
-        "workloads": [{"name": w.name, "kind": w.kind, "source": w.source, "prompt_tokens": len(w.prompt),
-                       "notes": w.notes, **w.meta} for w in workloads],
+        "config": {
+            "command": command.strip(),
+            "quick": args.quick,
+            "compute_dtype": str(kit.compute_dtype or "native"),
+            **asdict(plan),
+            "measured_reps": measured,
+            "texts": W.text_source,
+        },
+        "models": {
+            "target": model_info(model_path, kit.model, kit.config),
+            "draft": model_info(draft_path, draft_module) if draft_path else None,
+        },
+        "systems": [
+            {"name": s.name, "backend": s.backend, "kwargs": s.kwargs, "description": s.description} for s in systems
+        ],
+        "workloads": [
+            {
+                "name": w.name,
+                "kind": w.kind,
+                "source": w.source,
+                "prompt_tokens": len(w.prompt),
+                "notes": w.notes,
+                **w.meta,
+            }
+            for w in workloads
+        ],
         "rows": rows,
         "summary": summary,
-        "raw": {wn: {sn: [{"tokens": r.tokens, "ttft": r.ttft, "decode_time": r.decode_time, "total_time": r.total_time,
-                           "first_round": r.first_round, "from_draft": sum(r.from_draft), "reported": r.reported,
-                           "engine_stats": r.engine_stats} for r in rs] for sn, rs in per.items()}
-                for wn, per in runs.items()},
+        "raw": {
+            wn: {
+                sn: [
+                    {
+                        "tokens": r.tokens,
+                        "ttft": r.ttft,
+                        "decode_time": r.decode_time,
+                        "total_time": r.total_time,
+                        "first_round": r.first_round,
+                        "from_draft": sum(r.from_draft),
+                        "reported": r.reported,
+                        "engine_stats": r.engine_stats,
+                    }
+                    for r in rs
+                ]
+                for sn, rs in per.items()
+            }
+            for wn, per in runs.items()
+        },
     }
     report["elapsed_s"] = time.perf_counter() - t_start
     report = _nan_to_none(report)

@@ -8,6 +8,7 @@ log-probabilities, interleaved in ``--repeats`` rounds, best and median per call
 from __future__ import annotations
 
 import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
+from mlx_engine.sampling import SamplingParams, build_sampler  # noqa: E402
 
 import argparse  # noqa: E402
 import time  # noqa: E402
@@ -15,8 +16,6 @@ from typing import Callable  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
-
-from mlx_engine.sampling import SamplingParams, build_sampler  # noqa: E402
 
 FILTERS = {"temp only": {}, "top-p, top-k, min-p": dict(top_p=0.9, top_k=50, min_p=0.02)}
 
@@ -33,8 +32,9 @@ def compare(rows: int, vocab: int, filters: dict, calls: int, repeats: int) -> d
     lp = mx.random.normal((rows, vocab), key=mx.random.key(0))
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
     mx.eval(lp)
-    old = make_sampler(temp=0.8, top_p=filters.get("top_p", 0.0), top_k=filters.get("top_k", 0),
-                       min_p=filters.get("min_p", 0.0))
+    old = make_sampler(
+        temp=0.8, top_p=filters.get("top_p", 0.0), top_k=filters.get("top_k", 0), min_p=filters.get("min_p", 0.0)
+    )
     new = build_sampler(SamplingParams(temp=0.8, **filters), seed=7)
     fns = {"mlx-lm": lambda: old(lp), "position-keyed": lambda: new(lp, range(100, 100 + rows))}
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -56,7 +56,9 @@ def main() -> None:
     for rows in args.rows:
         for label, filters in FILTERS.items():
             times = compare(rows, args.vocab, filters, args.calls, args.repeats)
-            cells = [f"{name} {min(t) * 1e3:.2f} ms (median {sorted(t)[len(t) // 2] * 1e3:.2f})" for name, t in times.items()]
+            cells = [
+                f"{name} {min(t) * 1e3:.2f} ms (median {sorted(t)[len(t) // 2] * 1e3:.2f})" for name, t in times.items()
+            ]
             print(f"({rows}, {args.vocab}) {label}: " + ", ".join(cells))
 
 

@@ -82,8 +82,10 @@ def export_for_mlx_lm(kit: me.ModelKit, out: Path) -> Path:
 
 def messages_for(workload: str, i: int) -> list[dict]:
     text = chat_prompts()[workload][1]
-    return [{"role": "system", "content": f"Request {i}. You are a helpful assistant."},
-            {"role": "user", "content": text}]
+    return [
+        {"role": "system", "content": f"Request {i}. You are a helpful assistant."},
+        {"role": "user", "content": text},
+    ]
 
 
 def free_port() -> int:
@@ -108,7 +110,9 @@ def start(served: Served, port: int) -> subprocess.Popen:
     raise RuntimeError(f"{served.name} did not start")
 
 
-async def one_request(http: httpx.AsyncClient, url: str, served: Served, messages: list[dict], max_tokens: int) -> Result:
+async def one_request(
+    http: httpx.AsyncClient, url: str, served: Served, messages: list[dict], max_tokens: int
+) -> Result:
     """One streamed request; a failure is recorded, not raised (a peer may drop connections under load)."""
     try:
         return await _stream(http, url, served, messages, max_tokens)
@@ -118,8 +122,15 @@ async def one_request(http: httpx.AsyncClient, url: str, served: Served, message
 
 
 async def _stream(http: httpx.AsyncClient, url: str, served: Served, messages: list[dict], max_tokens: int) -> Result:
-    body = {"model": served.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, **served.extra}
+    body = {
+        "model": served.model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **served.extra,
+    }
     t0, ttft, parts, tokens, chunks = time.perf_counter(), None, [], None, 0
     async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -140,15 +151,19 @@ async def _stream(http: httpx.AsyncClient, url: str, served: Served, messages: l
 
 async def scenario(url: str, served: Served, workloads: list[str], clients: int, max_tokens: int, base: int):
     """``clients`` concurrent streams; with one client, one request per workload in turn."""
-    jobs = [(w, base + i) for i, w in enumerate(workloads)] if clients == 1 else \
-        [(workloads[i % len(workloads)], base + i) for i in range(clients)]
+    jobs = (
+        [(w, base + i) for i, w in enumerate(workloads)]
+        if clients == 1
+        else [(workloads[i % len(workloads)], base + i) for i in range(clients)]
+    )
     async with httpx.AsyncClient(timeout=None) as http:
         t0 = time.perf_counter()
         if clients == 1:
             results = [await one_request(http, url, served, messages_for(w, i), max_tokens) for w, i in jobs]
         else:
-            results = await asyncio.gather(*(one_request(http, url, served, messages_for(w, i), max_tokens)
-                                             for w, i in jobs))
+            results = await asyncio.gather(
+                *(one_request(http, url, served, messages_for(w, i), max_tokens) for w, i in jobs)
+            )
         wall = time.perf_counter() - t0
     return jobs, results, wall
 
@@ -157,10 +172,16 @@ def summarise(jobs, results: list[Result], wall: float) -> dict:
     ttfts = sorted(r.ttft for r in results if r.error is None) or [float("nan")]
     pick = lambda q: ttfts[min(len(ttfts) - 1, int(round(q * (len(ttfts) - 1))))]  # noqa: E731
     tokens = sum(r.tokens for r in results)
-    return {"requests": len(results), "failed": sum(r.error is not None for r in results), "tokens": tokens,
-            "wall": wall, "agg_tps": tokens / wall,
-            "ttft_p50": pick(0.5), "ttft_p95": pick(0.95),
-            "texts": {f"{w}#{i}": r.text for (w, i), r in zip(jobs, results)}}
+    return {
+        "requests": len(results),
+        "failed": sum(r.error is not None for r in results),
+        "tokens": tokens,
+        "wall": wall,
+        "agg_tps": tokens / wall,
+        "ttft_p50": pick(0.5),
+        "ttft_p95": pick(0.95),
+        "texts": {f"{w}#{i}": r.text for (w, i), r in zip(jobs, results)},
+    }
 
 
 def sdk_alone(kit: me.ModelKit, workloads: list[str], max_tokens: int, base: int, **kw) -> dict:
@@ -182,16 +203,42 @@ def sdk_alone(kit: me.ModelKit, workloads: list[str], max_tokens: int, base: int
 def systems(model_dir: Path, draft: str, draft_dir: Path, py: str) -> list[tuple[Served, bool]]:
     """(server, runs the copy-heavy speculation set only). mlx-lm's server is
     started after ``import mlx_engine`` so it gets the same BLAS (see _blas.py)."""
-    engine = [py, "-m", "mlx_engine.server", "--model", me.DEFAULT_MODEL, "--model-id", "smollm2",
-              "--max-parallel", "4", "--queue", "64", "--log-level", "warning"]
-    mlx_lm = [py, "-c", "import sys, runpy, mlx_engine; runpy.run_module('mlx_lm.server', run_name='__main__', "
-              "alter_sys=True)", "--model", str(model_dir), "--log-level", "WARNING"]
+    engine = [
+        py,
+        "-m",
+        "mlx_engine.server",
+        "--model",
+        me.DEFAULT_MODEL,
+        "--model-id",
+        "smollm2",
+        "--max-parallel",
+        "4",
+        "--queue",
+        "64",
+        "--log-level",
+        "warning",
+    ]
+    mlx_lm = [
+        py,
+        "-c",
+        "import sys, runpy, mlx_engine; runpy.run_module('mlx_lm.server', run_name='__main__', alter_sys=True)",
+        "--model",
+        str(model_dir),
+        "--log-level",
+        "WARNING",
+    ]
     return [
         (Served("engine-plain", engine, "smollm2", {"mlx_engine": {"decoding": "plain"}}), False),
         (Served("engine-spec", engine + ["--draft", draft], "smollm2", {"mlx_engine": {"decoding": "auto"}}), True),
         (Served("mlx-lm", mlx_lm, str(model_dir)), False),
-        (Served("mlx-lm-spec", mlx_lm + ["--draft-model", str(draft_dir), "--num-draft-tokens", str(MLX_LM_DRAFT_TOKENS)],
-                str(model_dir)), True),
+        (
+            Served(
+                "mlx-lm-spec",
+                mlx_lm + ["--draft-model", str(draft_dir), "--num-draft-tokens", str(MLX_LM_DRAFT_TOKENS)],
+                str(model_dir),
+            ),
+            True,
+        ),
     ]
 
 
@@ -227,33 +274,50 @@ def _scenarios(args, kits: dict, chosen, urls) -> list[dict]:
             if clients == 1:
                 entries += [("sdk-plain", None)] + ([("sdk-spec", None)] if set_name == "copy" else [])
             turn += 1
-            for name, served in entries[turn % len(entries):] + entries[:turn % len(entries)]:
+            for name, served in entries[turn % len(entries) :] + entries[: turn % len(entries)]:
                 if served is None:
                     kw = {"speculative_decoding_toggle": False} if name == "sdk-plain" else {"auto_speculative": True}
                     summary = sdk_alone(kits[name], list(workloads), args.max_tokens, base, **kw)
                 else:
-                    jobs, results, wall = asyncio.run(scenario(urls[tuple(served.argv)], served, list(workloads),
-                                                               clients, args.max_tokens, base))
+                    jobs, results, wall = asyncio.run(
+                        scenario(urls[tuple(served.argv)], served, list(workloads), clients, args.max_tokens, base)
+                    )
                     summary = summarise(jobs, results, wall)
-                logger.info("%s %s c=%d: %.1f tok/s, ttft p50 %.2fs", name, set_name, clients, summary["agg_tps"],
-                            summary["ttft_p50"])
+                logger.info(
+                    "%s %s c=%d: %.1f tok/s, ttft p50 %.2fs",
+                    name,
+                    set_name,
+                    clients,
+                    summary["agg_tps"],
+                    summary["ttft_p50"],
+                )
                 rows.append({"system": name, "set": set_name, "clients": clients, "base": base, **summary})
     return rows
 
 
 def render(rows: list[dict], max_tokens: int) -> str:
-    lines = [f"SmolLM2-135M-Instruct (float32 on the CPU), greedy, up to {max_tokens} new tokens per request, "
-             "streamed; one run. tok/s: completion tokens of all requests / wall time.", "",
-             "| set | clients | system | requests (failed) | tokens | agg tok/s | TTFT p50 s | TTFT p95 s |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"SmolLM2-135M-Instruct (float32 on the CPU), greedy, up to {max_tokens} new tokens per request, "
+        "streamed; one run. tok/s: completion tokens of all requests / wall time.",
+        "",
+        "| set | clients | system | requests (failed) | tokens | agg tok/s | TTFT p50 s | TTFT p95 s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for r in sorted(rows, key=lambda r: (r["set"], r["clients"], r["system"])):
         failed = f" ({r['failed']})" if r.get("failed") else ""
-        lines.append(f"| {r['set']} | {r['clients']} | {r['system']} | {r['requests']}{failed} | {r['tokens']} | "
-                     f"{r['agg_tps']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |")
+        lines.append(
+            f"| {r['set']} | {r['clients']} | {r['system']} | {r['requests']}{failed} | {r['tokens']} | "
+            f"{r['agg_tps']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |"
+        )
     lines += ["", "Ratios (same set and clients):", ""]
     index = {(r["system"], r["set"], r["clients"]): r for r in rows}
-    pairs = [("engine-plain", "mlx-lm"), ("engine-spec", "mlx-lm-spec"), ("engine-spec", "mlx-lm"),
-             ("engine-plain", "sdk-plain"), ("engine-spec", "sdk-spec")]
+    pairs = [
+        ("engine-plain", "mlx-lm"),
+        ("engine-spec", "mlx-lm-spec"),
+        ("engine-spec", "mlx-lm"),
+        ("engine-plain", "sdk-plain"),
+        ("engine-spec", "sdk-spec"),
+    ]
     for a, b in pairs:
         for (s, st, c), r in sorted(index.items()):
             if s == a and (b, st, c) in index:
@@ -297,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, args.max_tokens) + "\n" + "\n".join(f"- {n}" for n in exactness(rows)) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "server.md").write_text(text)
-    (args.out / "server.json").write_text(json.dumps({"machine": machine_info(), "cpus": os.cpu_count(),
-                                                      "rows": rows}, indent=1))
+    (args.out / "server.json").write_text(
+        json.dumps({"machine": machine_info(), "cpus": os.cpu_count(), "rows": rows}, indent=1)
+    )
     print(text)
     return 0
 

@@ -21,7 +21,7 @@ import logging  # noqa: E402
 
 from . import systems as S  # noqa: E402
 from .run import Plan, _median, measure  # noqa: E402
-from .stats import bench_args, write_report, format_paired, paired_ratio  # noqa: E402
+from .stats import bench_args, format_paired, paired_ratio, write_report  # noqa: E402
 from .workloads import Workload  # noqa: E402
 
 BOOK = {
@@ -47,7 +47,9 @@ def systems() -> list[S.System]:
         S.System("free", "engine", {"speculative_decoding_toggle": False}, "plain, unconstrained"),
         S.System("schema", "engine", {**schema, "structured_drafting": False}, "plain, JSON schema"),
         S.System("schema+forced", "engine", schema, "JSON schema, forced spans drafted"),
-        S.System("schema+lookup", "engine", {**schema, "prompt_lookup_num_tokens": 8}, "JSON schema, forced spans + lookup"),
+        S.System(
+            "schema+lookup", "engine", {**schema, "prompt_lookup_num_tokens": 8}, "JSON schema, forced spans + lookup"
+        ),
     ]
 
 
@@ -70,8 +72,10 @@ def bench_model(name: str, kit: me.ModelKit, reps: int, max_tokens: int) -> list
         stats = by[s.name][0].engine_stats or {}
         same = "" if s.name == "free" else ("same" if by[s.name][0].tokens == ref else "DIFFERS")
         forced = f"{stats.get('grammar_accepted_tokens', 0)}/{stats.get('grammar_drafted_tokens', 0)}"
-        lines.append(f"| {name} | {s.name} | {len(by[s.name][0].tokens)} | {_median(tps):.1f} | {_ratio(vs_free)} | "
-                     f"{_ratio(vs_schema)} | {forced} | {same} |")
+        lines.append(
+            f"| {name} | {s.name} | {len(by[s.name][0].tokens)} | {_median(tps):.1f} | {_ratio(vs_free)} | "
+            f"{_ratio(vs_schema)} | {forced} | {same} |"
+        )
     text = kit.tokenizer.decode(ref)
     logging.getLogger("bench").info("%s constrained output: %s", name, text)
     return lines
@@ -84,10 +88,13 @@ def _ratio(pr) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = bench_args("python -m bench.structured", __doc__.split("\n\n")[0], 5, 120, argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    lines = [f"Greedy, up to {args.max_tokens} new tokens, {args.reps} measured rounds, ratios paired per round "
-             "(95% bootstrap interval); forced = grammar-forced drafts accepted/drafted.", "",
-             "| model | system | new tokens | gen tok/s | vs free | vs schema | forced | output vs schema |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Greedy, up to {args.max_tokens} new tokens, {args.reps} measured rounds, ratios paired per round "
+        "(95% bootstrap interval); forced = grammar-forced drafts accepted/drafted.",
+        "",
+        "| model | system | new tokens | gen tok/s | vs free | vs schema | forced | output vs schema |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for name, path in (("smollm2-135m", me.DEFAULT_MODEL),):
         kit = me.load_model(path)
         lines += bench_model(name, kit, args.reps, args.max_tokens)

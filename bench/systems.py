@@ -9,11 +9,11 @@ dtype and BLAS), greedy.
 
 from __future__ import annotations
 
+import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 
 import mlx.nn as nn  # noqa: E402
 from mlx_lm import stream_generate  # noqa: E402
@@ -40,18 +40,43 @@ BASELINE = "mlx-lm"
 
 SYSTEMS: list[System] = [
     System("mlx-lm", "mlx-lm", {}, "mlx_lm.stream_generate, greedy (baseline)"),
-    System("mlx-lm-spec", "mlx-lm", {"num_draft_tokens": MLX_LM_DRAFT_TOKENS},
-           f"mlx_lm.stream_generate with draft_model, num_draft_tokens={MLX_LM_DRAFT_TOKENS}", needs_draft=True),
-    System("engine-plain", "engine", {"speculative_decoding_toggle": False}, "engine, plain decoding",
-           peer="mlx-lm"),
-    System("engine-draft", "engine", {"speculative_decoding_toggle": True},
-           "engine, draft model, adaptive draft length", needs_draft=True, peer="mlx-lm-spec"),
-    System("engine-draft-k3", "engine", {"speculative_decoding_toggle": True, "num_draft_tokens": 3},
-           "engine, draft model, num_draft_tokens=3", needs_draft=True, peer="mlx-lm-spec"),
-    System("engine-lookup", "engine", {"prompt_lookup_num_tokens": 8, "speculative_decoding_toggle": False},
-           "engine, prompt lookup (8 tokens)"),
-    System("engine-auto", "engine", {"auto_speculative": True}, "engine, auto_speculative=True (draft loaded)",
-           needs_draft=True),
+    System(
+        "mlx-lm-spec",
+        "mlx-lm",
+        {"num_draft_tokens": MLX_LM_DRAFT_TOKENS},
+        f"mlx_lm.stream_generate with draft_model, num_draft_tokens={MLX_LM_DRAFT_TOKENS}",
+        needs_draft=True,
+    ),
+    System("engine-plain", "engine", {"speculative_decoding_toggle": False}, "engine, plain decoding", peer="mlx-lm"),
+    System(
+        "engine-draft",
+        "engine",
+        {"speculative_decoding_toggle": True},
+        "engine, draft model, adaptive draft length",
+        needs_draft=True,
+        peer="mlx-lm-spec",
+    ),
+    System(
+        "engine-draft-k3",
+        "engine",
+        {"speculative_decoding_toggle": True, "num_draft_tokens": 3},
+        "engine, draft model, num_draft_tokens=3",
+        needs_draft=True,
+        peer="mlx-lm-spec",
+    ),
+    System(
+        "engine-lookup",
+        "engine",
+        {"prompt_lookup_num_tokens": 8, "speculative_decoding_toggle": False},
+        "engine, prompt lookup (8 tokens)",
+    ),
+    System(
+        "engine-auto",
+        "engine",
+        {"auto_speculative": True},
+        "engine, auto_speculative=True (draft loaded)",
+        needs_draft=True,
+    ),
 ]
 
 
@@ -105,8 +130,14 @@ def _first_round(flags: list[bool]) -> int:
     return len(flags)
 
 
-def run_engine(models: Models, system: System, prompt: list[int], max_tokens: int,
-               setup: list[int] | None = None, setup_tokens: int = 0) -> Run:
+def run_engine(
+    models: Models,
+    system: System,
+    prompt: list[int],
+    max_tokens: int,
+    setup: list[int] | None = None,
+    setup_tokens: int = 0,
+) -> Run:
     """One greedy generation with the engine, from empty caches. ``setup`` (a
     first turn) is run untimed before the measured one, leaving the kit's caches
     holding it and its reply, which the measured request may reuse."""
@@ -134,10 +165,21 @@ def run_engine(models: Models, system: System, prompt: list[int], max_tokens: in
     t_first = t_first or t_end
     reported = {}
     if stats is not None:
-        reported = {"generation_tps": stats.generation_tps, "prompt_tps": stats.prompt_tps,
-                    "time_to_first_token": stats.time_to_first_token}
-    return Run(tokens, flags, t_first - t0, _first_round(flags), t_end - t_first, t_end - t0, reported,
-               stats.as_dict() if stats is not None else None)
+        reported = {
+            "generation_tps": stats.generation_tps,
+            "prompt_tps": stats.prompt_tps,
+            "time_to_first_token": stats.time_to_first_token,
+        }
+    return Run(
+        tokens,
+        flags,
+        t_first - t0,
+        _first_round(flags),
+        t_end - t_first,
+        t_end - t0,
+        reported,
+        stats.as_dict() if stats is not None else None,
+    )
 
 
 def run_mlx_lm(models: Models, system: System, prompt: list[int], max_tokens: int, **_: Any) -> Run:

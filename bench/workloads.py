@@ -28,7 +28,16 @@ Continue = Callable[[list[int], int], list[int]]
 ECHO_SEPARATOR = "\n# The same code again:\n"
 EDIT_SEPARATOR = "\n\n# The same code with `{old}` renamed to `{new}`:\n"
 TURN_SEPARATOR = "\n\n# Next, another piece of code:\n"
-FALLBACK_FILES = ("textwrap.py", "heapq.py", "bisect.py", "fractions.py", "shlex.py", "string.py", "calendar.py", "csv.py")
+FALLBACK_FILES = (
+    "textwrap.py",
+    "heapq.py",
+    "bisect.py",
+    "fractions.py",
+    "shlex.py",
+    "string.py",
+    "calendar.py",
+    "csv.py",
+)
 
 QA_PATTERN = r'^def [^\n]*:\n[ \t]+"""[^\n]*"""\n'  # a def with a one-line docstring
 KINDS = ("echo", "code-edit", "open-gen", "qa-short", "multi-turn")
@@ -104,8 +113,9 @@ def _rename_target(passage: str) -> str | None:
     return words.most_common(1)[0][0] if words else None
 
 
-def _fit(builder: Callable[[str, int, Tokenize], tuple[list[int], str]], text: str, length: int,
-         tokenize: Tokenize) -> tuple[list[int], str]:
+def _fit(
+    builder: Callable[[str, int, Tokenize], tuple[list[int], str]], text: str, length: int, tokenize: Tokenize
+) -> tuple[list[int], str]:
     """Run ``builder`` with a budget shrunk until its prompt is near ``length`` tokens."""
     budget = length
     toks, notes = builder(text, budget, tokenize)
@@ -154,7 +164,7 @@ def _open_gen(text: str, length: int, tokenize: Tokenize) -> tuple[list[int], st
 def _qa_short(text: str, tokenize: Tokenize) -> tuple[list[int], str]:
     """A def line plus its docstring (under 64 tokens): the model writes the body."""
     m = re.search(QA_PATTERN, text, re.M)
-    prompt = m.group(0) if m else "def median(values):\n    \"\"\"Return the median of a list of numbers.\"\"\"\n"
+    prompt = m.group(0) if m else 'def median(values):\n    """Return the median of a list of numbers."""\n'
     toks = tokenize(prompt)
     while len(toks) >= 64:
         prompt = prompt[: int(len(prompt) * 0.8)]

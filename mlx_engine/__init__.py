@@ -6,9 +6,16 @@ from ._blas import BlasStatus, blas_status, setup_blas
 setup_blas()
 
 from .catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
-from .errors import CallbackError, ChatTemplateLimitError, GenerationInProgressError, IncompatibleDraftModelError, ModelLoadError  # noqa: E402
-from .errors import DistributedConfigError, ShardedKitError  # noqa: E402
 from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
+from .errors import (  # noqa: E402
+    CallbackError,
+    ChatTemplateLimitError,
+    DistributedConfigError,
+    GenerationInProgressError,
+    IncompatibleDraftModelError,
+    ModelLoadError,
+    ShardedKitError,
+)  # noqa: E402
 from .generate import (  # noqa: E402
     apply_chat_template,
     create_generator,
@@ -21,7 +28,6 @@ from .generate import (  # noqa: E402
     unload_draft_model,
 )
 from .model_kit import ModelKit  # noqa: E402
-from .vision_model_kit import VisionModelKit  # noqa: E402
 from .results import (  # noqa: E402
     GenerationResult,
     GenerationStats,
@@ -32,6 +38,7 @@ from .results import (  # noqa: E402
     TopLogprob,
 )
 from .speculative.draft_loading import DraftCompatibility, check_draft_model  # noqa: E402
+from .vision_model_kit import VisionModelKit  # noqa: E402
 
 __all__ = [
     "CATALOG",

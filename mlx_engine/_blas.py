@@ -66,16 +66,12 @@ def setup_blas() -> BlasStatus:
     elif os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         _status = BlasStatus("bundled", None, f"disabled by {DISABLE_ENV}")
     elif "mlx.core" in sys.modules:
-        _status = BlasStatus(
-            "bundled", None, "mlx.core was imported before mlx_engine; too late to swap BLAS"
-        )
+        _status = BlasStatus("bundled", None, "mlx.core was imported before mlx_engine; too late to swap BLAS")
     else:
         path = _find_library()
         _share_cores_between_local_ranks()
         if path is None:
-            _status = BlasStatus(
-                "bundled", None, "no system OpenBLAS found (apt install libopenblas0-pthread)"
-            )
+            _status = BlasStatus("bundled", None, "no system OpenBLAS found (apt install libopenblas0-pthread)")
         else:
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .errors import GenerationInProgressError
 
+
 @dataclass
 class Activity:
     """The kit's request bookkeeping, safe from any thread: the requests created

@@ -122,8 +122,10 @@ class RaggedBatch:
                 layer.keys = mx.take(layer.keys, keep, axis=0)
                 layer.values = mx.take(layer.values, keep, axis=0)
         del self.rows[b]
-        mx.eval([(kv.keys, kv.values) for kv in cache.layers if kv.keys is not None]
-                + [(l.keys, l.values) for l in self.layers if l.keys is not None])
+        mx.eval(
+            [(kv.keys, kv.values) for kv in cache.layers if kv.keys is not None]
+            + [(l.keys, l.values) for l in self.layers if l.keys is not None]
+        )
 
     def feed(self, inputs: list[tuple[SequenceCache, list[int], mx.array | None]]) -> list[tuple[mx.array, int]]:
         """One forward pass for the rows in ``inputs``: each row's ``known`` ids

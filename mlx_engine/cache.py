@@ -93,9 +93,7 @@ class SequenceCache:
             # Models with their own make_cache ignore max_kv_size; bound their
             # full-attention layers here (sliding-window and recurrent layers
             # are already bounded).
-            layers = [
-                RotatingKVCache(max_size=self.max_kv_size, keep=4) if type(c) is KVCache else c for c in layers
-            ]
+            layers = [RotatingKVCache(max_size=self.max_kv_size, keep=4) if type(c) is KVCache else c for c in layers]
         self.layers = layers
         self.tokens = []
 
@@ -111,7 +109,8 @@ class SequenceCache:
         self.model(mx.array([[0]], dtype=mx.uint32), cache=layers)
         return [
             KVLayout(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype)
-            if type(c) is KVCache and c.keys is not None else None
+            if type(c) is KVCache and c.keys is not None
+            else None
             for c in layers
         ]
 

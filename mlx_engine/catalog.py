@@ -18,7 +18,6 @@ from pathlib import Path
 
 from .errors import ModelLoadError
 
-
 REPO_MODELS = Path(__file__).resolve().parents[1] / "models"
 
 

@@ -39,9 +39,7 @@ class _LimitExceeded(BaseException):
 
 
 def _too_big(what: str, size: int) -> _LimitExceeded:
-    return _LimitExceeded(
-        f"the chat template builds {what} of {size} items; templates may build at most {MAX_CHARS}"
-    )
+    return _LimitExceeded(f"the chat template builds {what} of {size} items; templates may build at most {MAX_CHARS}")
 
 
 def _length(value) -> int | None:
@@ -73,7 +71,9 @@ def _check_format_widths(fmt: str) -> None:
     """``'%*s'``-style or huge field widths would pad to any size: the widths a
     format string declares must sum within the bound."""
     if _NESTED_SPEC.search(fmt):
-        raise _LimitExceeded("the chat template formats with a width taken from an argument, which templates may not use")
+        raise _LimitExceeded(
+            "the chat template formats with a width taken from an argument, which templates may not use"
+        )
     total = len(fmt)
     for groups in _WIDTHS.findall(fmt):
         for g in groups:
@@ -111,26 +111,34 @@ def _check_call(obj, args: tuple, kwargs: dict) -> None:
 def _bounded_filter(name: str, fn: Callable) -> Callable:
     """Jinja's padding and replacing filters, with the same checks as the str methods."""
     if name == "indent":
+
         def indent(value, width=4, *args, **kwargs):
             w = len(width) if isinstance(width, str) else width
             if isinstance(w, int) and w * (str(value).count("\n") + 1) > MAX_CHARS:
                 raise _too_big("an indent", w)
             return fn(value, width, *args, **kwargs)
+
         return indent
     if name == "center":
+
         def center(value, width=80):
             _check_call(str(value).center, (width,), {})
             return fn(value, width)
+
         return center
     if name == "replace":
+
         def replace(eval_ctx, s, old, new, count=None):
             _check_call(str(s).replace, (str(old), str(new)), {})
             return fn(eval_ctx, s, old, new, count)
+
         return jinja2.pass_eval_context(replace)
     if name == "format":
+
         def format_(value, *args, **kwargs):
             _check_format_widths(str(value))
             return fn(value, *args, **kwargs)
+
         return format_
     return fn
 
@@ -158,8 +166,12 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             self.filters[name] = _bounded_filter(name, self.filters[name])
         # What transformers gives chat templates (utils/chat_template_utils.py).
         self.filters["tojson"] = _tojson
-        self.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
-                            dict=dict, namespace=jinja2.utils.Namespace)
+        self.globals.update(
+            raise_exception=_raise_exception,
+            strftime_now=lambda f: datetime.now().strftime(f),
+            dict=dict,
+            namespace=jinja2.utils.Namespace,
+        )
 
     def call_binop(self, context, operator: str, left, right):
         _check_binop(operator, left, right)

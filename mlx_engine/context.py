@@ -57,8 +57,12 @@ def fit_context(model: nn.Module, trained_context: int | None) -> int:
     per_token = kv_bytes_per_token(model)
     fits = int(CONTEXT_MEMORY_SHARE * available_memory()) // per_token
     context = min(fits, trained_context) if trained_context else fits
-    logger.info("context fitted to memory: %d tokens (%d KV bytes per token; trained for %s)",
-                context, per_token, trained_context)
+    logger.info(
+        "context fitted to memory: %d tokens (%d KV bytes per token; trained for %s)",
+        context,
+        per_token,
+        trained_context,
+    )
     return max(context, 8)
 
 

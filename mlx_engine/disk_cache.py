@@ -66,8 +66,10 @@ def prepare_root(directory: str | os.PathLike) -> Path:
 def model_identity(model_path: Path, compute_dtype, cache_options) -> str:
     """A short hash of what decides whether a cached KV state is valid: the
     model files (name, size, modification time), dtype and cache options."""
-    files = [model_path] if model_path.is_file() else sorted(
-        p for p in model_path.iterdir() if p.suffix in (".json", ".safetensors", ".gguf")
+    files = (
+        [model_path]
+        if model_path.is_file()
+        else sorted(p for p in model_path.iterdir() if p.suffix in (".json", ".safetensors", ".gguf"))
     )
     h = hashlib.sha256(f"v{FORMAT_VERSION}|{compute_dtype}|{cache_options}".encode())
     for f in files:
@@ -142,8 +144,10 @@ def _parse_record(name: str, raw: bytes) -> _Item:
 
 def _savable(cache: SequenceCache) -> bool:
     """Plain KV layers holding exactly the cache's (known) tokens."""
-    return bool(cache.tokens) and min(cache.tokens) >= 0 and all(
-        type(c) is KVCache and c.offset == len(cache.tokens) for c in cache.layers
+    return (
+        bool(cache.tokens)
+        and min(cache.tokens) >= 0
+        and all(type(c) is KVCache and c.offset == len(cache.tokens) for c in cache.layers)
     )
 
 
@@ -159,7 +163,9 @@ class DiskCache:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temporaries()
         except OSError as exc:
-            logger.warning("prompt cache: cannot prepare %s (%s); entries are written once it can be created", self.dir, exc)
+            logger.warning(
+                "prompt cache: cannot prepare %s (%s); entries are written once it can be created", self.dir, exc
+            )
 
     # -- listing --------------------------------------------------------------
     def _files(self, suffix: str) -> list[Path]:
@@ -195,8 +201,13 @@ class DiskCache:
         try:
             self._write(cache)
         except Exception as exc:  # a cache write must never fail the request or unload that caused it
-            logger.warning("prompt cache: could not write a %d-token entry to %s (%s: %s); skipped",
-                           len(cache.tokens), self.dir, type(exc).__name__, exc)
+            logger.warning(
+                "prompt cache: could not write a %d-token entry to %s (%s: %s); skipped",
+                len(cache.tokens),
+                self.dir,
+                type(exc).__name__,
+                exc,
+            )
 
     def _write(self, cache: SequenceCache) -> None:
         name = _entry_name(cache.tokens)
@@ -221,7 +232,9 @@ class DiskCache:
         self._enforce_budget()
 
     # -- reading --------------------------------------------------------------
-    def load_longest(self, keys: list[int], better_than: int, make: Callable[[], SequenceCache]) -> SequenceCache | None:
+    def load_longest(
+        self, keys: list[int], better_than: int, make: Callable[[], SequenceCache]
+    ) -> SequenceCache | None:
         """The stored entry sharing the longest prefix with ``keys``, if longer
         than ``better_than``, checked before it is used (module docstring); one
         that fails a check is deleted and the next longest tried. Never raises:
@@ -239,7 +252,9 @@ class DiskCache:
                     _touch(self.dir / f"{item.name}.safetensors")
                     return cache
         except Exception as exc:  # the disk tier only ever saves work: failing to read it is a miss
-            logger.warning("prompt cache: could not read %s (%s: %s); continuing without it", self.dir, type(exc).__name__, exc)
+            logger.warning(
+                "prompt cache: could not read %s (%s: %s); continuing without it", self.dir, type(exc).__name__, exc
+            )
         return None
 
     def _model_layout(self, make: Callable[[], SequenceCache]) -> list[KVLayout | None] | None:
@@ -267,7 +282,9 @@ class DiskCache:
 
     # -- deleting -------------------------------------------------------------
     def _drop(self, name: str, why: str) -> None:
-        logger.warning("prompt cache: ignoring and deleting a corrupt or mismatched entry %s in %s: %s", name, self.dir, why)
+        logger.warning(
+            "prompt cache: ignoring and deleting a corrupt or mismatched entry %s in %s: %s", name, self.dir, why
+        )
         self._delete(name)
 
     def _delete(self, name: str) -> None:

@@ -12,6 +12,7 @@ from .batch_cache import RaggedBatch, can_batch, release_row
 from .cache import SequenceCache, common_prefix_length
 from .speculative import costs
 
+
 @dataclass
 class DraftModel:
     """A loaded draft model and its pool of draft caches: ``first_cache``, made

@@ -35,4 +35,3 @@ class DistributedConfigError(ModelLoadError):
 class ShardedKitError(RuntimeError):
     """A rank of a sharded kit died, hung or fell out of step; the kit is unusable
     until the job is relaunched and the model loaded again."""
-

@@ -28,10 +28,10 @@ from .request import (
     validate_request_id,
 )
 from .results import GenerationResult
-from .scheduler import Scheduler
-from .streams import RequestStream, WorkerIterator
 from .sampling import validate_seed
+from .scheduler import Scheduler
 from .speculative.draft_loading import check_draft_model, load_draft, unload_draft
+from .streams import RequestStream, WorkerIterator
 from .vision_model_kit import VisionModelKit
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,15 @@ def load_model(
     engine thread (docs/reliability.md)."""
     cache_options = CacheOptions.validate(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     prompt_cache = PromptCacheOptions.validate(prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
-    kit_options = KitOptions(cache_options, vocab_only, trust_remote_code, compute_dtype, prompt_cache,
-                             validate_max_parallel(max_parallel), validate_suffix_memory(suffix_memory_tokens))
+    kit_options = KitOptions(
+        cache_options,
+        vocab_only,
+        trust_remote_code,
+        compute_dtype,
+        prompt_cache,
+        validate_max_parallel(max_parallel),
+        validate_suffix_memory(suffix_memory_tokens),
+    )
     thread = worker.acquire()
     try:
         kit = thread.call(_load_model, model_path, kit_options, seed, max_image_pixels)
@@ -121,7 +128,7 @@ def tokenize(kit: ModelKit, prompt: str, *, add_special_tokens: bool = True) -> 
         prompt.encode("utf-8")
     except UnicodeEncodeError as exc:  # lone surrogates ("\ud800") have no UTF-8 form to tokenize
         raise ValueError(
-            f"prompt is not valid Unicode text: {exc.reason} at index {exc.start} ({prompt[exc.start:exc.end]!r})"
+            f"prompt is not valid Unicode text: {exc.reason} at index {exc.start} ({prompt[exc.start : exc.end]!r})"
         ) from None
     return list(kit.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
@@ -150,9 +157,16 @@ def apply_chat_template(
         # sandbox (chat_template.py), and only one that finishes there is
         # rendered by transformers, whose output the prompt is.
         template = tok.get_chat_template() if hasattr(tok, "get_chat_template") else tok.chat_template
-        check_render(template, {**getattr(tok, "special_tokens_map", {}), "messages": messages,
-                                "tools": extra.get("tools"), "documents": None,
-                                "add_generation_prompt": add_generation_prompt})
+        check_render(
+            template,
+            {
+                **getattr(tok, "special_tokens_map", {}),
+                "messages": messages,
+                "tools": extra.get("tools"),
+                "documents": None,
+                "add_generation_prompt": add_generation_prompt,
+            },
+        )
         ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     except ChatTemplateLimitError as exc:
         raise ChatTemplateLimitError(f"messages: {exc}") from None
@@ -235,8 +249,12 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
 
 
 # The keyword arguments, introspectable (help(), IDEs) though declared once, in GenerationOptions.
-create_generator.__signature__ = inspect.signature(create_generator).replace(parameters=[
-    *list(inspect.signature(create_generator).parameters.values())[:2], *GenerationOptions.keyword_parameters()])
+create_generator.__signature__ = inspect.signature(create_generator).replace(
+    parameters=[
+        *list(inspect.signature(create_generator).parameters.values())[:2],
+        *GenerationOptions.keyword_parameters(),
+    ]
+)
 
 
 def _start(kit: ModelKit, prompt_tokens, options: GenerationOptions) -> Generation:

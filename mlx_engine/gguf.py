@@ -89,7 +89,9 @@ class _Reader:
                 f"GGUF file {str(self.path)!r}: {what} runs past the end of the file or past {MAX_HEADER_BYTES} "
                 "bytes of header (the most this loader reads)"
             )
-        return ModelLoadError(f"GGUF file {str(self.path)!r} is truncated or corrupt: {what} runs past the end of the file")
+        return ModelLoadError(
+            f"GGUF file {str(self.path)!r} is truncated or corrupt: {what} runs past the end of the file"
+        )
 
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > self.end:
@@ -118,7 +120,9 @@ class _Reader:
             return self.string(f"metadata {key!r}")
         if vtype == _ARRAY:
             return self.array(key)
-        raise ModelLoadError(f"GGUF file {str(self.path)!r} is corrupt: metadata {key!r} has unknown value type {vtype}")
+        raise ModelLoadError(
+            f"GGUF file {str(self.path)!r} is corrupt: metadata {key!r} has unknown value type {vtype}"
+        )
 
     def array(self, key: str):
         """Numbers and bools as one numpy array (read in bulk), strings as a list
@@ -126,7 +130,9 @@ class _Reader:
         what = f"metadata {key!r}"
         item_type = self.scalar("<I", what)
         if item_type not in _SCALARS and item_type != _STRING:
-            raise ModelLoadError(f"GGUF file {str(self.path)!r} is corrupt: {what} is an array of value type {item_type}")
+            raise ModelLoadError(
+                f"GGUF file {str(self.path)!r} is corrupt: {what} is an array of value type {item_type}"
+            )
         item_bytes = struct.calcsize(_SCALARS[item_type]) if item_type in _SCALARS else 8  # a string's length field
         n = self.count(what, item_bytes)
         if n > MAX_ARRAY_ITEMS:
@@ -178,7 +184,9 @@ def _read_header_cached(name: str, size: int, mtime_ns: int) -> GGUFHeader:
             raise ModelLoadError(f"GGUF file {name!r} has version {version}; supported: 2 and 3")
         n_tensors, n_kv = r.scalar("<Q", "tensor count"), r.scalar("<Q", "metadata count")
         if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
-            raise ModelLoadError(f"GGUF file {name!r} is corrupt: it declares {n_tensors} tensors and {n_kv} metadata keys")
+            raise ModelLoadError(
+                f"GGUF file {name!r} is corrupt: it declares {n_tensors} tensors and {n_kv} metadata keys"
+            )
         metadata = {}
         for _ in range(n_kv):
             key = r.string("metadata key")
@@ -236,7 +244,9 @@ def _tensor_bytes(info: TensorInfo, path: Path) -> int:
     block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[info.type_name]]
     n = int(np.prod(info.shape, dtype=object))
     if info.shape[0] % block:
-        raise ModelLoadError(f"GGUF file {str(path)!r} is corrupt: tensor {info.name!r} rows are not whole {info.type_name} blocks")
+        raise ModelLoadError(
+            f"GGUF file {str(path)!r} is corrupt: tensor {info.name!r} rows are not whole {info.type_name} blocks"
+        )
     return n // block * block_bytes
 
 
@@ -330,9 +340,13 @@ def _decode(h: GGUFHeader, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
         return raw.view(np.float16).reshape(shape)
     rows = int(np.prod(shape[:-1], dtype=np.int64))
     try:
-        return quants.dequantize(raw.reshape(rows, info.n_bytes // rows), GGMLQuantizationType[info.type_name]).reshape(shape)
+        return quants.dequantize(raw.reshape(rows, info.n_bytes // rows), GGMLQuantizationType[info.type_name]).reshape(
+            shape
+        )
     except Exception as exc:  # noqa: BLE001 - any decoder failure names the tensor
-        raise ModelLoadError(f"GGUF file {str(h.path)!r}: could not decode tensor {info.name!r} ({info.type_name}): {exc}") from exc
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: could not decode tensor {info.name!r} ({info.type_name}): {exc}"
+        ) from exc
 
 
 def find_gguf(directory: Path) -> Path | None:

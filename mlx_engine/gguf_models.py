@@ -138,7 +138,9 @@ def config_from_header(h: GGUFHeader) -> dict:
     checked against the tensor table so no absurd model is ever allocated."""
     arch = meta_str(h, "general.architecture", "")
     if arch not in FAMILIES:
-        raise ModelLoadError(f"GGUF file {str(h.path)!r} has architecture {arch or None!r}; supported: {', '.join(FAMILIES)}")
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r} has architecture {arch or None!r}; supported: {', '.join(FAMILIES)}"
+        )
     family = FAMILIES[arch]
     heads = meta_int(h, f"{arch}.attention.head_count")
     config = dict(
@@ -242,8 +244,18 @@ def mlx_name(name: str, h: GGUFHeader) -> str:
 # error small (docs/gguf.md gives the measured logit differences).
 # F32, F16 and BF16 stay float16.
 REQUANT_BITS = {
-    "Q2_K": 4, "Q3_K": 5, "Q4_0": 6, "Q4_1": 6, "Q4_K": 6, "IQ4_NL": 6, "IQ4_XS": 6,
-    "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 8,
+    "Q2_K": 4,
+    "Q3_K": 5,
+    "Q4_0": 6,
+    "Q4_1": 6,
+    "Q4_K": 6,
+    "IQ4_NL": 6,
+    "IQ4_XS": 6,
+    "Q5_0": 8,
+    "Q5_1": 8,
+    "Q5_K": 8,
+    "Q6_K": 8,
+    "Q8_0": 8,
 }
 REQUANT_GROUP = 32
 
@@ -316,11 +328,17 @@ def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader
             continue
         if value.ndim != 2 or value.shape[-1] % REQUANT_GROUP:
             continue
-        out[key], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(value, group_size=REQUANT_GROUP, bits=n_bits)
+        out[key], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(
+            value, group_size=REQUANT_GROUP, bits=n_bits
+        )
         chosen[source_types[key]] = n_bits
     if chosen:
-        logger.info("GGUF %s: kept quantized in MLX's affine format, groups of %d (%s); other tensors float16", h.path.name,
-                    REQUANT_GROUP, ", ".join(f"{t} -> {b}-bit" for t, b in sorted(chosen.items())))
+        logger.info(
+            "GGUF %s: kept quantized in MLX's affine format, groups of %d (%s); other tensors float16",
+            h.path.name,
+            REQUANT_GROUP,
+            ", ".join(f"{t} -> {b}-bit" for t, b in sorted(chosen.items())),
+        )
     return out
 
 

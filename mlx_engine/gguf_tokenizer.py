@@ -76,7 +76,9 @@ def tokenizer_fields(h: GGUFHeader) -> dict:
         fields["merges"] = _token_list(h, "tokenizer.ggml.merges")
     else:
         if "tokenizer.ggml.scores" not in h.metadata:
-            raise ModelLoadError(f"GGUF file {str(h.path)!r} has no tokenizer: metadata 'tokenizer.ggml.scores' is missing")
+            raise ModelLoadError(
+                f"GGUF file {str(h.path)!r} has no tokenizer: metadata 'tokenizer.ggml.scores' is missing"
+            )
         fields["scores"] = _per_token(h, "tokenizer.ggml.scores", len(tokens), "f", 0.0)
         if "tokenizer.ggml.merges" in h.metadata:
             fields["merges"] = _token_list(h, "tokenizer.ggml.merges")
@@ -114,7 +116,10 @@ def _backend(h: GGUFHeader, fields: dict):
         _spm_space_prefix(backend, meta_flag(h, "tokenizer.ggml.add_space_prefix") if has_flag else True)
     if fields["tokenizer_type"] == "gpt2" and fields["pre_tokenizer_type"] in _DIGITS_FIRST:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     return backend
 
@@ -127,7 +132,9 @@ def _spm_space_prefix(backend, add_space_prefix: bool) -> None:
     from tokenizers import normalizers
 
     replace = normalizers.Replace(pattern=" ", content="\u2581")
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend(prepend="\u2581"), replace]) if add_space_prefix else replace
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(prepend="\u2581"), replace]) if add_space_prefix else replace
+    )
     backend.pre_tokenizer = None
 
 
@@ -135,8 +142,10 @@ def _add_special(h: GGUFHeader, backend, fields: dict) -> None:
     from tokenizers import processors
 
     tokens = fields["tokens"]
-    add_bos = meta_flag(h, "tokenizer.ggml.add_bos_token") if "tokenizer.ggml.add_bos_token" in h.metadata else (
-        fields["tokenizer_type"] == "llama"
+    add_bos = (
+        meta_flag(h, "tokenizer.ggml.add_bos_token")
+        if "tokenizer.ggml.add_bos_token" in h.metadata
+        else (fields["tokenizer_type"] == "llama")
     )
     add_eos = meta_flag(h, "tokenizer.ggml.add_eos_token")
     single, special = "$A", []
@@ -147,7 +156,9 @@ def _add_special(h: GGUFHeader, backend, fields: dict) -> None:
         eos = tokens[fields["eos_token_id"]]
         single = f"{single} {eos}"
         special = [*special, (eos, fields["eos_token_id"])] if eos not in dict(special) else special
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=f"{single} {single.replace('$A', '$B')}", special_tokens=special)
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=f"{single} {single.replace('$A', '$B')}", special_tokens=special
+    )
 
 
 def load_tokenizer(h: GGUFHeader):

@@ -89,7 +89,9 @@ def resolve_model_path(model_path: str | os.PathLike, what: str = "model_path") 
     path = _existing_path(model_path, what)
     if path.is_file():
         if not gguf.is_gguf(path):
-            raise ModelLoadError(f"{what} {str(path)!r} is a file but not a .gguf model; pass a model directory or a .gguf file")
+            raise ModelLoadError(
+                f"{what} {str(path)!r} is a file but not a .gguf model; pass a model directory or a .gguf file"
+            )
         return path
     if (path / "config.json").is_file():
         return path
@@ -104,7 +106,9 @@ def resolve_model_path(model_path: str | os.PathLike, what: str = "model_path") 
 def _existing_path(model_path, what: str) -> Path:
     if not isinstance(model_path, (str, os.PathLike)):
         names = ", ".join(sorted(catalog.CATALOG))
-        raise ValueError(f"{what} must be a local model directory, a .gguf file or a catalog name ({names}), got {model_path!r}")
+        raise ValueError(
+            f"{what} must be a local model directory, a .gguf file or a catalog name ({names}), got {model_path!r}"
+        )
     if not str(model_path).strip():
         raise ValueError(f"{what} must not be empty (an empty path would mean the current directory)")
     path = Path(model_path).expanduser()
@@ -159,7 +163,9 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
     try:
         with offline():
-            return _load_tokenizer(path, {"trust_remote_code": bool(trust_remote_code)}, defaults=_tokenizer_defaults(path))
+            return _load_tokenizer(
+                path, {"trust_remote_code": bool(trust_remote_code)}, defaults=_tokenizer_defaults(path)
+            )
     except Exception as exc:
         raise ModelLoadError(f"could not load the tokenizer from {str(path)!r}: {exc}") from exc
 
@@ -198,7 +204,9 @@ def choose_compute_dtype(model: nn.Module, requested: str | None) -> mx.Dtype | 
     float32 weights take at most ``FLOAT32_MEMORY_SHARE`` of physical memory. On
     a GPU, ``"auto"`` keeps what is stored."""
     if requested not in (None, "auto", "float32", "float16", "bfloat16", "native"):
-        raise ValueError(f"compute_dtype must be one of 'auto', 'native', 'float32', 'float16', 'bfloat16', got {requested!r}")
+        raise ValueError(
+            f"compute_dtype must be one of 'auto', 'native', 'float32', 'float16', 'bfloat16', got {requested!r}"
+        )
     if requested == "native":
         return None
     if requested in ("float32", "float16", "bfloat16"):
@@ -210,7 +218,9 @@ def choose_compute_dtype(model: nn.Module, requested: str | None) -> mx.Dtype | 
         needed, budget = 4 * float_param_count(model), FLOAT32_MEMORY_SHARE * physical_memory()
         if needed <= budget:
             return mx.float32
-        logger.info("keeping quantized weights: float32 would take %.1f GiB of %.1f GiB allowed", needed / 2**30, budget / 2**30)
+        logger.info(
+            "keeping quantized weights: float32 would take %.1f GiB of %.1f GiB allowed", needed / 2**30, budget / 2**30
+        )
         return None
     if any(v.dtype in (mx.float16, mx.bfloat16) for _, v in tree_flatten(model.parameters())):
         return mx.float32
@@ -279,9 +289,13 @@ def smoke_test(model: nn.Module, path: Path) -> None:
         logits = model(mx.array([[0]], dtype=mx.uint32), cache=make_prompt_cache(model))
         finite = bool(mx.all(mx.isfinite(logits)).item())
     except Exception as exc:
-        raise ModelLoadError(f"the model in {str(path)!r} cannot run with its config.json: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(
+            f"the model in {str(path)!r} cannot run with its config.json: {type(exc).__name__}: {exc}"
+        ) from exc
     if not finite:
-        raise ModelLoadError(f"the model in {str(path)!r} computes NaN or infinite logits: its weights hold NaN/inf values")
+        raise ModelLoadError(
+            f"the model in {str(path)!r} computes NaN or infinite logits: its weights hold NaN/inf values"
+        )
 
 
 def physical_memory() -> int:

@@ -23,12 +23,34 @@ from .errors import ModelLoadError
 _MODEL_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 # Size fields read by the architecture code: a positive integer each (a list of
 # them where some architectures vary it per layer).
-_SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
-                "num_attention_heads", "num_key_value_heads", "head_dim")
+_SIZE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 _PER_LAYER_OK = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
 MAX_HEADER_BYTES = 100 * 2**20  # a safetensors JSON header larger than this is refused
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
-                "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
 # Indices of repeated blocks in weight names ("model.layers.3.mlp...", "transformer.h.3...").
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _NOT_TEXT_LAYERS = re.compile(r"vision|visual|audio|image|mm_|multi_modal|projector|mtp", re.IGNORECASE)
@@ -44,7 +66,9 @@ def check_model_files(path: Path) -> None:
     when read. Text files larger than MAX_JSON_BYTES are refused."""
     for entry in sorted(path.iterdir()):
         name = entry.name
-        if not (name.endswith((".json", ".safetensors", ".jinja", ".txt", ".model", ".tiktoken")) or name == "merges.txt"):
+        if not (
+            name.endswith((".json", ".safetensors", ".jinja", ".txt", ".model", ".tiktoken")) or name == "merges.txt"
+        ):
             continue
         try:
             ok = entry.is_file()  # follows symlinks
@@ -54,7 +78,9 @@ def check_model_files(path: Path) -> None:
         if not ok and os.path.lexists(entry):
             if entry.is_dir():
                 continue  # a folder named like a file is never opened as one
-            raise ModelLoadError(f"{str(entry)!r} is not a regular file (a device, FIFO, dangling link or symlink loop?)")
+            raise ModelLoadError(
+                f"{str(entry)!r} is not a regular file (a device, FIFO, dangling link or symlink loop?)"
+            )
         if ok and not name.endswith(".safetensors") and size > MAX_JSON_BYTES:
             raise ModelLoadError(f"{str(entry)!r} is {size} bytes; files of this kind are at most {MAX_JSON_BYTES}")
 
@@ -69,7 +95,9 @@ def check_config_fields(config: dict, path: Path) -> None:
     sections = [("", config)]
     if "text_config" in config:
         if not isinstance(config["text_config"], dict):
-            raise ModelLoadError(f"{where}: 'text_config' must be a JSON object, got {type(config['text_config']).__name__}")
+            raise ModelLoadError(
+                f"{where}: 'text_config' must be a JSON object, got {type(config['text_config']).__name__}"
+            )
         sections.append(("text_config.", config["text_config"]))
     for prefix, cfg in sections:
         for name in _SIZE_FIELDS:
@@ -92,7 +120,9 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def read_safetensors_header(file: Path, opened: BinaryIO | None = None, kind: str = "weight file") -> dict[str, TensorInfo]:
+def read_safetensors_header(
+    file: Path, opened: BinaryIO | None = None, kind: str = "weight file"
+) -> dict[str, TensorInfo]:
     """The tensors a safetensors file declares, checked against the file's size
     (so a truncated file is found here); reads only the header. ``opened``: the
     file already open (a caller that checked what it opened, e.g. that it is a
@@ -121,8 +151,11 @@ def _parse_header(f: BinaryIO, file: Path, kind: str) -> dict[str, TensorInfo]:
     if not isinstance(header, dict):
         raise ModelLoadError(f"{kind} {str(file)!r} has a malformed safetensors header")
     data_size = size - 8 - n
-    return {name: _tensor_info(f"{kind} {str(file)!r}", file.name, name, entry, data_size)
-            for name, entry in header.items() if name != "__metadata__"}
+    return {
+        name: _tensor_info(f"{kind} {str(file)!r}", file.name, name, entry, data_size)
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
 
 
 def _tensor_info(where: str, file_name: str, name: str, entry, data_size: int) -> TensorInfo:
@@ -135,8 +168,14 @@ def _tensor_info(where: str, file_name: str, name: str, entry, data_size: int) -
         raise ModelLoadError(f"{bad} has an invalid shape {shape!r}")
     if dtype not in _DTYPE_BYTES:
         raise ModelLoadError(f"{bad} has an unsupported dtype {dtype!r}")
-    if not (_positive_int(end) or end == 0) or not (_positive_int(begin) or begin == 0) or not begin <= end <= data_size:
-        raise ModelLoadError(f"{bad} lies outside the file (offsets {begin}..{end}, {data_size} data bytes): truncated?")
+    if (
+        not (_positive_int(end) or end == 0)
+        or not (_positive_int(begin) or begin == 0)
+        or not begin <= end <= data_size
+    ):
+        raise ModelLoadError(
+            f"{bad} lies outside the file (offsets {begin}..{end}, {data_size} data bytes): truncated?"
+        )
     if end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
         raise ModelLoadError(f"{bad} has {end - begin} bytes for shape {shape} of {dtype}")
     return TensorInfo(file_name, dtype, tuple(shape))
@@ -152,7 +191,13 @@ def check_weights_match_config(config: dict, path: Path, files: list[Path]) -> N
         raise ModelLoadError(f"the weight files in {str(path)!r} hold no tensors")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     declared = text.get("num_hidden_layers")
-    found = {int(m.group(1)) for name in tensors if not _NOT_TEXT_LAYERS.search(name) for m in [_LAYER_INDEX.search(name)] if m}
+    found = {
+        int(m.group(1))
+        for name in tensors
+        if not _NOT_TEXT_LAYERS.search(name)
+        for m in [_LAYER_INDEX.search(name)]
+        if m
+    }
     if isinstance(declared, int) and found and declared > max(found) + 1:
         raise ModelLoadError(
             f"config.json in {str(path)!r} declares num_hidden_layers={declared} but the weight files hold "
@@ -161,7 +206,9 @@ def check_weights_match_config(config: dict, path: Path, files: list[Path]) -> N
     if config.get("quantization") or text.get("quantization"):
         return  # packed widths; mlx-lm checks quantized shapes when it loads them
     for name, info in tensors.items():
-        if not name.endswith(("embed_tokens.weight", "wte.weight", "tok_embeddings.weight")) or _NOT_TEXT_LAYERS.search(name):
+        if not name.endswith(("embed_tokens.weight", "wte.weight", "tok_embeddings.weight")) or _NOT_TEXT_LAYERS.search(
+            name
+        ):
             continue
         for field, size in zip(("vocab_size", "hidden_size"), info.shape):
             want = text.get(field)

@@ -16,9 +16,9 @@ from . import loading
 from .activity import Activity
 from .batch_cache import RaggedBatch, can_batch
 from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache
-from .draft_pool import DraftModel  # re-exported: tests import it from here
 from .context import fit_context
 from .disk_cache import DiskCache, model_identity
+from .draft_pool import DraftModel  # re-exported: tests import it from here
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
 from .speculative import costs
 from .speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
@@ -67,7 +67,9 @@ def validate_max_parallel(value) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-        raise ValueError(f"max_parallel must be an integer from 1 to 64 (concurrent generations) or None, got {value!r}")
+        raise ValueError(
+            f"max_parallel must be an integer from 1 to 64 (concurrent generations) or None, got {value!r}"
+        )
     return value
 
 
@@ -88,11 +90,18 @@ class ModelKit:
         if kv.kv_bits is not None:
             head_dim = _head_dim(self.config)
             if head_dim is not None and head_dim % kv.kv_group_size:
-                raise ValueError(f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}")
+                raise ValueError(
+                    f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}"
+                )
         self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         self._init_batching(options.max_parallel)
-        logger.info("loaded %s (%s, compute dtype %s)", self.model_path, self.config.get("model_type"), self.compute_dtype or "native")
+        logger.info(
+            "loaded %s (%s, compute dtype %s)",
+            self.model_path,
+            self.config.get("model_type"),
+            self.compute_dtype or "native",
+        )
 
     def _fit_context(self) -> None:
         """``context_length``: with ``max_kv_size="auto"`` the longest context that
@@ -230,7 +239,9 @@ class ModelKit:
     def decode_images(self, prompt: list[int], images_b64) -> list:
         if images_b64 is None or (isinstance(images_b64, (list, tuple)) and not images_b64):
             return []
-        raise ValueError("images_b64: this is a text-only model and cannot take images; load a vision model (its config.json has vision_config)")
+        raise ValueError(
+            "images_b64: this is a text-only model and cannot take images; load a vision model (its config.json has vision_config)"
+        )
 
     def remember_sequence(self, name, tokens: list[int]) -> None:
         """Record a request's tokens (prompt and output) in the suffix memory,
@@ -242,8 +253,14 @@ class ModelKit:
         """The request's prompt as the cache sees it (see ExpandedPrompt)."""
         return ExpandedPrompt(prompt, prompt)
 
-    def prefill_prompt(self, expanded: ExpandedPrompt, cache: SequenceCache, todo: list[int], on_chunk=None,
-                       chunk_size: int = PREFILL_CHUNK) -> Iterator[None]:
+    def prefill_prompt(
+        self,
+        expanded: ExpandedPrompt,
+        cache: SequenceCache,
+        todo: list[int],
+        on_chunk=None,
+        chunk_size: int = PREFILL_CHUNK,
+    ) -> Iterator[None]:
         """Feed ``todo``, the part of the ``expanded`` prompt (all but its last token)
         that ``cache`` lacks, yielding after each chunk (the scheduler lets the
         other requests take a step there)."""

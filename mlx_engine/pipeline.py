@@ -28,8 +28,16 @@ from .errors import CallbackError
 from .model_kit import ExpandedPrompt, ModelKit
 from .plan import build_drafter
 from .request import Request
-from .results import (GenerationResult, GenerationStats, GenerationStopCondition, StopReason, Token, ToolCall,
-                      ToolCallDelta, TopLogprob)
+from .results import (
+    GenerationResult,
+    GenerationStats,
+    GenerationStopCondition,
+    StopReason,
+    Token,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+)
 from .sampling import Sampler, build_logits_processors, build_sampler
 from .speculative.draft_model import DraftModelDrafter
 from .speculative.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
@@ -281,9 +289,18 @@ def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationS
     constraint = None
     if req.grammar is not None:
         constraint = GrammarConstraint(kit, req.grammar, draft_forced=req.structured_drafting)
-    return decode(prepared.cache, list(prepared.prompt), req.max_tokens, sampler,
-                  build_logits_processors(req.params), req.params.repetition_context_size,
-                  prepared.drafter, stats, on_fallback, constraint)
+    return decode(
+        prepared.cache,
+        list(prepared.prompt),
+        req.max_tokens,
+        sampler,
+        build_logits_processors(req.params),
+        req.params.repetition_context_size,
+        prepared.drafter,
+        stats,
+        on_fallback,
+        constraint,
+    )
 
 
 def _results(kit, req: Request, steps: Decoding, stats: GenerationStats, t_start: float, processed: int) -> Driver:

@@ -61,8 +61,10 @@ class DecodingPlan:
 
 
 def _check_lengths(num_draft_tokens, lookup_tokens, ngrams) -> None:
-    for name, value, most in (("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS),
-                              ("prompt_lookup_num_tokens", lookup_tokens, MAX_LOOKUP_TOKENS)):
+    for name, value, most in (
+        ("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS),
+        ("prompt_lookup_num_tokens", lookup_tokens, MAX_LOOKUP_TOKENS),
+    ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
             raise ValueError(f"{name} must be an integer from 1 to {most} or None, got {value!r}")
     names = ("prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "prompt_lookup_num_candidates")
@@ -96,10 +98,18 @@ def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngram
                 "prompt_lookup_num_tokens and the draft model (speculative_decoding_toggle=True or num_draft_tokens) "
                 "are both requested; pick one, or pass auto_speculative=True to let the engine choose"
             )
-        return DecodingPlan("prompt_lookup", lookup_k=lookup_tokens, ngrams=ngrams,
-                            reason=f"requested: prompt_lookup_num_tokens={lookup_tokens}")
+        return DecodingPlan(
+            "prompt_lookup",
+            lookup_k=lookup_tokens,
+            ngrams=ngrams,
+            reason=f"requested: prompt_lookup_num_tokens={lookup_tokens}",
+        )
     if use_draft:
-        length = "draft length adapts to acceptance and round times" if num_draft_tokens is None else f"num_draft_tokens={num_draft_tokens}"
+        length = (
+            "draft length adapts to acceptance and round times"
+            if num_draft_tokens is None
+            else f"num_draft_tokens={num_draft_tokens}"
+        )
         return DecodingPlan("draft_model", True, num_draft_tokens, reason=f"draft model loaded; {length}")
     return DecodingPlan("plain")
 
@@ -142,9 +152,12 @@ def build_drafter(
         needs_costs = plan.draft_k is None or plan.kind == "auto"
         round_costs = costs.RoundCosts(kit.forward_costs(), draft_step_cost(kit)) if needs_costs else None
         cache = kit.draft.lend(prompt, lambda: kit.new_cache(kit.draft.model))
-        draft_drafter = DraftModelDrafter(kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size,
-                                          cache=cache, batched=kit.max_parallel > 1)
+        draft_drafter = DraftModelDrafter(
+            kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size, cache=cache, batched=kit.max_parallel > 1
+        )
     if plan.kind == "draft_model":
         return draft_drafter, draft_drafter
-    router = AutoRouter(prompt, kit.forward_costs(), stats, lookup, draft_drafter, batch_rows=lambda: kit.open_generations)
+    router = AutoRouter(
+        prompt, kit.forward_costs(), stats, lookup, draft_drafter, batch_rows=lambda: kit.open_generations
+    )
     return router, draft_drafter

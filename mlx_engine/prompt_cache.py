@@ -64,8 +64,11 @@ class PromptCacheOptions:
             raise ValueError(f"prompt_cache_dir must be a directory path or None, got {directory!r}")
         if directory is not None:
             prepare_root(directory)  # before any weights are read: a bad folder fails the load at once
-        return cls(memory_bytes, None if directory is None else str(directory),
-                   DEFAULT_DISK_BYTES if disk_bytes is None else disk_bytes)
+        return cls(
+            memory_bytes,
+            None if directory is None else str(directory),
+            DEFAULT_DISK_BYTES if disk_bytes is None else disk_bytes,
+        )
 
 
 class CacheHit(NamedTuple):
@@ -128,8 +131,13 @@ def _is_prefix(tokens: list[int], of: list[int]) -> bool:
 class PromptCache:
     """The kit's cached sequences (one of them ``active``: the kit's ``cache``)."""
 
-    def __init__(self, make: Callable[[], SequenceCache], budget_bytes: int, disk: DiskCache | None = None,
-                 max_entries: int = DEFAULT_MAX_ENTRIES):
+    def __init__(
+        self,
+        make: Callable[[], SequenceCache],
+        budget_bytes: int,
+        disk: DiskCache | None = None,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ):
         self.make = make
         self.budget_bytes = budget_bytes
         self.max_entries = max_entries
@@ -149,8 +157,11 @@ class PromptCache:
         holding all of ``other_than_prefix_of`` but its last token (earlier
         answers to that very prompt), least recently used first."""
         n = len(other_than_prefix_of) - 1
-        return [e.tokens for e in self.entries
-                if not self.is_busy(e) and common_prefix_length(e.tokens, other_than_prefix_of) < n]
+        return [
+            e.tokens
+            for e in self.entries
+            if not self.is_busy(e) and common_prefix_length(e.tokens, other_than_prefix_of) < n
+        ]
 
     def is_busy(self, entry: SequenceCache) -> bool:
         """Whether a running request holds ``entry``."""
@@ -168,7 +179,9 @@ class PromptCache:
         self.entries = [e for e in self.entries if e is not entry] + [entry]
         self.busy.append(entry)
         self._evict()
-        return entry, CacheHit(common_prefix_length(entry.tokens, keys), source if shared or source == "disk" else "none")
+        return entry, CacheHit(
+            common_prefix_length(entry.tokens, keys), source if shared or source == "disk" else "none"
+        )
 
     def _entry_for(self, best: SequenceCache, shared: int, keys: list[int]) -> tuple[SequenceCache, str]:
         if self.single_sequence:
@@ -191,10 +204,7 @@ class PromptCache:
         replaced was regenerated identically), then keep to the budget."""
         self.busy = [e for e in self.busy if e is not entry]
         known = entry.tokens[: _known_length(entry.tokens)]
-        self.entries = [
-            e for e in self.entries
-            if e is entry or self.is_busy(e) or not _is_prefix(e.tokens, known)
-        ]
+        self.entries = [e for e in self.entries if e is entry or self.is_busy(e) or not _is_prefix(e.tokens, known)]
         self._evict()
 
     def _evict(self) -> None:

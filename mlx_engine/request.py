@@ -80,16 +80,23 @@ class GenerationOptions:
             if name not in names:
                 close = difflib.get_close_matches(name, names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"create_generator got an unknown argument {name!r}{hint}; "
-                                 f"it takes: {', '.join(names)}")
+                raise ValueError(
+                    f"create_generator got an unknown argument {name!r}{hint}; it takes: {', '.join(names)}"
+                )
         return cls(**kwargs)
 
     @classmethod
     def keyword_parameters(cls) -> list[inspect.Parameter]:
         """The options as keyword-only parameters, for ``create_generator``'s signature."""
-        return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
-                                  default=f.default if f.default is not MISSING else inspect.Parameter.empty)
-                for f in fields(cls)]
+        return [
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=f.type,
+                default=f.default if f.default is not MISSING else inspect.Parameter.empty,
+            )
+            for f in fields(cls)
+        ]
 
 
 @dataclass(frozen=True)
@@ -118,10 +125,19 @@ def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request
     if isinstance(o.max_tokens, bool) or not isinstance(o.max_tokens, int) or o.max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive integer, got {o.max_tokens!r}")
     params = validate_sampling(
-        temp=o.temp, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, min_tokens_to_keep=o.min_tokens_to_keep,
-        repetition_penalty=o.repetition_penalty, repetition_context_size=o.repetition_context_size,
-        seed=o.seed, top_logprobs=o.top_logprobs, vocab_size=kit.vocab_size,
-        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty, logit_bias=o.logit_bias,
+        temp=o.temp,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        min_p=o.min_p,
+        min_tokens_to_keep=o.min_tokens_to_keep,
+        repetition_penalty=o.repetition_penalty,
+        repetition_context_size=o.repetition_context_size,
+        seed=o.seed,
+        top_logprobs=o.top_logprobs,
+        vocab_size=kit.vocab_size,
+        presence_penalty=o.presence_penalty,
+        frequency_penalty=o.frequency_penalty,
+        logit_bias=o.logit_bias,
     )
     stops = StopStringMatcher.validate(o.stop_strings)
     for name, cb in (("prompt_progress_callback", o.prompt_progress_callback), ("stats_callback", o.stats_callback)):
@@ -142,9 +158,20 @@ def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request
         auto=o.auto_speculative,
     )
     max_tokens = _fit_to_context(kit, prompt, o.max_tokens)
-    return Request(request_id, prompt, images, max_tokens, params, stops, o.prompt_progress_callback,
-                   o.stats_callback, plan, None if constraint is None else constraint[1], o.structured_drafting,
-                   tools)
+    return Request(
+        request_id,
+        prompt,
+        images,
+        max_tokens,
+        params,
+        stops,
+        o.prompt_progress_callback,
+        o.stats_callback,
+        plan,
+        None if constraint is None else constraint[1],
+        o.structured_drafting,
+        tools,
+    )
 
 
 def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:

@@ -110,16 +110,20 @@ def validate_sampling(
     if min_tokens_to_keep is not None and not (
         1 <= (min_tokens_to_keep := _number("min_tokens_to_keep", min_tokens_to_keep, integer=True)) <= vocab_size
     ):
-        raise ValueError(f"min_tokens_to_keep must be from 1 to {vocab_size} (the vocabulary size), got {min_tokens_to_keep}")
-    if repetition_penalty is not None and (repetition_penalty := _number("repetition_penalty", repetition_penalty)) <= 0:
+        raise ValueError(
+            f"min_tokens_to_keep must be from 1 to {vocab_size} (the vocabulary size), got {min_tokens_to_keep}"
+        )
+    if (
+        repetition_penalty is not None
+        and (repetition_penalty := _number("repetition_penalty", repetition_penalty)) <= 0
+    ):
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     if not (
-        1 <= (repetition_context_size := _number("repetition_context_size", repetition_context_size, integer=True))
+        1
+        <= (repetition_context_size := _number("repetition_context_size", repetition_context_size, integer=True))
         <= MAX_REPETITION_CONTEXT
     ):
-        raise ValueError(
-            f"repetition_context_size must be from 1 to 2**31 - 1 (tokens), got {repetition_context_size}"
-        )
+        raise ValueError(f"repetition_context_size must be from 1 to 2**31 - 1 (tokens), got {repetition_context_size}")
     seed = validate_seed(seed)
     if top_logprobs is not None and not (
         0 <= (top_logprobs := _number("top_logprobs", top_logprobs, integer=True)) <= MAX_TOP_LOGPROBS
@@ -248,6 +252,7 @@ def build_sampler(params: SamplingParams, seed: int | None = None) -> Sampler:
     if seed is None:
         seed = params.seed if params.seed is not None else draw_seed()
     return PositionalSampler(params.temp, sampling_filters(params), seed)
+
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
     """mlx-lm's processors for the request: logit bias, then the repetition,

@@ -27,6 +27,8 @@ import weakref
 from collections import deque
 from typing import Callable, Generator
 
+import mlx.core as mx
+
 from .batch_cache import RaggedBatch, can_batch
 from .speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending
 

@@ -34,7 +34,9 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
 
     given = [(n, v) for n, v in zip(CONSTRAINT_ARGS, (json_schema, regex, grammar)) if v is not None]
     if len(given) > 1:
-        raise ValueError(f"{' and '.join(n for n, _ in given)} were both given; pass at most one of {', '.join(CONSTRAINT_ARGS)}")
+        raise ValueError(
+            f"{' and '.join(n for n, _ in given)} were both given; pass at most one of {', '.join(CONSTRAINT_ARGS)}"
+        )
     if not given:
         return None
     name, value = given[0]

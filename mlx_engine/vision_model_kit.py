@@ -35,8 +35,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from . import loading
 from .cache import PREFILL_CHUNK
 from .errors import ModelLoadError
-from .model_checks import check_weights_match_config
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
+from .model_checks import check_weights_match_config
 from .model_kit import ExpandedPrompt, KitOptions, ModelKit
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,9 @@ class VisionLanguageModel(nn.Module):
         caches = lm.make_cache() if hasattr(lm, "make_cache") else [KVCache() for _ in self.layers]
         return [_to_engine_cache(c) for c in caches]
 
-    def __call__(self, inputs: mx.array, cache=None, inputs_embeds: mx.array | None = None, position_ids: mx.array | None = None) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache=None, inputs_embeds: mx.array | None = None, position_ids: mx.array | None = None
+    ) -> mx.array:
         kwargs = {}
         if self.mrope:
             if position_ids is None:
@@ -113,7 +115,9 @@ class VisionModelKit(ModelKit):
         if options.max_parallel not in (None, 1):
             # The expanded prompt's positions (image positions, M-RoPE offsets) are per kit.
             raise ValueError("max_parallel: a vision kit serves one generation at a time; pass 1 or None")
-        self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
+        self.max_image_pixels = (
+            DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
+        )
         self._init_files(loading.resolve_model_dir(model_path), options)
         self.eos_token_ids |= _config_eos_ids(self.config)
         self.vlm: nn.Module | None = None
@@ -131,7 +135,12 @@ class VisionModelKit(ModelKit):
         self.num_params = loading.float_param_count(self.model)
         self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
-        logger.info("loaded vision model %s (%s, compute dtype %s)", self.model_path, self.model_type, self.compute_dtype or "native")
+        logger.info(
+            "loaded vision model %s (%s, compute dtype %s)",
+            self.model_path,
+            self.model_type,
+            self.compute_dtype or "native",
+        )
 
     def check_architecture(self) -> None:
         self.model_type = check_vision_architecture(self.config, self.model_path)
@@ -165,7 +174,9 @@ class VisionModelKit(ModelKit):
                 "entries inserts them)"
             )
         if images and prompt[-1] == self.placeholder_id:
-            raise ValueError("prompt_tokens must not end with an image placeholder; put text after the image (chat templates do)")
+            raise ValueError(
+                "prompt_tokens must not end with an image placeholder; put text after the image (chat templates do)"
+            )
         for i, img in enumerate(images):
             # Run the model's image processor now, so an image it refuses (e.g. an
             # extreme aspect ratio) fails here, naming the item, not mid-request.
@@ -198,8 +209,9 @@ class VisionModelKit(ModelKit):
             raise ValueError("prompt_tokens must not end with an image; put text after the image (chat templates do)")
         return VisionExpandedPrompt(ids, keys, spans)
 
-    def prefill_prompt(self, expanded: VisionExpandedPrompt, cache, todo: list[int], on_chunk=None,
-                       chunk_size: int = PREFILL_CHUNK):
+    def prefill_prompt(
+        self, expanded: VisionExpandedPrompt, cache, todo: list[int], on_chunk=None, chunk_size: int = PREFILL_CHUNK
+    ):
         """Bring ``cache`` to all but the last position of the ``expanded`` prompt
         (from ``expand_prompt``), feeding input embeddings so image positions get
         their features. ``todo`` are the real token ids of that part. All chunks
@@ -242,7 +254,9 @@ class VisionModelKit(ModelKit):
                 kw["position_ids"] = positions[:, :, s:e]
             return kw
 
-        cache.prefill(expanded.ids[start:end], on_chunk, chunk_size, keys=expanded.keys[start:end], model_inputs=model_inputs)
+        cache.prefill(
+            expanded.ids[start:end], on_chunk, chunk_size, keys=expanded.keys[start:end], model_inputs=model_inputs
+        )
 
     # -- helpers --------------------------------------------------------------
     def _set_positions(self, expanded: VisionExpandedPrompt) -> mx.array | None:
@@ -302,7 +316,9 @@ class VisionModelKit(ModelKit):
         expansion, and the image rows are kept."""
         if entry.features is None:
             ids = mx.array(entry.expansion)[None]
-            out = self.vlm.get_input_embeddings(ids, entry.pixel_values, mask=mx.ones(ids.shape, dtype=mx.int32), **entry.extras)
+            out = self.vlm.get_input_embeddings(
+                ids, entry.pixel_values, mask=mx.ones(ids.shape, dtype=mx.int32), **entry.extras
+            )
             emb = getattr(out, "inputs_embeds", out)
             entry.features = emb[0][mx.array(entry.rows)]
             mx.eval(entry.features)
@@ -341,7 +357,9 @@ def load_vlm(path: Path, trust_remote_code: bool):
         with loading.offline():
             processor = load_processor(path, add_detokenizer=False, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise ModelLoadError(f"could not load the image processor from {str(path)!r}: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(
+            f"could not load the image processor from {str(path)!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     model.eval()
     return model, processor
 

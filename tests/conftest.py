@@ -1,10 +1,11 @@
+import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
+from mlx_engine.speculative.loop import TURN, Launch, forward_alone  # noqa: E402
+
 from pathlib import Path
 
 import pytest
 
-import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
 from fixtures.tiny_models import MarkovLM, make_model, make_tokenizer, successor_table  # noqa: E402
-from mlx_engine.speculative.loop import TURN, Launch, forward_alone  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +26,9 @@ def qwen_path(models_dir, llama_path) -> Path:
 @pytest.fixture(scope="session")
 def draft_path(models_dir, llama_path) -> Path:
     """A smaller model sharing the llama fixture's tokenizer, with a padded embedding."""
-    return make_model(models_dir / "draft", "llama", hidden=32, layers=1, scale=3.0, seed=3, vocab_pad=16, tokenizer_from=llama_path)
+    return make_model(
+        models_dir / "draft", "llama", hidden=32, layers=1, scale=3.0, seed=3, vocab_pad=16, tokenizer_from=llama_path
+    )
 
 
 @pytest.fixture(scope="session")

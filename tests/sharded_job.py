@@ -11,14 +11,14 @@ Scenarios:
 
 from __future__ import annotations
 
+import mlx_engine as me
+
 import argparse
 import json
 import sys
 import time
 import traceback
 from pathlib import Path
-
-import mlx_engine as me
 
 N_PROMPT, N_ECHO = 16, 24  # new tokens for the short prompt and the echo prompt
 REGEX = r"(x|y)\.self = [0-9]{2,4}, and so on"
@@ -31,8 +31,15 @@ def generate(kit, prompt, **kw) -> dict:
         ids.extend(t.id for t in r.tokens)
         final = r
     s = final.stats
-    return {"ids": ids, "mode": s.decoding_mode, "drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
-            "rounds": s.verify_rounds, "cached": s.cached_tokens, "stop": final.stop_condition.stop_reason}
+    return {
+        "ids": ids,
+        "mode": s.decoding_mode,
+        "drafted": s.drafted_tokens,
+        "accepted": s.accepted_tokens,
+        "rounds": s.verify_rounds,
+        "cached": s.cached_tokens,
+        "stop": final.stop_condition.stop_reason,
+    }
 
 
 def run_modes(kit, draft: str | None) -> dict:
@@ -75,29 +82,39 @@ def run_wait(kit, out: Path) -> dict:
         while time.monotonic() - t0 < 120:
             generate(kit, prompt + [int(time.monotonic() * 1000) % 50], max_tokens=64, temp=0.0)
     except me.ShardedKitError as exc:
-        failed_after = time.monotonic() - float(out.with_suffix(".killed").read_text() or 0) if out.with_suffix(".killed").exists() else None
+        failed_after = (
+            time.monotonic() - float(out.with_suffix(".killed").read_text() or 0)
+            if out.with_suffix(".killed").exists()
+            else None
+        )
         again = None
         try:
             me.create_generator(kit, prompt)
         except me.ShardedKitError as exc2:
             again = str(exc2)
         me.unload(kit)
-        return {"error": str(exc), "type": type(exc).__name__, "usable": kit.usable, "again": again,
-                "seconds_after_kill": failed_after}
+        return {
+            "error": str(exc),
+            "type": type(exc).__name__,
+            "usable": kit.usable,
+            "again": again,
+            "seconds_after_kill": failed_after,
+        }
     return {"error": None}
 
 
 def stall_at(where: str) -> None:
     """Make this rank stop itself (SIGSTOP; the test kills it) at one step of the load."""
+    from mlx_engine.distributed import connect, sharding
+
     import os
     import signal
-
-    from mlx_engine.distributed import connect, sharding
 
     def stop_then(fn):
         def wrapper(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGSTOP)
             return fn(*args, **kwargs)
+
         return wrapper
 
     if where == "before-control":
@@ -115,10 +132,17 @@ def main() -> int:
     ap.add_argument("--parallelism", default="auto")
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0)
     ap.add_argument("--connect-timeout", type=float, default=60.0)
-    ap.add_argument("--stall-rank1", choices=("none", "before-control", "while-loading"), default="none",
-                    help="rank 1 stops itself (SIGSTOP) before the control channel or while it loads its shard")
-    ap.add_argument("--no-socket-shutdown", action="store_true",
-                    help="as with a backend whose sockets the engine cannot shut down: only the grace timeout releases rank 0")
+    ap.add_argument(
+        "--stall-rank1",
+        choices=("none", "before-control", "while-loading"),
+        default="none",
+        help="rank 1 stops itself (SIGSTOP) before the control channel or while it loads its shard",
+    )
+    ap.add_argument(
+        "--no-socket-shutdown",
+        action="store_true",
+        help="as with a backend whose sockets the engine cannot shut down: only the grace timeout releases rank 0",
+    )
     args = ap.parse_args()
     if args.no_socket_shutdown:
         from mlx_engine.distributed import health
@@ -128,15 +152,21 @@ def main() -> int:
     if args.stall_rank1 != "none" and __import__("os").environ.get("MLX_RANK") == "1":
         stall_at(args.stall_rank1)
     try:
-        kit = me.load_sharded_model(args.model, parallelism=args.parallelism, heartbeat_timeout=args.heartbeat_timeout,
-                                    connect_timeout=args.connect_timeout)
+        kit = me.load_sharded_model(
+            args.model,
+            parallelism=args.parallelism,
+            heartbeat_timeout=args.heartbeat_timeout,
+            connect_timeout=args.connect_timeout,
+        )
     except Exception as exc:  # every rank reports the same configuration error
         rank = __import__("os").environ.get("MLX_RANK", "0")
         Path(f"{out}.rank{rank}.error").write_text(json.dumps({"type": type(exc).__name__, "error": str(exc)}))
         return 2
     if isinstance(kit, me.Follower):
         ended = kit.serve()
-        Path(f"{out}.rank{kit.shard.rank}").write_text(json.dumps({"reason": ended.reason, "passes": ended.passes, "detail": ended.detail, "caches": ended.caches}))
+        Path(f"{out}.rank{kit.shard.rank}").write_text(
+            json.dumps({"reason": ended.reason, "passes": ended.passes, "detail": ended.detail, "caches": ended.caches})
+        )
         return 0
     try:
         result = run_modes(kit, args.draft) if args.scenario == "modes" else run_wait(kit, out)

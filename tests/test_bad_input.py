@@ -1,11 +1,11 @@
+import mlx_engine as me
+from mlx_engine import ModelLoadError
+
 import json
 import shutil
 
 import pytest
 from conftest import generate_ids
-
-import mlx_engine as me
-from mlx_engine import ModelLoadError
 
 
 def copy_model(src, dst):
@@ -105,8 +105,11 @@ def test_bad_load_options(llama_path):
         (dict(min_tokens_to_keep=10**9, temp=1.0, min_p=0.1), "min_tokens_to_keep"),
         (dict(repetition_context_size=10**12, repetition_penalty=1.1), "repetition_context_size"),
     ]
-    + [(dict([(name, value)]), name) for name in ("temp", "top_p", "min_p", "repetition_penalty")
-       for value in (float("nan"), float("inf"), float("-inf"))],
+    + [
+        (dict([(name, value)]), name)
+        for name in ("temp", "top_p", "min_p", "repetition_penalty")
+        for value in (float("nan"), float("inf"), float("-inf"))
+    ],
 )
 def test_bad_generation_arguments(kit, kwargs, match):
     prompt = me.tokenize(kit, "hello")
@@ -117,8 +120,17 @@ def test_bad_generation_arguments(kit, kwargs, match):
 
 def test_largest_bounds_generate(kit):
     prompt = me.tokenize(kit, "hello")
-    ids, last = generate_ids(kit, prompt, max_tokens=3, temp=1.0, min_p=0.5, seed=1, min_tokens_to_keep=kit.vocab_size,
-                             repetition_penalty=1.1, repetition_context_size=2**31 - 1)
+    ids, last = generate_ids(
+        kit,
+        prompt,
+        max_tokens=3,
+        temp=1.0,
+        min_p=0.5,
+        seed=1,
+        min_tokens_to_keep=kit.vocab_size,
+        repetition_penalty=1.1,
+        repetition_context_size=2**31 - 1,
+    )
     assert len(ids) == 3
 
 
@@ -130,7 +142,14 @@ def test_tokenize_refuses_lone_surrogates(kit):
 
 @pytest.mark.parametrize(
     "prompt, match",
-    [([], "must not be empty"), ([1, "a"], "integers"), ([1, 10**6], "outside the vocabulary"), ([-1], "outside"), ("text", "tokenize"), ([1.5], "integers")],
+    [
+        ([], "must not be empty"),
+        ([1, "a"], "integers"),
+        ([1, 10**6], "outside the vocabulary"),
+        ([-1], "outside"),
+        ("text", "tokenize"),
+        ([1.5], "integers"),
+    ],
 )
 def test_bad_prompts(kit, prompt, match):
     with pytest.raises(ValueError, match=match):
@@ -190,7 +209,13 @@ def test_numpy_and_mlx_integer_ids_are_accepted(kit):
 
     prompt = me.tokenize(kit, "def add(a, b):")
     want = generate_ids(kit, prompt, max_tokens=4)[0]
-    for variant in (np.array(prompt), [np.int32(t) for t in prompt], mx.array(prompt), [mx.array(t) for t in prompt], tuple(prompt)):
+    for variant in (
+        np.array(prompt),
+        [np.int32(t) for t in prompt],
+        mx.array(prompt),
+        [mx.array(t) for t in prompt],
+        tuple(prompt),
+    ):
         assert generate_ids(kit, variant, max_tokens=4)[0] == want
     with pytest.raises(ValueError, match="integers"):
         me.create_generator(kit, np.array(prompt, dtype=np.float32))

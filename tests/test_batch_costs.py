@@ -2,9 +2,9 @@
 
 from mlx_engine.results import GenerationStats
 from mlx_engine.speculative.costs import CostModel, batch_round_table, pass_seconds
-from mlx_engine.speculative.speedup import best_draft_length
 from mlx_engine.speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
 from mlx_engine.speculative.router import AutoRouter
+from mlx_engine.speculative.speedup import best_draft_length
 
 # A pass costs a fixed part plus 10% of a step per token: cheap drafts alone,
 # dear ones in a wide batch (every row is padded to the drafting row's width).
@@ -48,8 +48,9 @@ def test_fixed_lookup_cuts_its_drafts_to_what_pays_for_the_batch():
 
 def test_router_prices_lookup_rounds_for_the_batch():
     rows = [1]
-    router = AutoRouter(list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32),
-                        batch_rows=lambda: rows[0])
+    router = AutoRouter(
+        list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32), batch_rows=lambda: rows[0]
+    )
     history = list(range(50)) * 8
     while router.mode == "probe":
         drafts = router.propose(history, 64)
@@ -70,11 +71,13 @@ def test_router_prices_lookup_rounds_for_the_batch():
 
 
 def test_router_probe_in_a_big_batch_drafts_only_what_pays():
-    router = AutoRouter(list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32),
-                        batch_rows=lambda: 8)
+    router = AutoRouter(
+        list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32), batch_rows=lambda: 8
+    )
     assert router.mode == "probe"
     assert router.propose(list(range(50)) * 8, 64) == []
     assert router.plain_ahead
-    cheap = AutoRouter(list(range(50)) * 8, FLAT_COSTS, GenerationStats(), PromptLookupDrafter(32),
-                       batch_rows=lambda: 8)
+    cheap = AutoRouter(
+        list(range(50)) * 8, FLAT_COSTS, GenerationStats(), PromptLookupDrafter(32), batch_rows=lambda: 8
+    )
     assert 0 < len(cheap.propose(list(range(50)) * 8, 64)) <= 4

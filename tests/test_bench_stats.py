@@ -55,11 +55,12 @@ def test_unpaired_input_is_refused():
 def test_replay_prices_lookup_and_the_router_on_a_recorded_output():
     """bench.replay --lookup: every proposal is checked against the recorded
     output, so the replayed tokens are the output, and a copied passage pays."""
-    from bench.replay import replay_drafter
     from mlx_engine.results import GenerationStats
     from mlx_engine.speculative import costs
     from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
     from mlx_engine.speculative.router import AutoRouter
+
+    from bench.replay import replay_drafter
 
     passage = list(range(100, 160))
     prompt = list(range(1000, 1050)) + passage

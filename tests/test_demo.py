@@ -3,9 +3,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import requires_default_model
 
 import demo
-from conftest import requires_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,8 +41,25 @@ def test_conflicting_flags_are_rejected(argv):
 
 
 def test_demo_runs_end_to_end(llama_path, draft_path):
-    cmd = [sys.executable, str(ROOT / "demo.py"), "--model", str(llama_path), "--prompt", "hello", "--max-tokens", "8",
-           "--draft-model", str(draft_path), "--num-draft-tokens", "2", "--print-prompt-progress", "--system", "be brief", "--top-logprobs", "2"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "demo.py"),
+        "--model",
+        str(llama_path),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "8",
+        "--draft-model",
+        str(draft_path),
+        "--num-draft-tokens",
+        "2",
+        "--print-prompt-progress",
+        "--system",
+        "be brief",
+        "--top-logprobs",
+        "2",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "Generation stats:" in out.stdout
@@ -51,15 +68,26 @@ def test_demo_runs_end_to_end(llama_path, draft_path):
 
 
 def test_demo_explains_missing_model(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--model", str(tmp_path / "nope"), "--max-tokens", "2"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "demo.py"), "--model", str(tmp_path / "nope"), "--max-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode != 0
     assert "does not exist" in out.stderr
 
 
 def run_demo(args, stdin=None):
-    return subprocess.run([sys.executable, str(ROOT / "demo.py"), *args], input=stdin, capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "demo.py"), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize(
@@ -86,7 +114,9 @@ def test_missing_model_names_the_folders_searched():
 
 
 def test_stats_separate_the_one_off_cost_measurement(llama_path, draft_path):
-    out = run_demo(["--model", str(llama_path), "--draft-model", str(draft_path), "--max-tokens", "4", "--prompt", "hi"])
+    out = run_demo(
+        ["--model", str(llama_path), "--draft-model", str(draft_path), "--max-tokens", "4", "--prompt", "hi"]
+    )
     assert out.returncode == 0, out.stderr
     assert "One-off cost measurement:" in out.stdout
 
@@ -94,10 +124,14 @@ def test_stats_separate_the_one_off_cost_measurement(llama_path, draft_path):
 def test_decoding_line_names_the_first_decision_after_a_switch():
     import mlx_engine as me
 
-    s = me.GenerationStats(decoding_mode="auto:prompt_lookup", mode_reason="prompt 40 tokens: prompt too short or sparse for lookup",
-                           mode_switches=["plain -> prompt_lookup: lookup would have had 90% accepted"])
+    s = me.GenerationStats(
+        decoding_mode="auto:prompt_lookup",
+        mode_reason="prompt 40 tokens: prompt too short or sparse for lookup",
+        mode_switches=["plain -> prompt_lookup: lookup would have had 90% accepted"],
+    )
     assert demo.decoding_line(s) == (
-        "Decoding: auto:prompt_lookup; started as plain - prompt 40 tokens: prompt too short or sparse for lookup")
+        "Decoding: auto:prompt_lookup; started as plain - prompt 40 tokens: prompt too short or sparse for lookup"
+    )
     assert demo.decoding_line(me.GenerationStats(decoding_mode="plain")) == "Decoding: plain"
 
 
@@ -123,8 +157,14 @@ def test_demo_answers_with_the_default_model():
 @requires_default_model
 def test_demo_chat_reuses_the_cache_each_turn():
     turns = "What is the capital of France?\nAnd of Italy?\n\n"
-    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--chat", "--max-tokens", "24"], input=turns,
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "demo.py"), "--chat", "--max-tokens", "24"],
+        input=turns,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     cached = [int(line.split("(")[1].split()[0]) for line in out.stdout.splitlines() if "reused from cache" in line]
     assert len(cached) == 2
@@ -141,8 +181,24 @@ def test_chat_refuses_prompt():
 def test_demo_json_schema(tmp_path, llama_path):
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
-    out = subprocess.run([sys.executable, str(ROOT / "demo.py"), "--model", str(llama_path), "--prompt", "hi",
-                          "--json-schema", str(schema), "--max-tokens", "30"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "demo.py"),
+            "--model",
+            str(llama_path),
+            "--prompt",
+            "hi",
+            "--json-schema",
+            str(schema),
+            "--max-tokens",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert '{"ok": ' in out.stdout
 

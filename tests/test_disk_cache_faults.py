@@ -3,6 +3,9 @@ writes and a full disk, a removed or unwritable folder, corrupt and mismatched
 entries, special files. Every request must answer exactly as a kit without a
 disk tier does, and the kit must stay usable (more requests, then ``unload``)."""
 
+import mlx_engine as me
+from mlx_engine import disk_cache, loading
+
 import errno
 import hashlib
 import json
@@ -17,9 +20,6 @@ import mlx.core as mx
 import pytest
 from conftest import generate_ids
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
-import mlx_engine as me
-from mlx_engine import disk_cache, loading
 
 A = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
 B = "for i in range(10):\n    print(i, i * i)\n\nThe quick brown fox jumps over the lazy dog. "
@@ -46,6 +46,7 @@ def fresh(llama_path):
             seen[key] = turn(kit, prompt)[0]
             me.unload(kit)
         return seen[key]
+
     return run
 
 
@@ -109,12 +110,16 @@ def failing_writer(code: int, partial: bool):
         if partial:
             Path(path).write_bytes(b"\0" * 100)  # what a full disk leaves behind
         raise OSError(code, os.strerror(code))
+
     return write
 
 
 # -- writes that fail -----------------------------------------------------------
-@pytest.mark.parametrize("code, partial", [(errno.ENOSPC, True), (errno.EACCES, False), (errno.EROFS, False)],
-                         ids=["disk-full", "permission", "read-only-fs"])
+@pytest.mark.parametrize(
+    "code, partial",
+    [(errno.ENOSPC, True), (errno.EACCES, False), (errno.EROFS, False)],
+    ids=["disk-full", "permission", "read-only-fs"],
+)
 def test_a_failed_write_is_logged_and_skipped(llama_path, tmp_path, fresh, caplog, monkeypatch, code, partial):
     monkeypatch.setattr(disk_cache, "save_prompt_cache", failing_writer(code, partial))
     kit = disk_kit(llama_path, tmp_path)
@@ -168,8 +173,9 @@ def run_child(llama_path, cache_dir, prompts, **limits):
     args = json.dumps({"model": str(llama_path), "dir": str(cache_dir), "prompts": prompts, **limits})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
     try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, args], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=HANG_LIMIT_S)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_LIMIT_S
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"the requests did not answer within {HANG_LIMIT_S} s (stuck reading the cache folder?)")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -223,6 +229,7 @@ def test_a_corrupt_entry_that_cannot_be_deleted_is_ignored(llama_path, tmp_path,
         if tmp_path in path.parents and not path.name.startswith("."):  # entries, not temporaries
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         return unlink(path, *args, **kw)
+
     monkeypatch.setattr(Path, "unlink", refuse)
     kit = disk_kit(llama_path, tmp_path)
     for _ in range(2):
@@ -235,13 +242,18 @@ def test_a_corrupt_entry_that_cannot_be_deleted_is_ignored(llama_path, tmp_path,
     assert_usable(kit, fresh)
 
 
-@pytest.mark.parametrize("make, problem", [
-    (lambda p: p.write_text("x") and p, "is not a directory"),
-    (lambda p: p.write_text("x") and p / "cache", "cannot be created"),
-], ids=["a-file", "under-a-file"])
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda p: p.write_text("x") and p, "is not a directory"),
+        (lambda p: p.write_text("x") and p / "cache", "cannot be created"),
+    ],
+    ids=["a-file", "under-a-file"],
+)
 def test_a_bad_prompt_cache_dir_is_refused_before_loading(llama_path, tmp_path, monkeypatch, make, problem):
     def never(*args, **kw):
         raise AssertionError("weights were read before prompt_cache_dir was checked")
+
     monkeypatch.setattr(loading, "load_weights", never)
     with pytest.raises(ValueError, match=f"prompt_cache_dir .* {problem}"):
         me.load_model(llama_path, prompt_cache_dir=make(tmp_path / "f"))

@@ -4,6 +4,9 @@ The jobs run tests/sharded_job.py in subprocesses, started by mlx.launch (as a
 host would) or directly with MLX_RANK / MLX_HOSTFILE when a test must kill or stop
 one rank."""
 
+import mlx_engine as me
+from mlx_engine.distributed import control, sharding
+
 import json
 import os
 import signal
@@ -15,10 +18,8 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_same_or_near_tie, generate_ids
-from fixtures.tiny_models import make_model
 
-import mlx_engine as me
-from mlx_engine.distributed import control, sharding
+from fixtures.tiny_models import make_model
 
 JOB = Path(__file__).with_name("sharded_job.py")
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
@@ -61,7 +62,19 @@ def clean_env() -> dict:
 def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """Run the job with mlx.launch: 2 ranks, ring backend, loopback."""
     port = free_port_run(2)
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--python", sys.executable, str(JOB), *args]
+    cmd = [
+        str(LAUNCH),
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(port),
+        "--python",
+        sys.executable,
+        str(JOB),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
 
 
@@ -72,8 +85,16 @@ def spawn(tmp_path: Path, per_rank_args: list[list[str]]) -> list[subprocess.Pop
     procs = []
     for rank, args in enumerate(per_rank_args):
         env = clean_env() | {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
-        procs.append(subprocess.Popen([sys.executable, str(JOB), *args], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOB), *args],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -99,7 +120,9 @@ def wait_for(path: Path, timeout: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def ministral3_path(models_dir, llama_path):
     """A model mlx-lm shards by pipeline (model.model.pipeline), sharing the llama fixture's tokenizer."""
-    return make_model(models_dir / "ministral3", "ministral3", hidden=64, layers=3, scale=3.0, seed=6, tokenizer_from=llama_path)
+    return make_model(
+        models_dir / "ministral3", "ministral3", hidden=64, layers=3, scale=3.0, seed=6, tokenizer_from=llama_path
+    )
 
 
 @pytest.mark.parametrize("arch, parallelism", [("llama", "tensor"), ("ministral3", "pipeline")])
@@ -183,8 +206,9 @@ def test_stopped_rank_makes_rank0_raise(tmp_path, llama_path, shutdown):
     assert not result["usable"]
 
 
-@pytest.mark.parametrize("where, timeouts", [("while-loading", ["--heartbeat-timeout", "2"]),
-                                             ("before-control", ["--connect-timeout", "2"])])
+@pytest.mark.parametrize(
+    "where, timeouts", [("while-loading", ["--heartbeat-timeout", "2"]), ("before-control", ["--connect-timeout", "2"])]
+)
 def test_rank_stopped_during_the_load_fails_it_within_the_timeouts(tmp_path, llama_path, where, timeouts):
     """A follower stopped (SIGSTOP) while the model loads: rank 0 used to wait inside
     an MLX collective for ever; the heartbeats (or, before the control channel is
@@ -224,7 +248,9 @@ def _errors(tmp_path: Path, out: Path) -> list[dict]:
 
 
 def test_mismatched_model_files_are_refused(tmp_path, llama_path, models_dir):
-    other = make_model(models_dir / "llama-other", "llama", hidden=64, layers=2, scale=3.0, seed=9, tokenizer_from=llama_path)
+    other = make_model(
+        models_dir / "llama-other", "llama", hidden=64, layers=2, scale=3.0, seed=9, tokenizer_from=llama_path
+    )
     out = tmp_path / "mismatch.json"
     wait_all(spawn(tmp_path, [[str(llama_path), "--out", str(out)], [str(other), "--out", str(out)]]))
     for err in _errors(tmp_path, out):
@@ -233,8 +259,17 @@ def test_mismatched_model_files_are_refused(tmp_path, llama_path, models_dir):
 
 
 def test_unshardable_model_is_refused(tmp_path, models_dir, llama_path):
-    odd = make_model(models_dir / "llama-3heads", "llama", hidden=48, layers=2, heads=3, kv_heads=3, scale=3.0, seed=5,
-                     tokenizer_from=llama_path)
+    odd = make_model(
+        models_dir / "llama-3heads",
+        "llama",
+        hidden=48,
+        layers=2,
+        heads=3,
+        kv_heads=3,
+        scale=3.0,
+        seed=5,
+        tokenizer_from=llama_path,
+    )
     out = tmp_path / "odd.json"
     wait_all(spawn(tmp_path, [[str(odd), "--out", str(out)]] * 2))
     for err in _errors(tmp_path, out):
@@ -305,9 +340,27 @@ def test_demo_runs_under_mlx_launch(tmp_path, llama_path):
     """demo.py under mlx.launch: rank 0 answers and prints the stats, rank 1 serves and exits cleanly."""
     demo = Path(__file__).resolve().parents[1] / "demo.py"
     port = free_port_run(2)
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--python", sys.executable, str(demo),
-           "--model", str(llama_path), "--no-chat-template", "--prompt", "def add(a, b):", "--max-tokens", "8",
-           "--prompt-lookup-num-tokens", "4"]
+    cmd = [
+        str(LAUNCH),
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(port),
+        "--python",
+        sys.executable,
+        str(demo),
+        "--model",
+        str(llama_path),
+        "--no-chat-template",
+        "--prompt",
+        "def add(a, b):",
+        "--max-tokens",
+        "8",
+        "--prompt-lookup-num-tokens",
+        "4",
+    ]
     run = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("Generation stats") == 1, run.stdout + run.stderr  # only rank 0 prints

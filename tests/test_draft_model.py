@@ -1,11 +1,3 @@
-import json
-import shutil
-
-import mlx.core as mx
-import pytest
-from conftest import assert_same_or_near_tie, generate_ids, run_alone
-from fixtures.tiny_models import MarkovLM, make_model, successor_table
-
 import mlx_engine as me
 from mlx_engine.cache import UNKNOWN, SequenceCache
 from mlx_engine.model_kit import DraftModel
@@ -13,6 +5,15 @@ from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.draft_model import DraftModelDrafter
 from mlx_engine.speculative.loop import decode as _decode
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from conftest import assert_same_or_near_tie, generate_ids, run_alone
+
+from fixtures.tiny_models import MarkovLM, make_model, successor_table
 
 
 def decode(*args, **kwargs):
@@ -188,7 +189,9 @@ def test_progress_covers_draft_prefill_and_cancel_there(llama_path, draft_path):
     me.load_draft_model(kit, llama_path)  # same size: draft prefill is half the work
     prompt = me.tokenize(kit, "for i in range(10):\n    print(i)\n" * 70)
     seen = []
-    results = list(me.create_generator(kit, prompt, max_tokens=3, prompt_progress_callback=lambda p: seen.append(p) or True))
+    results = list(
+        me.create_generator(kit, prompt, max_tokens=3, prompt_progress_callback=lambda p: seen.append(p) or True)
+    )
     assert seen == sorted(seen) and seen[-1] == 100.0 and any(55 < p < 100 for p in seen)
     kit2 = me.load_model(llama_path)
     me.load_draft_model(kit2, llama_path)
@@ -214,7 +217,9 @@ def test_sampling_distribution_is_exact_with_a_poor_draft():
     disagrees with it: compare the joint law of two sampled tokens with the
     exact one by a chi-square test on a 4-token vocabulary."""
     vocab = 4
-    target_logits = mx.array([[1.0, 0.2, -0.5, 0.0], [0.0, 1.5, 0.3, -1.0], [0.4, 0.4, 0.4, 0.0], [-1.0, 0.0, 0.0, 2.0]])
+    target_logits = mx.array(
+        [[1.0, 0.2, -0.5, 0.0], [0.0, 1.5, 0.3, -1.0], [0.4, 0.4, 0.4, 0.0], [-1.0, 0.0, 0.0, 2.0]]
+    )
     draft_logits = mx.array([[0.0, 0.0, 3.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0], [0.0, 3.0, 0.0, 0.0]])
     p = mx.softmax(target_logits, axis=-1)
     exact = {(a, b): p[0, a].item() * p[a, b].item() for a in range(vocab) for b in range(vocab)}
@@ -382,7 +387,9 @@ def test_failed_draft_load_keeps_the_previous_draft(llama_path, draft_path, tmp_
     assert final.stats.drafted_tokens > 0
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(num_draft_tokens=3), dict(prompt_lookup_num_tokens=4, speculative_decoding_toggle=False)])
+@pytest.mark.parametrize(
+    "mode", [dict(), dict(num_draft_tokens=3), dict(prompt_lookup_num_tokens=4, speculative_decoding_toggle=False)]
+)
 def test_seeded_sampling_is_reproducible_with_a_fixed_draft_length(llama_path, draft_path, mode):
     """docs/decoding.md#seeds: a seed reproduces the text (tests/test_seeded_sampling.py
     checks that it is the same text in every mode)."""
@@ -423,8 +430,12 @@ def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_explores
     verify = CostModel(tuple(0.01 * (1 + 0.3 * (n - 1)) for n in range(1, 18)))
     sampler = build_sampler(SamplingParams())
     plain = [s.token for s in decode(SequenceCache(target), [3], 120, sampler, [], 20, None, GenerationStats())]
-    drafter = DraftModelDrafter(DraftModel(None, draft_model, SequenceCache(draft_model), 0), None,
-                                RoundCosts(verify, draft_step=0.2), vocab_size=50)
+    drafter = DraftModelDrafter(
+        DraftModel(None, draft_model, SequenceCache(draft_model), 0),
+        None,
+        RoundCosts(verify, draft_step=0.2),
+        vocab_size=50,
+    )
     skipped = []
     skip = drafter.policy.skip
     drafter.policy.skip = lambda: (skipped.append(1), skip())[1]

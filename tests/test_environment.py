@@ -1,3 +1,6 @@
+import mlx_engine as me
+from mlx_engine import _blas
+
 import os
 import socket
 import subprocess
@@ -6,9 +9,6 @@ from pathlib import Path
 
 import pytest
 from conftest import generate_ids
-
-import mlx_engine as me
-from mlx_engine import _blas
 
 ROOT = Path(__file__).resolve().parents[1]
 

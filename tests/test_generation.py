@@ -1,10 +1,10 @@
+import mlx_engine as me
+from mlx_engine import GenerationInProgressError
+
 import threading
 
 import pytest
 from conftest import generate_ids
-
-import mlx_engine as me
-from mlx_engine import GenerationInProgressError
 
 
 def prompt_of(kit, text="def add(a, b):\n    return a + b\n"):
@@ -76,7 +76,9 @@ def test_progress_is_monotonic_and_cancel_keeps_processed_part(llama_path):
     prompt = prompt_of(kit, "for i in range(10):\n    print(i, i * i)\n" * 60)
     assert len(prompt) > 1030
     seen = []
-    results = list(me.create_generator(kit, prompt, max_tokens=2, prompt_progress_callback=lambda p: seen.append(p) or True))
+    results = list(
+        me.create_generator(kit, prompt, max_tokens=2, prompt_progress_callback=lambda p: seen.append(p) or True)
+    )
     assert seen == sorted(seen) and seen[-1] == 100.0 and seen[0] == 0.0
     assert results[-1].stop_condition.stop_reason == "token_limit"
 
@@ -147,7 +149,9 @@ def test_seeded_sampling_is_reproducible(kit):
     b = generate_ids(kit, prompt, max_tokens=20, temp=1.0, seed=7)[0]
     c = generate_ids(kit, prompt, max_tokens=20, temp=1.0, seed=8)[0]
     assert a == b and a != c
-    d = generate_ids(kit, prompt, max_tokens=20, temp=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.3, seed=3)[0]
+    d = generate_ids(
+        kit, prompt, max_tokens=20, temp=0.8, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.3, seed=3
+    )[0]
     assert len(d) == 20
 
 
@@ -180,14 +184,17 @@ def test_presence_and_frequency_penalties_see_the_window(kit):
         assert not set(ids) & set(prompt) and len(set(ids)) == len(ids), name
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(logit_bias={"a": 1.0}), "logit_bias key"),
-    (dict(logit_bias={10**6: 1.0}), "logit_bias key 1000000 is outside the vocabulary"),
-    (dict(logit_bias={1: float("nan")}), r"logit_bias\[1\]"),
-    (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
-    (dict(presence_penalty=float("inf")), "presence_penalty"),
-    (dict(frequency_penalty="high"), "frequency_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(logit_bias={"a": 1.0}), "logit_bias key"),
+        (dict(logit_bias={10**6: 1.0}), "logit_bias key 1000000 is outside the vocabulary"),
+        (dict(logit_bias={1: float("nan")}), r"logit_bias\[1\]"),
+        (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
+        (dict(presence_penalty=float("inf")), "presence_penalty"),
+        (dict(frequency_penalty="high"), "frequency_penalty"),
+    ],
+)
 def test_bad_bias_and_penalties(kit, kwargs, match):
     with pytest.raises(ValueError, match=match):
         me.create_generator(kit, prompt_of(kit), **kwargs)

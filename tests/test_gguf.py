@@ -2,6 +2,8 @@
 llama.cpp does) must behave exactly like the same model in Hugging Face layout;
 every malformed file gives a ModelLoadError; the real default model answers."""
 
+import mlx_engine as me
+
 import re
 import struct
 
@@ -9,9 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from conftest import generate_ids, requires_default_model
-from fixtures.tiny_models import make_gguf
 
-import mlx_engine as me
+from fixtures.tiny_models import make_gguf
 
 TEXTS = [
     "def add(a, b):\n    return a + b  # 12345",
@@ -179,13 +180,17 @@ def test_unsupported_architecture(tmp_path, llama_path):
 
 def test_declared_layers_must_match_tensors(tmp_path, llama_path):
     """A header claiming a million layers must be refused before anything is allocated."""
-    path = make_gguf(llama_path, tmp_path / "bomb.gguf", metadata={"llama.block_count": mx.array(1_000_000, dtype=mx.uint32)})
+    path = make_gguf(
+        llama_path, tmp_path / "bomb.gguf", metadata={"llama.block_count": mx.array(1_000_000, dtype=mx.uint32)}
+    )
     with pytest.raises(me.ModelLoadError, match="declares 1000000 layers"):
         me.load_model(path)
 
 
 def test_kit_shapes_must_match_file(tmp_path, llama_path):
-    path = make_gguf(llama_path, tmp_path / "shape.gguf", metadata={"llama.embedding_length": mx.array(96, dtype=mx.uint32)})
+    path = make_gguf(
+        llama_path, tmp_path / "shape.gguf", metadata={"llama.embedding_length": mx.array(96, dtype=mx.uint32)}
+    )
     with pytest.raises(me.ModelLoadError, match="does not match"):
         me.load_model(path)
 
@@ -194,21 +199,52 @@ def test_kit_shapes_must_match_file(tmp_path, llama_path):
 # each must be a ModelLoadError naming the file and the field (issue 26).
 _U32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
 _WRONG = {
-    "a string": "abc", "strings": ["a", "b"], "an int array": _U32([1, 2]), "NaN": mx.array(float("nan")),
-    "infinity": mx.array(float("inf")), "a negative int": mx.array(-3, dtype=mx.int32), "zero": _U32(0),
+    "a string": "abc",
+    "strings": ["a", "b"],
+    "an int array": _U32([1, 2]),
+    "NaN": mx.array(float("nan")),
+    "infinity": mx.array(float("inf")),
+    "a negative int": mx.array(-3, dtype=mx.int32),
+    "zero": _U32(0),
     "2**62": mx.array(2**62, dtype=mx.uint64),
 }
-_INT_FIELDS = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count",
-               "llama.attention.head_count_kv", "llama.context_length", "llama.attention.key_length",
-               "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id", "general.alignment"]
+_INT_FIELDS = [
+    "llama.block_count",
+    "llama.embedding_length",
+    "llama.feed_forward_length",
+    "llama.attention.head_count",
+    "llama.attention.head_count_kv",
+    "llama.context_length",
+    "llama.attention.key_length",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "general.alignment",
+]
 _FLOAT_FIELDS = ["llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base"]
 _CASES = (
     [(k, n) for k in _INT_FIELDS for n in _WRONG if not (k.startswith("tokenizer.ggml") and n == "zero")]
-    + [(k, n) for k in _FLOAT_FIELDS for n in ("a string", "strings", "an int array", "NaN", "infinity", "a negative int", "zero")]
-    + [(k, n) for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "general.architecture",
-                        "llama.rope.scaling.type") for n in ("strings", "an int array", "zero")]
-    + [(k, n) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
-       for n in ("a string", "an int array", "zero") if (k, n) != ("tokenizer.ggml.token_type", "an int array")]
+    + [
+        (k, n)
+        for k in _FLOAT_FIELDS
+        for n in ("a string", "strings", "an int array", "NaN", "infinity", "a negative int", "zero")
+    ]
+    + [
+        (k, n)
+        for k in (
+            "tokenizer.ggml.model",
+            "tokenizer.ggml.pre",
+            "tokenizer.chat_template",
+            "general.architecture",
+            "llama.rope.scaling.type",
+        )
+        for n in ("strings", "an int array", "zero")
+    ]
+    + [
+        (k, n)
+        for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+        for n in ("a string", "an int array", "zero")
+        if (k, n) != ("tokenizer.ggml.token_type", "an int array")
+    ]
     + [("tokenizer.ggml.add_bos_token", "strings")]
 )
 
@@ -260,6 +296,7 @@ def test_extra_string_array_is_read(tmp_path, gguf_path):
     out = tmp_path / "extra.gguf"
     _add_metadata(gguf_path, out, "x.names", 9, _string_array([b"alpha", b"", "\u00fc".encode()]))
     from mlx_engine import gguf
+
     metadata = gguf.read_header(out).metadata
     assert next(v for k, v in metadata.items() if k.startswith("x.names")) == ["alpha", "", "\u00fc"]
     assert me.load_model(out, vocab_only=True).vocab_size == me.load_model(gguf_path, vocab_only=True).vocab_size
@@ -304,10 +341,6 @@ def test_empty_or_unknown_name(tmp_path):
 # -- the real default model ---------------------------------------------------------
 
 
-
-
-
-
 @requires_default_model
 def test_smollm2_answers_under_chat_template(smollm):
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -335,8 +368,68 @@ def test_smollm2_metadata(smollm):
 
 # Ids the engine's own BPE rebuild gave before the tokenizer came from
 # transformers' GGUF converter: the default model must tokenize exactly as before.
-_SMOLLM2_TEXT = '<|im_start|>user\nGrüße aus München 🙂 日本語  —  x = 12345;\t\ttabs\n\n\n   spaces <|im_end|>\n<|endoftext|> ünïcödé ½ ℃ \u200b end'
-_SMOLLM2_IDS = [1, 4093, 198, 27302, 7170, 34878, 85, 253, 376, 30919, 94, 7554, 47526, 17097, 241, 115, 40993, 179, 120, 248, 216, 1841, 216, 1792, 446, 216, 33, 34, 35, 36, 37, 43, 197, 197, 100, 7366, 1116, 11181, 5600, 216, 2, 198, 0, 5549, 137, 94, 25972, 83, 7466, 84, 2756, 216, 16738, 4636, 222, 221, 459, 229, 1112]
+_SMOLLM2_TEXT = "<|im_start|>user\nGrüße aus München 🙂 日本語  —  x = 12345;\t\ttabs\n\n\n   spaces <|im_end|>\n<|endoftext|> ünïcödé ½ ℃ \u200b end"
+_SMOLLM2_IDS = [
+    1,
+    4093,
+    198,
+    27302,
+    7170,
+    34878,
+    85,
+    253,
+    376,
+    30919,
+    94,
+    7554,
+    47526,
+    17097,
+    241,
+    115,
+    40993,
+    179,
+    120,
+    248,
+    216,
+    1841,
+    216,
+    1792,
+    446,
+    216,
+    33,
+    34,
+    35,
+    36,
+    37,
+    43,
+    197,
+    197,
+    100,
+    7366,
+    1116,
+    11181,
+    5600,
+    216,
+    2,
+    198,
+    0,
+    5549,
+    137,
+    94,
+    25972,
+    83,
+    7466,
+    84,
+    2756,
+    216,
+    16738,
+    4636,
+    222,
+    221,
+    459,
+    229,
+    1112,
+]
 
 
 @requires_default_model

@@ -4,15 +4,24 @@ converter does (fixtures/gguf_families.py) must compute what the mlx-lm model
 they were made from computes, and SentencePiece files must tokenize exactly as
 SentencePiece itself."""
 
+import mlx_engine as me
+
 import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import assert_same_or_near_tie, generate_ids
-from fixtures.gguf_families import FAMILIES, arch_metadata, bpe_metadata, gguf_tensors, make_family, reference_model, write_gguf
 
-import mlx_engine as me
+from fixtures.gguf_families import (
+    FAMILIES,
+    arch_metadata,
+    bpe_metadata,
+    gguf_tensors,
+    make_family,
+    reference_model,
+    write_gguf,
+)
 
 PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
 
@@ -50,7 +59,15 @@ def test_family_computes_what_its_source_model_computes(family_files, family):
 # Relative RMS rounding error of one weight for each type, on Gaussian weights
 # (block absmax ~ 2.5 sigma): b-bit symmetric blocks step absmax / 2**(b-1), a
 # uniform rounding error has RMS step / sqrt(12); F16/BF16 keep 11/8 mantissa bits.
-_STEP = {"F16": 2**-11, "BF16": 2**-8, "Q8_0": 2.5 / 128, "Q5_1": 5.0 / 31, "Q5_0": 2.5 / 16, "Q4_1": 5.0 / 15, "Q4_0": 2.5 / 8}
+_STEP = {
+    "F16": 2**-11,
+    "BF16": 2**-8,
+    "Q8_0": 2.5 / 128,
+    "Q5_1": 5.0 / 31,
+    "Q5_0": 2.5 / 16,
+    "Q4_1": 5.0 / 15,
+    "Q4_0": 2.5 / 8,
+}
 
 
 @pytest.mark.parametrize("qtype", list(_STEP))
@@ -76,7 +93,13 @@ def test_sentencepiece_tokenizer_matches_sentencepiece(family_files):
     path, _, model_file = family_files("mistral")
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
     kit = me.load_model(path, vocab_only=True)
-    texts = ["Hello world!", "Grüße aus München 🙂 日本語", "   leading spaces and\ttabs\n\n", "ǅ⌘ unseen Ωmega", "a  b   c"]
+    texts = [
+        "Hello world!",
+        "Grüße aus München 🙂 日本語",
+        "   leading spaces and\ttabs\n\n",
+        "ǅ⌘ unseen Ωmega",
+        "a  b   c",
+    ]
     for text in texts:
         assert me.tokenize(kit, text) == [sp.bos_id(), *sp.encode(text)], text
         assert kit.tokenizer.decode(me.tokenize(kit, text), skip_special_tokens=True) == sp.decode(sp.encode(text))
@@ -140,13 +163,17 @@ def test_digit_splitting_pre_tokenizers_split_digits_one_by_one(tmp_path):
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     model, config = reference_model("llama", len(tok["tokenizer.ggml.tokens"]))
-    path = write_gguf(tmp_path / "s.gguf", "llama", gguf_tensors(model, config, "llama"), {**arch_metadata("llama", config), **tok})
+    path = write_gguf(
+        tmp_path / "s.gguf", "llama", gguf_tensors(model, config, "llama"), {**arch_metadata("llama", config), **tok}
+    )
     kit = me.load_model(path, vocab_only=True)
     text = "x = 1234 and 12, 34 then 123456"
     assert me.tokenize(kit, text) == original.encode(text).ids
     fields = {"tokenizer_type": "gpt2", "pre_tokenizer_type": "smollm", "tokens": tok["tokenizer.ggml.tokens"],
               "merges": tok["tokenizer.ggml.merges"], "token_type": tok["tokenizer.ggml.token_type"].tolist()}  # fmt: skip
-    assert convert_gguf_tokenizer("llama", fields)[0].encode(text).ids != original.encode(text).ids  # the converter alone differs
+    assert (
+        convert_gguf_tokenizer("llama", fields)[0].encode(text).ids != original.encode(text).ids
+    )  # the converter alone differs
 
 
 @pytest.mark.parametrize("family", ["llama3", "gemma3"])

@@ -3,6 +3,8 @@ fixtures of every family as Q4_K_M, and the llama one in every type the loader
 reads (fixtures/gguf/, written by fixtures/llamacpp_refs.py with
 llama-cpp-python; llama.cpp is not needed here)."""
 
+import mlx_engine as me
+
 import json
 import math
 from pathlib import Path
@@ -11,8 +13,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import generate_ids
-
-import mlx_engine as me
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 REFS = json.loads((FIXTURES / "refs.json").read_text())
@@ -45,7 +45,9 @@ def test_logits_match_llama_cpp(name):
     rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
     n_matmuls = 7 * kit.config["num_hidden_layers"] + 1
     assert rel <= _bound(ref["ftype"], n_matmuls), (name, ref["tensor_types"], rel)
-    assert (mx.argmax(got, axis=-1) == mx.argmax(expected, axis=-1)).mean().item() >= 0.85  # random tiny models have near-ties
+    assert (
+        mx.argmax(got, axis=-1) == mx.argmax(expected, axis=-1)
+    ).mean().item() >= 0.85  # random tiny models have near-ties
 
 
 def test_every_loader_type_is_covered():
@@ -67,7 +69,9 @@ def test_q4_k_m_of_another_family_answers():
     assert generate_ids(kit, prompt, max_tokens=10, temp=0.0, prompt_lookup_num_tokens=3)[0] == plain
 
 
-@pytest.mark.parametrize("name", ["llama-Q4_K_M.gguf", "qwen3-Q4_K_M.gguf", "llama-Q2_K.gguf", "llama-Q6_K.gguf", "llama-IQ4_XS.gguf"])
+@pytest.mark.parametrize(
+    "name", ["llama-Q4_K_M.gguf", "qwen3-Q4_K_M.gguf", "llama-Q2_K.gguf", "llama-Q6_K.gguf", "llama-IQ4_XS.gguf"]
+)
 def test_decoded_types_kept_quantized_for_metal(name):
     """Off the CPU a decoded file keeps its matrices quantized in MLX's affine
     format (``REQUANT_BITS``; forced here, where the CPU would decode to
@@ -77,9 +81,9 @@ def test_decoded_types_kept_quantized_for_metal(name):
     spanning ~5 sigma, RMS 5 / ((2**b - 1) sqrt(12)) per weight, summed in
     quadrature over the model's matmuls, with a factor 2 (measured 1.5% to 21%
     across the fixtures; a wrongly packed tensor gives ~1.4)."""
-    import mlx.nn as nn
-
     from mlx_engine import gguf, gguf_models
+
+    import mlx.nn as nn
 
     h = gguf.read_header(FIXTURES / name)
     config = gguf_models.config_from_header(h)

@@ -1,15 +1,15 @@
 """Parallel requests on one kit: continuous batching, speculation per request."""
 
+import mlx_engine as me
+from mlx_engine import CallbackError
+from mlx_engine.batch_cache import RaggedBatch
+from mlx_engine.scheduler import MAX_BACKLOG
+
 import threading
 
 import mlx.core as mx
 import pytest
 from conftest import assert_same_or_near_tie, generate_ids
-
-import mlx_engine as me
-from mlx_engine.scheduler import MAX_BACKLOG
-from mlx_engine import CallbackError
-from mlx_engine.batch_cache import RaggedBatch
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -253,10 +253,10 @@ def test_draft_model_rows_draft_in_one_batch(pkit, llama_path, draft_path):
 
 
 def test_a_dropped_kit_is_collected_and_its_engine_thread_reused(llama_path):
+    from mlx_engine import worker
+
     import gc
     import weakref
-
-    from mlx_engine import worker
 
     kit = me.load_model(llama_path)
     drain(me.create_generator(kit, me.tokenize(kit, TEXTS[0]), max_tokens=3))  # the scheduler is attached
@@ -297,7 +297,6 @@ def test_a_long_prompt_prefills_between_the_others_steps(pkit, llama_path, monke
     assert_same_or_near_tie(pkit, long, want[1], late_ids)
 
 
-
 SYSTEM = "You are a careful assistant. Answer briefly and stay polite. " * 2
 
 
@@ -311,8 +310,9 @@ def chat(kit, *turns: str) -> list[int]:
 
 def next_turn(kit, user: str) -> list[int]:
     """The tokens that close an answer and add the next user turn."""
-    return me.tokenize(kit, f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n",
-                       add_special_tokens=False)
+    return me.tokenize(
+        kit, f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
@@ -362,7 +362,9 @@ def test_a_request_failing_at_run_time_fails_alone(pkit, llama_path, draft_path,
     want = [solo(one, p, max_tokens=16, **mode) for p, mode in jobs]
     monkeypatch.setattr(GrammarConstraint, "masks", failing_masks)
     gens = [me.create_generator(pkit, p, max_tokens=16, **mode) for p, mode in jobs]
-    failing = me.create_generator(pkit, me.tokenize(pkit, TEXTS[3]), max_tokens=16, regex=r"[a-z]{30}", structured_drafting=False)
+    failing = me.create_generator(
+        pkit, me.tokenize(pkit, TEXTS[3]), max_tokens=16, regex=r"[a-z]{30}", structured_drafting=False
+    )
     heads = [[t.id for t in next(g).tokens] for g in gens]  # the others are decoding when it joins
     with pytest.raises(RuntimeError, match="injected matcher failure"):
         drain(failing)
@@ -392,7 +394,9 @@ def test_a_failed_shared_pass_is_retried_row_by_row(pkit, llama_path, draft_path
 
     one = me.load_model(llama_path, max_parallel=1)
     me.load_draft_model(one, draft_path)
-    jobs = [(me.tokenize(pkit, t), {"num_draft_tokens": 3}) for t in TEXTS[:2]] + [(me.tokenize(pkit, TEXTS[2]), MODES[1])]
+    jobs = [(me.tokenize(pkit, t), {"num_draft_tokens": 3}) for t in TEXTS[:2]] + [
+        (me.tokenize(pkit, TEXTS[2]), MODES[1])
+    ]
     want = [solo(one, p, max_tokens=16, **mode) for p, mode in jobs]
     monkeypatch.setattr(RaggedBatch, "feed", failing_feed)
     gens = [me.create_generator(pkit, p, max_tokens=16, **mode) for p, mode in jobs]
@@ -470,14 +474,17 @@ def test_a_batch_that_cannot_release_its_rows_fails_them_and_recovers(pkit, llam
     for p, w, h, g in zip(prompts, want, heads, gens):
         assert_same_or_near_tie(pkit, p, w, h + drain(g)[0])
 
+
 def test_rows_with_cache_buffers_of_other_widths_join_one_batch(llama_path):
     """Prompts sharing a prefix start from branches of the prompt cache, whose
     buffers are exact slices (any width); a row joining a batch whose buffers
     are narrower than its own once failed the batched pass (found by 16 server
     clients on 4 rows)."""
     kit = me.load_model(llama_path, max_parallel=4)
-    prompts = [me.apply_chat_template(kit, [{"role": "user", "content": f"Question number {i}: what comes next?"}])
-               for i in range(16)]
+    prompts = [
+        me.apply_chat_template(kit, [{"role": "user", "content": f"Question number {i}: what comes next?"}])
+        for i in range(16)
+    ]
     todo, live, got = list(enumerate(prompts)), {}, {}
     while todo or live:
         while todo and len(live) < 4:  # a new request joins as soon as one ends
@@ -567,10 +574,13 @@ def _solo_kit(llama_path, draft_path):
     return one
 
 
-@pytest.mark.parametrize("mode,main_cached", [({"num_draft_tokens": 3}, False), ({"auto_speculative": True}, False),
-                                              ({"num_draft_tokens": 3}, True)])
-def test_a_draft_model_request_prefills_its_draft_between_the_others_steps(pkit, llama_path, draft_path, monkeypatch,
-                                                                            mode, main_cached):
+@pytest.mark.parametrize(
+    "mode,main_cached",
+    [({"num_draft_tokens": 3}, False), ({"auto_speculative": True}, False), ({"num_draft_tokens": 3}, True)],
+)
+def test_a_draft_model_request_prefills_its_draft_between_the_others_steps(
+    pkit, llama_path, draft_path, monkeypatch, mode, main_cached
+):
     """Admitting a draft-model (or auto) request with a long prompt: the draft
     model's prompt is prefilled one chunk per step, as the main model's is,
     while the running row decodes a token every step; outputs equal solo ones."""
@@ -596,7 +606,9 @@ def test_a_draft_model_request_prefills_its_draft_between_the_others_steps(pkit,
 
 
 @pytest.mark.parametrize("how", ["close", "stop"])
-def test_a_request_ended_mid_draft_prefill_leaves_a_reusable_draft_cache(pkit, llama_path, draft_path, monkeypatch, how):
+def test_a_request_ended_mid_draft_prefill_leaves_a_reusable_draft_cache(
+    pkit, llama_path, draft_path, monkeypatch, how
+):
     """Closed or stopped between two draft prefill chunks: the draft cache goes
     back to the pool holding exactly the chunks prefilled (never lent out as if
     complete); the next request with that prompt prefills only the rest, and
@@ -615,8 +627,9 @@ def test_a_request_ended_mid_draft_prefill_leaves_a_reusable_draft_cache(pkit, l
         else:
             me.stop_generation(pkit, "b")  # seen at the next chunk
 
-    a_ids, b_ids, error = _draft_request_admitted_while_one_decodes(pkit, log, short, long, at_chunk=(2, end),
-                                                                    max_tokens=12, num_draft_tokens=3)
+    a_ids, b_ids, error = _draft_request_admitted_while_one_decodes(
+        pkit, log, short, long, at_chunk=(2, end), max_tokens=12, num_draft_tokens=3
+    )
     assert b_ids == [] and error is None
     assert_same_or_near_tie(pkit, short, solo(one, short, max_tokens=40), a_ids)
     draft = pkit.draft
@@ -651,8 +664,9 @@ def test_a_failing_draft_prefill_fails_its_request_alone(pkit, llama_path, draft
         return logged(cache, tokens, *a, **kw)
 
     monkeypatch.setattr(SequenceCache, "prefill", failing)
-    a_ids, b_ids, error = _draft_request_admitted_while_one_decodes(pkit, log, short, long, max_tokens=12,
-                                                                    num_draft_tokens=3)
+    a_ids, b_ids, error = _draft_request_admitted_while_one_decodes(
+        pkit, log, short, long, max_tokens=12, num_draft_tokens=3
+    )
     assert isinstance(error, RuntimeError) and "injected" in str(error) and b_ids == []
     assert_same_or_near_tie(pkit, short, solo(one, short, max_tokens=40), a_ids)
     # Its draft cache (the pool's only one: the running row is plain) held two chunks; it was reset.

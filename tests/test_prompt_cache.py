@@ -2,12 +2,12 @@
 budget, and the disk tier. A cache hit must never change the output: every
 output is compared with a fresh kit's."""
 
+import mlx_engine as me
+
 import json
 
 import pytest
 from conftest import generate_ids
-
-import mlx_engine as me
 
 A = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
 B = "for i in range(10):\n    print(i, i * i)\n\nThe quick brown fox jumps over the lazy dog. "
@@ -23,8 +23,10 @@ def turn(kit, prompt, **kw):
 @pytest.fixture
 def fresh(llama_path):
     """Output of a kit that has never cached anything."""
+
     def run(prompt, **kw):
         return turn(me.load_model(llama_path), prompt, **kw)[0]
+
     return run
 
 
@@ -122,11 +124,14 @@ def test_a_different_model_never_reads_the_entries(llama_path, qwen_path, tmp_pa
     assert set(meta) == {"tokens", "sha256", "bytes"}
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"prompt_cache_bytes": -1}, "prompt_cache_bytes"),
-    ({"prompt_cache_disk_bytes": "1GB"}, "prompt_cache_disk_bytes"),
-    ({"prompt_cache_dir": ""}, "prompt_cache_dir"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"prompt_cache_bytes": -1}, "prompt_cache_bytes"),
+        ({"prompt_cache_disk_bytes": "1GB"}, "prompt_cache_disk_bytes"),
+        ({"prompt_cache_dir": ""}, "prompt_cache_dir"),
+    ],
+)
 def test_bad_prompt_cache_options(llama_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         me.load_model(llama_path, **kwargs)

@@ -1,14 +1,14 @@
+import mlx_engine as me
+from mlx_engine.results import GenerationStats
+from mlx_engine.speculative.costs import CostModel, RoundCosts
+from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
+from mlx_engine.speculative.router import AutoRouter, RouterSettings
+from mlx_engine.speculative.speedup import AcceptanceModel, best_draft_length, expected_tokens
+
 import pytest
 from conftest import assert_same_or_near_tie, generate_ids, markov_kit
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import mlx_engine as me
-from mlx_engine.results import GenerationStats
-from mlx_engine.speculative.costs import CostModel, RoundCosts
-from mlx_engine.speculative.speedup import AcceptanceModel, best_draft_length, expected_tokens
-from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
-from mlx_engine.speculative.router import AutoRouter, RouterSettings
 
 
 def lookup(tokens, k=4, min_n=1, max_n=3, cands=4):
@@ -294,10 +294,30 @@ def test_prompt_lookup_falls_back_when_cache_cannot_rewind(llama_path):
 
 def test_sampling_modes_work_with_prompt_lookup(kit):
     prompt = me.tokenize(kit, "for i in range(10):\n    print(i, i * i)\n" * 6)
-    a, final = generate_ids(kit, prompt, max_tokens=25, temp=0.7, top_p=0.9, top_k=40, min_p=0.05,
-                            repetition_penalty=1.1, seed=11, prompt_lookup_num_tokens=4)
-    b, _ = generate_ids(kit, prompt, max_tokens=25, temp=0.7, top_p=0.9, top_k=40, min_p=0.05,
-                        repetition_penalty=1.1, seed=11, prompt_lookup_num_tokens=4)
+    a, final = generate_ids(
+        kit,
+        prompt,
+        max_tokens=25,
+        temp=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        seed=11,
+        prompt_lookup_num_tokens=4,
+    )
+    b, _ = generate_ids(
+        kit,
+        prompt,
+        max_tokens=25,
+        temp=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        seed=11,
+        prompt_lookup_num_tokens=4,
+    )
     assert a == b and len(a) == 25
     assert all(0 <= t < kit.vocab_size for t in a)
     assert final.stats.decoding_mode == "prompt_lookup"
@@ -430,14 +450,17 @@ def test_lookup_memory_keeps_output_exact(kit):
     """A second conversation quoting the first: lookup drafts from the cached
     first conversation and the output stays plain greedy output."""
     import mlx_engine as me
+
     from conftest import generate_ids
 
     question = me.tokenize(kit, "def add(a, b):\n")
-    plain, _ = generate_ids(me.load_model(kit.model_path), me.tokenize(kit, "# two\n") + question, max_tokens=24,
-                            temp=0.0)
+    plain, _ = generate_ids(
+        me.load_model(kit.model_path), me.tokenize(kit, "# two\n") + question, max_tokens=24, temp=0.0
+    )
     generate_ids(kit, me.tokenize(kit, "# one\n") + question, max_tokens=24, temp=0.0)  # the first chat
-    ids, last = generate_ids(kit, me.tokenize(kit, "# two\n") + question, max_tokens=24, temp=0.0,
-                             prompt_lookup_num_tokens=8)
+    ids, last = generate_ids(
+        kit, me.tokenize(kit, "# two\n") + question, max_tokens=24, temp=0.0, prompt_lookup_num_tokens=8
+    )
     assert ids == plain
     assert last.stats.cache_entries == 2 and last.stats.accepted_tokens > 0
 
@@ -447,8 +470,13 @@ def test_router_shadow_drafts_use_lookup_memory():
     shadow drafts come from lookup memory too, so a conversation cached elsewhere
     can move it to lookup."""
     memory = [[50, 51, 52, 53, 54, 55, 56, 57, 58]]
-    router = AutoRouter([50, 51], flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8, memory=memory),
-                        settings=RouterSettings(min_prompt_tokens=256))
+    router = AutoRouter(
+        [50, 51],
+        flat_costs(1.5),
+        GenerationStats(),
+        PromptLookupDrafter(8, memory=memory),
+        settings=RouterSettings(min_prompt_tokens=256),
+    )
     assert router.mode == "plain"
     assert router.propose([50, 51, 52], 8) == []  # plain rounds draft nothing themselves
     assert router._shadows == [(3, [53, 54, 55, 56, 57, 58], 0, False)]  # (position, drafts, scored, weak)
@@ -496,8 +524,9 @@ def test_router_without_a_draft_switches_to_lookup_within_a_few_rounds_of_copyin
     passage = list(range(500, 540))
     history = list(range(1000, 1100)) + passage  # a short prompt, plain under a pre-filter
     stats = GenerationStats()
-    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(32),
-                        settings=RouterSettings(min_prompt_tokens=256))
+    router = AutoRouter(
+        history, flat_costs(1.5), stats, PromptLookupDrafter(32), settings=RouterSettings(min_prompt_tokens=256)
+    )
     assert router.mode == "plain"
     history += passage[:3]  # the answer starts copying the passage
     rounds = 0
@@ -550,8 +579,13 @@ def test_router_plain_rounds_are_queued_ahead_and_still_make_shadow_drafts():
     comes as it would with a propose per round."""
     passage = list(range(500, 540))
     history = list(range(1000, 1100)) + passage + passage[:3]
-    router = AutoRouter(history, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32),
-                        settings=RouterSettings(min_prompt_tokens=256))
+    router = AutoRouter(
+        history,
+        flat_costs(1.5),
+        GenerationStats(),
+        PromptLookupDrafter(32),
+        settings=RouterSettings(min_prompt_tokens=256),
+    )
     assert router.plain_ahead
     assert router.propose(history, 32) == []  # the first round is launched normally
     rounds = 0

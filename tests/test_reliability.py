@@ -10,19 +10,19 @@ No test asserts a time: rates are reported, not judged."""
 
 from __future__ import annotations
 
+import mlx_engine as me
+from mlx_engine import CallbackError, GenerationInProgressError
+
 import os
-from collections import Counter
 import random
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
 from conftest import assert_same_or_near_tie, generate_ids
-
-import mlx_engine as me
-from mlx_engine import CallbackError, GenerationInProgressError
 
 pytestmark = pytest.mark.soak
 FULL = os.environ.get("MLX_ENGINE_SOAK") == "1"
@@ -69,7 +69,9 @@ def cancel_once(kit, prompt, mode_kwargs, route, point, rng) -> None:
             return True
 
         try:
-            results = list(me.create_generator(kit, prompt, max_tokens=40, prompt_progress_callback=progress, **mode_kwargs))
+            results = list(
+                me.create_generator(kit, prompt, max_tokens=40, prompt_progress_callback=progress, **mode_kwargs)
+            )
             assert results[-1].stop_condition is not None
         except KeyboardInterrupt:
             pass
@@ -112,12 +114,14 @@ def test_cancellations_at_random_points_leave_output_equal_to_a_fresh_kit(llama_
         which = rng.randrange(len(prompts))
         point = rng.randrange(4) if route in ("progress_false", "callback_interrupt") else rng.randrange(12)
         cancel_once(kit, prompts[which], MODES[mode], route, point, rng)
-        assert not kit._worker.call(lambda: kit._activity.active)  # after any close queued by a dropped iterator
+        assert not kit.worker.call(lambda: kit._activity.active)  # after any close queued by a dropped iterator
         ids, final = generate_ids(kit, prompts[which], max_tokens=12, **MODES[mode])
         assert len(ids) == 12 and final.stop_condition.stop_reason == "token_limit"
         assert_same_or_near_tie(fresh, prompts[which], refs[which], ids)
         done.append(Cancelled(route, mode, point))
-    report(f"{len(done)} cancellations over {len(ROUTES)} routes x {len(MODES)} modes; output equal to a fresh kit's after each")
+    report(
+        f"{len(done)} cancellations over {len(ROUTES)} routes x {len(MODES)} modes; output equal to a fresh kit's after each"
+    )
 
 
 def test_cancellations_on_a_vision_kit(tmp_path_factory):
@@ -147,7 +151,10 @@ def test_memory_is_flat_over_many_generations_and_draft_cycles(llama_path, draft
     adaptive and auto modes' shapes follow timings."""
     kit = me.load_model(llama_path)
     me.load_draft_model(kit, draft_path)
-    prompts = [me.tokenize(kit, t) for t in ("def add(a, b):\n", "class Point:\n    def __init__(self):\n", "for i in range(10):\n")]
+    prompts = [
+        me.tokenize(kit, t)
+        for t in ("def add(a, b):\n", "class Point:\n    def __init__(self):\n", "for i in range(10):\n")
+    ]
     modes = [MODES["plain"], MODES["draft_fixed"], MODES["prompt_lookup"]]
     n_gen, period, warm = size(135, 1008), 9, 18  # a run kind: prompt x mode; the draft reloads once a period
     active, peak, tps = {}, {}, []
@@ -160,6 +167,7 @@ def test_memory_is_flat_over_many_generations_and_draft_cycles(llama_path, draft
             active.setdefault(i % period, []).append(mx.get_active_memory())
             peak.setdefault(i % period, []).append(final.stats.peak_memory)
             tps.append(final.stats.generation_tps)
+
     # Each kind of run: the median of its last third against that of its first
     # third after warm-up (peaks vary a little with how MLX overlaps evaluation;
     # a leak moves the median).
@@ -173,9 +181,11 @@ def test_memory_is_flat_over_many_generations_and_draft_cycles(llama_path, draft
     a0, a1 = sum(v[0] for v in active.values()) / period, sum(v[-1] for v in active.values()) / period
     w = len(tps) // 10
     t0, t1 = sorted(tps[:w])[w // 2], sorted(tps[-w:])[w // 2]
-    report(f"{n_gen} generations after {warm} warm-up, {(n_gen + warm) // period} draft unload/load cycles: "
-           f"active memory {a0 / 2**20:.3f} -> {a1 / 2**20:.3f} MiB (largest median drift of a run kind {active_drift:+.2%}), "
-           f"peak memory largest median drift {peak_drift:+.2%}; median tok/s first/last tenth {t0:.0f} / {t1:.0f}")
+    report(
+        f"{n_gen} generations after {warm} warm-up, {(n_gen + warm) // period} draft unload/load cycles: "
+        f"active memory {a0 / 2**20:.3f} -> {a1 / 2**20:.3f} MiB (largest median drift of a run kind {active_drift:+.2%}), "
+        f"peak memory largest median drift {peak_drift:+.2%}; median tok/s first/last tenth {t0:.0f} / {t1:.0f}"
+    )
     assert active_drift <= 0.02, "active memory grew over the run"
     assert peak_drift <= 0.02, "peak memory grew over the run"
 
@@ -214,15 +224,25 @@ def test_host_threads_share_a_kit_in_every_mode(llama_path, draft_path):
     for t in threads:
         t.join(600)
     assert not errors, errors[:3]
-    report(f"4 host threads x {per_thread} requests on one kit (all modes), {busy[0]} concurrent starts refused and retried")
+    report(
+        f"4 host threads x {per_thread} requests on one kit (all modes), {busy[0]} concurrent starts refused and retried"
+    )
 
 
 def test_process_exit_after_threaded_work_never_aborts(tmp_path_factory, llama_path):
     from test_threads import run_exit_script
+
     from fixtures.tiny_models import make_model
 
-    half = make_model(tmp_path_factory.mktemp("rel_half") / "half", "llama", hidden=64, layers=2, seed=1,
-                      tokenizer_from=llama_path, dtype=mx.float16)
+    half = make_model(
+        tmp_path_factory.mktemp("rel_half") / "half",
+        "llama",
+        hidden=64,
+        layers=2,
+        seed=1,
+        tokenizer_from=llama_path,
+        dtype=mx.float16,
+    )
     runs = size(2, 20)
     for _ in range(runs):
         out = run_exit_script(half, 3)
@@ -232,8 +252,18 @@ def test_process_exit_after_threaded_work_never_aborts(tmp_path_factory, llama_p
 
 # -- multi-user chat soak ------------------------------------------------------------
 CHAT_SYSTEM = "You are a careful assistant. Answer briefly, in code when you can. " * 2
-CHAT_ASKS = ["def add(a, b):", "class Point:", "import os", "for i in range(10):", "print(i, i * i)",
-             "Hello world!", "The quick brown fox", "return a + b", "self.x = x", "Bonjour le monde."]
+CHAT_ASKS = [
+    "def add(a, b):",
+    "class Point:",
+    "import os",
+    "for i in range(10):",
+    "print(i, i * i)",
+    "Hello world!",
+    "The quick brown fox",
+    "return a + b",
+    "self.x = x",
+    "Bonjour le monde.",
+]
 CHAT_REGEX = r"(yes|no), [a-z]{2,8}\."
 BROKEN_REGEX = r"(zq|qz)[a-z]{30}"  # its matcher is made to fail mid-generation (break_matchers)
 
@@ -302,7 +332,9 @@ class ChatUser:
             self.messages = self.messages[:-2]  # regenerate: the same prompt again
         self.messages.append({"role": "user", "content": rng.choice(CHAT_ASKS)})
         prompt = me.apply_chat_template(kit, self.messages)
-        kinds = ["default", "plain", "lookup", "auto", "structured", "faulty", "broken"] + (["draft"] if kit.draft else [])
+        kinds = ["default", "plain", "lookup", "auto", "structured", "faulty", "broken"] + (
+            ["draft"] if kit.draft else []
+        )
         kind = rng.choices(kinds, weights=[3, 3, 3, 2, 2, 1, 1] + ([3] if kit.draft else []))[0]
         route = rng.choice(["close", "stop_generation", "drop"]) if rng.random() < 0.25 else None
         max_tokens, cancel_at = rng.randint(3, 20), rng.randrange(8)
@@ -312,8 +344,9 @@ class ChatUser:
         self.kinds_seen[kind] += 1
         while True:
             try:
-                gen = me.create_generator(kit, prompt, max_tokens=max_tokens, request_id=request_id,
-                                          **self.request_kwargs(kind))
+                gen = me.create_generator(
+                    kit, prompt, max_tokens=max_tokens, request_id=request_id, **self.request_kwargs(kind)
+                )
                 break
             except GenerationInProgressError:  # max_parallel requests already open: retried
                 self.refused += 1
@@ -364,8 +397,13 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
     baseline = mx.get_active_memory()
     n_users, rounds = size(6, 8), size(5, 50)
     break_matchers(monkeypatch)
-    kit = me.load_model(llama_path, max_parallel=4, prompt_cache_dir=tmp_path / "cache",
-                        prompt_cache_bytes=128 * 2**10, prompt_cache_disk_bytes=256 * 2**10)
+    kit = me.load_model(
+        llama_path,
+        max_parallel=4,
+        prompt_cache_dir=tmp_path / "cache",
+        prompt_cache_bytes=128 * 2**10,
+        prompt_cache_disk_bytes=256 * 2**10,
+    )
     me.load_draft_model(kit, draft_path)
     draft_cycles = [0]
 
@@ -398,8 +436,15 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
         t.join(1200)
     elapsed = time.perf_counter() - t0
     assert not crashed, crashed[:3]
-    state = kit._worker.call(lambda: (set(kit._activity.known), set(kit._activity.active), kit._scheduler.live,
-                                      kit.batch.rows, kit.prompt_cache.busy))
+    state = kit.worker.call(
+        lambda: (
+            set(kit.activity.known),
+            set(kit.activity.active),
+            kit.scheduler.live,
+            kit.batch.rows,
+            kit.prompt_cache.busy,
+        )
+    )
     assert state == (set(), set(), [], [], [])
 
     turns = [t for u in users for t in u.turns]
@@ -410,7 +455,11 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
     monkeypatch.undo()  # the broken requests' answers so far are checked against their regex run alone
     alone = me.load_model(llama_path, max_parallel=1)
     for t in turns:
-        kw = {"regex": {"structured": CHAT_REGEX, "broken": BROKEN_REGEX}[t.kind]} if t.kind in ("structured", "broken") else {}
+        kw = (
+            {"regex": {"structured": CHAT_REGEX, "broken": BROKEN_REGEX}[t.kind]}
+            if t.kind in ("structured", "broken")
+            else {}
+        )
         want = generate_ids(alone, t.prompt, max_tokens=t.max_tokens, **kw)[0]
         partial = t.cancelled or t.error is not None  # a failed turn delivered the results before its error
         assert (len(t.ids) <= len(want)) if partial else (len(t.ids) == len(want)), (t, want)
@@ -421,26 +470,27 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
     sources = Counter(t.cache_source for t in turns if t.cache_source)
     me.unload(kit)
     me.unload(alone)
-    del kit, alone, users, turns, t
+    kit = alone = users = turns = t = None  # released (between_rounds' cell holds kit too)
     gc.collect()
     mx.clear_cache()
     held = mx.get_active_memory() - baseline
-    report(f"multi-user chat soak: {n_users} users x {rounds} rounds = {n_requests} requests on max_parallel=4 "
-           f"({dict(sorted(kinds_seen.items()))}); {sum(cancels.values())} cancelled ({dict(cancels)}), "
-           f"failed by their own fault: {dict(own_failures)} (a raising stats_callback, a matcher failing), 0 by another's; {refused} starts "
-           f"refused (max_parallel) and retried; {draft_cycles[0]} draft unload/load switches; cached prefixes "
-           f"from {dict(sources)}; MLX memory after unload {held:+d} bytes against the start; {elapsed:.1f} s")
+    report(
+        f"multi-user chat soak: {n_users} users x {rounds} rounds = {n_requests} requests on max_parallel=4 "
+        f"({dict(sorted(kinds_seen.items()))}); {sum(cancels.values())} cancelled ({dict(cancels)}), "
+        f"failed by their own fault: {dict(own_failures)} (a raising stats_callback, a matcher failing), 0 by another's; {refused} starts "
+        f"refused (max_parallel) and retried; {draft_cycles[0]} draft unload/load switches; cached prefixes "
+        f"from {dict(sources)}; MLX memory after unload {held:+d} bytes against the start; {elapsed:.1f} s"
+    )
     assert held <= 0, f"{held} bytes of MLX memory still held after unloading"
 
 
 # -- property-based fuzzing -----------------------------------------------------
-from collections import Counter  # noqa: E402
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 from mlx_engine.speculative.prompt_lookup import NGramIndex  # noqa: E402
 from mlx_engine.stop_strings import StopStringMatcher  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 FUZZ = Counter()  # cases run per target, reported when the module's tests are done
 
@@ -451,13 +501,27 @@ def fuzz_report():
     if FUZZ:
         total = sum(n for name, n in FUZZ.items() if ":" not in name)  # "target: outcome" entries break a target down
         report("fuzz cases run: " + ", ".join(f"{name} {n}" for name, n in FUZZ.items()) + f"; total {total}")
-FUZZ_SETTINGS = settings(max_examples=size(30, 400), deadline=None, derandomize=not FULL,
-                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+FUZZ_SETTINGS = settings(
+    max_examples=size(30, 400),
+    deadline=None,
+    derandomize=not FULL,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 CHEAP_SETTINGS = settings(max_examples=size(200, 3000), deadline=None, derandomize=not FULL)
 
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-                 st.text(max_size=4), st.binary(max_size=4), st.lists(st.integers(-3, 500), max_size=3),
-                 st.dictionaries(st.text(max_size=2), st.integers(), max_size=2), st.tuples(st.integers()))
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.binary(max_size=4),
+    st.lists(st.integers(-3, 500), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.tuples(st.integers()),
+)
 
 
 def _raising(_arg):
@@ -499,8 +563,10 @@ def fuzz_kit(llama_path, draft_path):
 
 
 @FUZZ_SETTINGS
-@given(prompt=st.one_of(st.lists(st.integers(0, 400), min_size=1, max_size=24), JUNK),
-       kwargs=st.fixed_dictionaries({}, optional={k: st.one_of(v, JUNK) for k, v in PLAUSIBLE.items()}))
+@given(
+    prompt=st.one_of(st.lists(st.integers(0, 400), min_size=1, max_size=24), JUNK),
+    kwargs=st.fixed_dictionaries({}, optional={k: st.one_of(v, JUNK) for k, v in PLAUSIBLE.items()}),
+)
 def test_fuzz_every_create_generator_argument(fuzz_kit, prompt, kwargs):
     """Any combination of arguments ends in a ValueError at create_generator, a
     CallbackError from a raising callback, or a generation that ends properly;
@@ -522,8 +588,10 @@ def test_fuzz_every_create_generator_argument(fuzz_kit, prompt, kwargs):
 
 
 @CHEAP_SETTINGS
-@given(pieces=st.lists(st.text(alphabet="ab\nx", max_size=4), max_size=12),
-       stops=st.lists(st.text(alphabet="ab\nx", min_size=1, max_size=3), min_size=1, max_size=3))
+@given(
+    pieces=st.lists(st.text(alphabet="ab\nx", max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet="ab\nx", min_size=1, max_size=3), min_size=1, max_size=3),
+)
 def test_fuzz_stop_strings_against_streamed_text(pieces, stops):
     """Streamed in any pieces, the text handed out is exactly the full text up to
     the first stop string, and never contains one."""
@@ -567,15 +635,23 @@ def test_fuzz_stop_strings_in_real_generations(fuzz_kit, data):
         return
     start = data.draw(st.integers(0, len(text) - 1))
     stop = text[start : start + data.draw(st.integers(1, 4))]
-    results = list(me.create_generator(fuzz_kit, prompt, max_tokens=24, speculative_decoding_toggle=False, stop_strings=[stop]))
+    results = list(
+        me.create_generator(fuzz_kit, prompt, max_tokens=24, speculative_decoding_toggle=False, stop_strings=[stop])
+    )
     streamed = "".join(r.text for r in results)
     assert results[-1].stop_condition.stop_reason == "stop_string" and results[-1].stop_condition.stop_string == stop
     assert streamed == text[: text.find(stop)]
 
 
 @CHEAP_SETTINGS
-@given(tokens=st.lists(st.integers(0, 5), max_size=80), cuts=st.lists(st.integers(0, 80), max_size=6),
-       min_n=st.integers(1, 3), extra=st.integers(0, 2), k=st.integers(0, 8), cands=st.integers(1, 5))
+@given(
+    tokens=st.lists(st.integers(0, 5), max_size=80),
+    cuts=st.lists(st.integers(0, 80), max_size=6),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    k=st.integers(0, 8),
+    cands=st.integers(1, 5),
+)
 def test_fuzz_prompt_lookup_index_grows_like_it_was_built_at_once(tokens, cuts, min_n, extra, k, cands):
     FUZZ["prompt-lookup index"] += 1
     whole, grown = NGramIndex(min_n, min_n + extra), NGramIndex(min_n, min_n + extra)
@@ -608,19 +684,26 @@ def _png_claiming(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 @FUZZ_SETTINGS
-@given(fmt=st.sampled_from(["PNG", "JPEG", "WEBP", "GIF", "BMP"]), w=st.integers(1, 300), h=st.integers(1, 300),
-       cut=st.floats(0, 1), flips=st.lists(st.tuples(st.integers(0, 10**5), st.integers(0, 255)), max_size=3),
-       bomb=st.one_of(st.none(), st.tuples(st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1))))
+@given(
+    fmt=st.sampled_from(["PNG", "JPEG", "WEBP", "GIF", "BMP"]),
+    w=st.integers(1, 300),
+    h=st.integers(1, 300),
+    cut=st.floats(0, 1),
+    flips=st.lists(st.tuples(st.integers(0, 10**5), st.integers(0, 255)), max_size=3),
+    bomb=st.one_of(st.none(), st.tuples(st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1))),
+)
 def test_fuzz_image_bytes(fmt, w, h, cut, flips, bomb):
     """Truncated, corrupted, zero-size and bomb images end in a ValueError naming
     images_b64[0], or decode to an image within the pixel limit."""
-    import base64
-
     from mlx_engine.images import decode_images
+
+    import base64
 
     FUZZ["image bytes"] += 1
     raw = bytearray(_png_claiming(*bomb) if bomb else _image_bytes(fmt, (w, h)))
@@ -662,12 +745,33 @@ def test_fuzz_image_aspect_ratios_on_a_vision_kit(tmp_path_factory):
     check()
 
 
-CONFIG_FIELDS = ["model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
-                 "tie_word_embeddings", "max_position_embeddings", "rope_scaling", "text_config", "quantization"]
-CONFIG_VALUES = st.one_of(JUNK.filter(lambda v: not isinstance(v, bytes)), st.integers(0, 2**40), st.sampled_from(["llama", "qwen2", "cache", "mamba", ""]),
-                          st.dictionaries(st.sampled_from(["type", "factor", "rope_type", "bits", "group_size"]),
-                                          st.one_of(st.integers(-2, 2**20), st.text(max_size=6)), max_size=3))
+CONFIG_FIELDS = [
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "rope_scaling",
+    "text_config",
+    "quantization",
+]
+CONFIG_VALUES = st.one_of(
+    JUNK.filter(lambda v: not isinstance(v, bytes)),
+    st.integers(0, 2**40),
+    st.sampled_from(["llama", "qwen2", "cache", "mamba", ""]),
+    st.dictionaries(
+        st.sampled_from(["type", "factor", "rope_type", "bits", "group_size"]),
+        st.one_of(st.integers(-2, 2**20), st.text(max_size=6)),
+        max_size=3,
+    ),
+)
 WEIGHT_CHANGES = ["drop_tensor", "extra_tensor", "transpose", "shrink", "nan", "inf", "dtype"]
 LINK_CHANGES = ["loop", "dangling", "dev_zero", "to_file", "config_to_dir"]
 
@@ -711,9 +815,13 @@ def _mutate_links(d, change: str) -> None:
 
 
 @FUZZ_SETTINGS
-@given(change=st.one_of(st.tuples(st.just("config"), st.sampled_from(CONFIG_FIELDS), CONFIG_VALUES),
-                        st.tuples(st.just("weights"), st.sampled_from(WEIGHT_CHANGES), st.integers(0, 10**6)),
-                        st.tuples(st.just("links"), st.sampled_from(LINK_CHANGES), st.just(0))))
+@given(
+    change=st.one_of(
+        st.tuples(st.just("config"), st.sampled_from(CONFIG_FIELDS), CONFIG_VALUES),
+        st.tuples(st.just("weights"), st.sampled_from(WEIGHT_CHANGES), st.integers(0, 10**6)),
+        st.tuples(st.just("links"), st.sampled_from(LINK_CHANGES), st.just(0)),
+    )
+)
 def test_fuzz_model_folders(llama_path, tmp_path_factory, change):
     """Hostile config fields, shape mismatches, NaN weights and symlinks: a
     ModelLoadError (or ValueError naming an argument), or a model that generates."""
@@ -739,8 +847,6 @@ def test_fuzz_model_folders(llama_path, tmp_path_factory, change):
     assert results[-1].stop_condition is not None
 
 
-
-
 @pytest.fixture(scope="module")
 def gguf_bytes(llama_path, tmp_path_factory):
     from fixtures.tiny_models import make_gguf
@@ -749,9 +855,13 @@ def gguf_bytes(llama_path, tmp_path_factory):
 
 
 @FUZZ_SETTINGS
-@given(cut=st.one_of(st.none(), st.integers(0, 400_000)),
-       flips=st.lists(st.tuples(st.integers(0, 4_000), st.integers(0, 255)), max_size=6),
-       spans=st.lists(st.tuples(st.integers(0, 4_000), st.sampled_from([b"\xff" * 8, b"\x00" * 8, b"\x7f" * 4])), max_size=2))
+@given(
+    cut=st.one_of(st.none(), st.integers(0, 400_000)),
+    flips=st.lists(st.tuples(st.integers(0, 4_000), st.integers(0, 255)), max_size=6),
+    spans=st.lists(
+        st.tuples(st.integers(0, 4_000), st.sampled_from([b"\xff" * 8, b"\x00" * 8, b"\x7f" * 4])), max_size=2
+    ),
+)
 def test_fuzz_corrupt_gguf(gguf_bytes, tmp_path_factory, cut, flips, spans):
     """Truncated GGUF files and GGUF headers with flipped bytes or huge counts and
     lengths (0xff..): a ModelLoadError, or a model that generates; never a crash,

@@ -2,6 +2,8 @@
 trust_remote_code=True, for the model and the tokenizer alike, and the engine
 never asks anything on stdin."""
 
+import mlx_engine as me
+
 import json
 import os
 import shutil
@@ -11,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import mlx_engine as me
-
 ROOT = Path(__file__).resolve().parents[1]
 
-CUSTOM_TOKENIZER = '''
+CUSTOM_TOKENIZER = """
 import os, pathlib
 pathlib.Path(os.environ["MARKER"]).write_text("the model folder's code ran")
 from transformers import PreTrainedTokenizerFast
@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerFast
 
 class CustomTokenizer(PreTrainedTokenizerFast):
     pass
-'''
+"""
 
 LOAD = r"""
 import sys, mlx_engine as me
@@ -52,8 +52,15 @@ def load_with_stdin(model: Path, trust: bool, tmp_path: Path) -> tuple[str, bool
     marker = tmp_path / "marker"
     marker.unlink(missing_ok=True)
     env = dict(os.environ, MARKER=str(marker), HF_MODULES_CACHE=str(tmp_path / "modules"))
-    out = subprocess.run([sys.executable, "-c", LOAD, str(model), "1" if trust else "0"], input="y\ny\n",
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD, str(model), "1" if trust else "0"],
+        input="y\ny\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "[y/N]" not in out.stdout + out.stderr, "the engine let a library prompt on stdin"
     return out.stdout, marker.exists()

@@ -2,15 +2,16 @@
 text in every decoding mode, and the sampler is an exact categorical sample with
 mlx-lm's filtering."""
 
-import mlx.core as mx
-import pytest
-from conftest import generate_ids, markov_kit
-from fixtures.tiny_models import MarkovLM, successor_table
-from mlx_lm.sample_utils import make_sampler
-
 import mlx_engine as me
 from mlx_engine.model_kit import DraftModel
 from mlx_engine.sampling import SamplingParams, build_sampler, draw_seed, position_keys, sampling_filters
+
+import mlx.core as mx
+import pytest
+from conftest import generate_ids, markov_kit
+from mlx_lm.sample_utils import make_sampler
+
+from fixtures.tiny_models import MarkovLM, successor_table
 
 FILTERED = dict(top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1)
 CODE = "for i in range(10):\n    print(i, i * i)\n"
@@ -66,8 +67,15 @@ def test_frequencies_match_the_softmax(params):
 
 @pytest.mark.parametrize(
     "params",
-    [dict(top_p=0.6), dict(top_k=3), dict(min_p=0.2), dict(min_p=0.5, min_tokens_to_keep=4),
-     dict(top_p=0.9, top_k=5, min_p=0.05), dict(top_p=0.3, min_p=0.9, min_tokens_to_keep=2), dict()],
+    [
+        dict(top_p=0.6),
+        dict(top_k=3),
+        dict(min_p=0.2),
+        dict(min_p=0.5, min_tokens_to_keep=4),
+        dict(top_p=0.9, top_k=5, min_p=0.05),
+        dict(top_p=0.3, min_p=0.9, min_tokens_to_keep=2),
+        dict(),
+    ],
 )
 def test_filtering_keeps_mlx_lm_support(params):
     """The tokens that can be sampled are those mlx-lm's make_sampler can sample:
@@ -75,8 +83,13 @@ def test_filtering_keeps_mlx_lm_support(params):
     lp = _logprobs(mx.random.normal((1, 12), key=mx.random.key(3)) * 2.0)
     temp, n = 50.0, 3000
     ours = build_sampler(SamplingParams(temp=temp, seed=1, **params))(mx.repeat(lp, n, axis=0), range(n))
-    mlx_lm = make_sampler(temp=temp, top_p=params.get("top_p", 0.0), top_k=params.get("top_k", 0),
-                          min_p=params.get("min_p", 0.0), min_tokens_to_keep=params.get("min_tokens_to_keep", 1))
+    mlx_lm = make_sampler(
+        temp=temp,
+        top_p=params.get("top_p", 0.0),
+        top_k=params.get("top_k", 0),
+        min_p=params.get("min_p", 0.0),
+        min_tokens_to_keep=params.get("min_tokens_to_keep", 1),
+    )
     mx.random.seed(0)
     theirs = mlx_lm(mx.repeat(lp, n, axis=0))
     filtered = lp

@@ -3,6 +3,10 @@ as clients do: the official ``openai`` client and raw HTTP, over a real socket
 on 127.0.0.1 (uvicorn in a thread; one test runs ``python -m mlx_engine.server``
 in a subprocess to stop it with SIGTERM under load)."""
 
+import mlx_engine as me
+from mlx_engine.server import create_app
+from mlx_engine.server.queue import AdmissionQueue, QueueFullError, ShuttingDownError
+
 import asyncio
 import base64
 import contextlib
@@ -20,11 +24,7 @@ import jsonschema
 import openai
 import pytest
 import uvicorn
-
-import mlx_engine as me
 from conftest import requires_default_model
-from mlx_engine.server import create_app
-from mlx_engine.server.queue import AdmissionQueue, QueueFullError, ShuttingDownError
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -117,8 +117,16 @@ def test_chat_whole_and_streamed_equal_the_sdk(client, tkit):
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage.completion_tokens == 16 or whole.choices[0].finish_reason == "stop"
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -128,15 +136,23 @@ def test_chat_whole_and_streamed_equal_the_sdk(client, tkit):
     # The same conversation again: its prompt comes from the kit's cache.
     assert usage.prompt_tokens_details.cached_tokens > 0
     ext = usage.model_extra["mlx_engine"]
-    assert {"decoding_mode", "mode_reason", "drafted_tokens", "accepted_tokens", "time_to_first_token",
-            "generation_tps"} <= set(ext)
+    assert {
+        "decoding_mode",
+        "mode_reason",
+        "drafted_tokens",
+        "accepted_tokens",
+        "time_to_first_token",
+        "generation_tps",
+    } <= set(ext)
 
 
 def test_next_turn_reuses_the_cache_across_requests(client):
     turn1 = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "A question"}]
     first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=6, temperature=0)
-    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "And another"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another"},
+    ]
     second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=6, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
 
@@ -153,18 +169,35 @@ def test_completions_whole_and_streamed(client, tkit):
 
 
 def test_json_schema_answers_validate(client):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]},
-                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["ok", "level", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "level": {"enum": ["low", "high"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["ok", "level", "n"],
+        "additionalProperties": False,
+    }
     for seed in (1, 2):
         r = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Answer as JSON."}], max_tokens=40, temperature=0.8,
-            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+            model=MODEL,
+            messages=[{"role": "user", "content": "Answer as JSON."}],
+            max_tokens=40,
+            temperature=0.8,
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+        )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
-                                         max_tokens=60, temperature=0, response_format={"type": "json_object"},
-                                         extra_body={"mlx_engine": {"decoding": "plain"}})
+    obj = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+        extra_body={"mlx_engine": {"decoding": "plain"}},
+    )
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
     else:  # a random model may write a long string; what it wrote is still the start of an object
@@ -172,8 +205,13 @@ def test_json_schema_answers_validate(client):
 
 
 def test_seeded_sampling_repeats_and_n_choices(client, tkit):
-    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Say something"}], max_tokens=12, temperature=0.9,
-               logit_bias=no_eos(tkit))
+    ask = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say something"}],
+        max_tokens=12,
+        temperature=0.9,
+        logit_bias=no_eos(tkit),
+    )
     a = client.chat.completions.create(seed=7, **ask).choices[0].message.content
     b = client.chat.completions.create(seed=7, **ask).choices[0].message.content
     other = client.chat.completions.create(seed=8, **ask).choices[0].message.content
@@ -188,14 +226,32 @@ def test_seeded_sampling_repeats_and_n_choices(client, tkit):
 # -- tool calls ----------------------------------------------------------------------------
 # Bounded strings: the random-weight model would otherwise write one until max_tokens.
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
-                                      "parameters": {"type": "object", "properties": {
-                                          "expression": {"type": "string", "maxLength": 8}},
-                                          "required": ["expression"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "maxLength": 8}},
+                "required": ["expression"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
@@ -217,8 +273,15 @@ def streamed_calls(chunks) -> dict:
 
 def test_tool_calls_whole_streamed_and_per_choice(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    common = dict(model=MODEL, messages=messages, max_tokens=120, temperature=0, tools=TOOLS,
-                  tool_choice="required", parallel_tool_calls=False)
+    common = dict(
+        model=MODEL,
+        messages=messages,
+        max_tokens=120,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     whole = client.chat.completions.create(**common, n=2)
     for choice in whole.choices:  # n > 1: each choice makes its own call
         msg = choice.message
@@ -228,7 +291,9 @@ def test_tool_calls_whole_streamed_and_per_choice(client):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     first, second = (c.message.tool_calls[0] for c in whole.choices)
     assert first.id != second.id and (first.function.name, first.function.arguments) == (
-        second.function.name, second.function.arguments)  # greedy: the same call
+        second.function.name,
+        second.function.arguments,
+    )  # greedy: the same call
 
     chunks = list(client.chat.completions.create(**common, stream=True))
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -247,31 +312,55 @@ def test_tool_call_round_trip_on_the_default_model(smollm):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
-                                                    tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+            answer = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=48,
+                temperature=0,
+                tools=TOOLS,
+                tool_choice=choice,
+                parallel_tool_calls=False,
+            )
             assert answer.choices[0].finish_reason == "tool_calls"
             call = answer.choices[0].message.tool_calls[0]
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
         assert call.function.name == "get_weather"
 
         history = messages + [
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": call.id, "type": "function", "function": {"name": "get_weather",
-                                                                 "arguments": call.function.arguments}}]},
-            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}]
-        follow = client.chat.completions.create(model=MODEL, messages=history, max_tokens=24, temperature=0,
-                                                tools=TOOLS, tool_choice="none")
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": call.function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'},
+        ]
+        follow = client.chat.completions.create(
+            model=MODEL, messages=history, max_tokens=24, temperature=0, tools=TOOLS, tool_choice="none"
+        )
         prompt = me.apply_chat_template(smollm, history, tools=TOOLS)
         assert follow.usage.prompt_tokens == len(prompt)
-        want = sdk_text(smollm, prompt, max_tokens=24, tools=TOOLS, tool_choice="none",
-                        speculative_decoding_toggle=False)
+        want = sdk_text(
+            smollm, prompt, max_tokens=24, tools=TOOLS, tool_choice="none", speculative_decoding_toggle=False
+        )
         assert follow.choices[0].message.content == want and want.strip()
         assert follow.choices[0].message.tool_calls is None
 
 
 def test_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for e in content:
@@ -289,10 +378,18 @@ def test_sixteen_clients_on_four_rows_equal_the_sdk_alone(server, tkit):
 
     async def ask_all():
         async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0) as c:
+
             async def one(text):
-                stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
-                                                         max_tokens=12, temperature=0, stream=True, extra_body=extra)
+                stream = await c.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": text}],
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    extra_body=extra,
+                )
                 return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
             return await asyncio.gather(*(one(t) for t in prompts))
 
     got = asyncio.run(ask_all())
@@ -313,38 +410,74 @@ def hello(**fields):
     return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, **fields}
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (b"{not json", 400, None),
-    (hello(temperature="hot"), 400, "temperature"),
-    (hello(max_tokens="5"), 400, "max_tokens"),
-    (hello(n=2.0), 400, "n"),
-    (hello(stream=1), 400, "stream"),
-    ({"model": MODEL, "messages": "hello"}, 400, "messages"),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
-    (hello(top_k=10**6), 400, "top_k"),  # checked by the engine, mapped to the field
-    (hello(seed=-1), 400, "seed"),
-    (hello(stop=[""]), 400, "stop"),
-    (hello(logit_bias={"abc": 1}), 400, "logit_bias"),
-    (hello(n=5), 400, "n"),
-    (hello(tools="get_weather"), 400, "tools"),
-    (hello(tools=[{"type": "function"}]), 400, "tools.0"),
-    (hello(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, "tools.0.function.name"),
-    (hello(tools=TOOLS + TOOLS[:1]), 400, "tools.2.function.name"),
-    (hello(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "string", "pattern": "(unclosed"}}}}}]), 400, "tools.0.function.parameters"),  # by the engine
-    (hello(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400, "tool_choice"),
-    (hello(tools=TOOLS, tool_choice="sometimes"), 400, "tool_choice"),
-    (hello(tool_choice="required"), 400, "tool_choice"),
-    (hello(tools=TOOLS, parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
-    (hello(tools=TOOLS, response_format={"type": "json_object"}), 400, "tools"),
-    (hello(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]),
-     400, "messages.0.tool_calls.0.function"),
-    (hello(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}), 400, "response_format"),
-    (hello(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]),
-     400, "messages.0.content.0.image_url"),
-    (hello(model="gpt-4o"), 404, "model"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        (hello(temperature="hot"), 400, "temperature"),
+        (hello(max_tokens="5"), 400, "max_tokens"),
+        (hello(n=2.0), 400, "n"),
+        (hello(stream=1), 400, "stream"),
+        ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+        (hello(top_k=10**6), 400, "top_k"),  # checked by the engine, mapped to the field
+        (hello(seed=-1), 400, "seed"),
+        (hello(stop=[""]), 400, "stop"),
+        (hello(logit_bias={"abc": 1}), 400, "logit_bias"),
+        (hello(n=5), 400, "n"),
+        (hello(tools="get_weather"), 400, "tools"),
+        (hello(tools=[{"type": "function"}]), 400, "tools.0"),
+        (hello(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, "tools.0.function.name"),
+        (hello(tools=TOOLS + TOOLS[:1]), 400, "tools.2.function.name"),
+        (
+            hello(
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "string", "pattern": "(unclosed"}},
+                            },
+                        },
+                    }
+                ]
+            ),
+            400,
+            "tools.0.function.parameters",
+        ),  # by the engine
+        (hello(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400, "tool_choice"),
+        (hello(tools=TOOLS, tool_choice="sometimes"), 400, "tool_choice"),
+        (hello(tool_choice="required"), 400, "tool_choice"),
+        (hello(tools=TOOLS, parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
+        (hello(tools=TOOLS, response_format={"type": "json_object"}), 400, "tools"),
+        (
+            hello(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]),
+            400,
+            "messages.0.tool_calls.0.function",
+        ),
+        (
+            hello(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}),
+            400,
+            "response_format",
+        ),
+        (
+            hello(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}],
+                    }
+                ]
+            ),
+            400,
+            "messages.0.content.0.image_url",
+        ),
+        (hello(model="gpt-4o"), 404, "model"),
+    ],
+)
 def test_bad_requests_are_openai_errors(server, body, status, param):
     r = post(server, content=body) if isinstance(body, bytes) else post(server, body)
     assert r.status_code == status, r.text
@@ -360,7 +493,9 @@ def test_empty_tools_are_no_tools(server, tkit):
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert "tool_calls" not in message
-    assert message["content"] == sdk_text(tkit, chat_prompt(tkit, "hello"), max_tokens=6, speculative_decoding_toggle=False)
+    assert message["content"] == sdk_text(
+        tkit, chat_prompt(tkit, "hello"), max_tokens=6, speculative_decoding_toggle=False
+    )
 
 
 def test_unknown_fields_are_ignored_and_models_listed(server):
@@ -385,6 +520,7 @@ def test_oversized_body_is_413(tkit):
 
         def chunked():  # no Content-Length: counted as it arrives
             yield json.dumps(big).encode()
+
         r = post(url, content=chunked())
         assert r.status_code == 413
         assert post(url, hello()).status_code == 200
@@ -493,22 +629,34 @@ def test_an_image_part_on_a_vision_kit(tmp_path_factory):
     path = make_qwen2_vl(tmp_path_factory.mktemp("vlm") / "qwen2_vl")
     kit = me.load_model(path)
     red = image_b64((255, 0, 0))
-    prompt = list(kit.tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
-        add_generation_prompt=True))
+    prompt = list(
+        kit.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+            add_generation_prompt=True,
+        )
+    )
     want = sdk_text(kit, prompt, images_b64=[red], max_tokens=6, speculative_decoding_toggle=False)
     with serve(create_app(kit, model_id=MODEL)) as url:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        parts = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{red}"}},
-                 {"type": "text", "text": "What colour?"}]
-        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=6,
-                                      temperature=0, extra_body={"mlx_engine": {"decoding": "plain"}})
+        parts = [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{red}"}},
+            {"type": "text", "text": "What colour?"},
+        ]
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=6,
+            temperature=0,
+            extra_body={"mlx_engine": {"decoding": "plain"}},
+        )
         assert r.choices[0].message.content == want
         bad = [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, parts[1]]
         with pytest.raises(openai.BadRequestError, match="data: URIs"):
             c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": bad}], max_tokens=2)
-        broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"no").decode()}},
-                  parts[1]]
+        broken = [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"no").decode()}},
+            parts[1],
+        ]
         with pytest.raises(openai.BadRequestError, match="images_b64"):
             c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": broken}], max_tokens=2)
     me.unload(kit)
@@ -517,8 +665,13 @@ def test_an_image_part_on_a_vision_kit(tmp_path_factory):
 # -- draft models over HTTP ----------------------------------------------------------------
 def test_draft_management(server, tkit, models_dir, draft_path, foreign_tokenizer_path):
     def call(method, path, body=None):
-        return httpx.request(method, f"{server}/v1/mlx_engine/draft{path}", json=body,
-                             headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        return httpx.request(
+            method,
+            f"{server}/v1/mlx_engine/draft{path}",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
 
     assert call("GET", "").json() == {"loaded": False, "model": None}
     ok = call("POST", "/check", {"model": "draft"}).json()
@@ -549,9 +702,28 @@ def test_paths_are_refused_without_models_dir(tkit):
 def test_sigterm_under_load_cancels_and_exits_0():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_engine.server", "--model", me.DEFAULT_MODEL, "--port", str(port), "--model-id", MODEL,
-         "--max-parallel", "2", "--queue", "4", "--shutdown-grace", "1", "--log-level", "warning"],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env={**os.environ, "MLX_ENGINE_API_KEY": ""})
+        [
+            sys.executable,
+            "-m",
+            "mlx_engine.server",
+            "--model",
+            me.DEFAULT_MODEL,
+            "--port",
+            str(port),
+            "--model-id",
+            MODEL,
+            "--max-parallel",
+            "2",
+            "--queue",
+            "4",
+            "--shutdown-grace",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**os.environ, "MLX_ENGINE_API_KEY": ""},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _up(url) or proc.poll() is not None, timeout=120)

@@ -1,6 +1,9 @@
 """The draft model shipped for the default model (models/smollm2-135m-draft) and
 the script that trains it (training/train_smollm2_draft.py)."""
 
+import mlx_engine as me
+from mlx_engine import catalog
+
 import argparse
 import json
 import random
@@ -11,8 +14,6 @@ import pytest
 from conftest import assert_same_or_near_tie, generate_ids, requires_default_model
 
 import demo
-import mlx_engine as me
-from mlx_engine import catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT_DIR = ROOT / "models" / "smollm2-135m-draft"

@@ -1,6 +1,8 @@
 """The early-exit, trimmed-vocabulary draft trainer (training/train_smollm2_early_draft.py),
 on the tiny llama fixture."""
 
+import mlx_engine as me
+
 import argparse
 import json
 import random
@@ -11,7 +13,6 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-import mlx_engine as me
 from training import train_smollm2_early_draft as early
 
 
@@ -46,8 +47,15 @@ def _examples():
     for i in range(6):
         answer = [rng.randrange(20, 60) for _ in range(30)] + [2]
         top_ids = [[t, 200, (t + 1) % 60] for t in answer]  # 200: outside the subset below
-        out.append({"index": i, "prompt": [1, 5, 6, 7], "answer": answer, "top_ids": top_ids,
-                    "top_lp": [[-0.2, -1.0, -2.5]] * len(answer)})
+        out.append(
+            {
+                "index": i,
+                "prompt": [1, 5, 6, 7],
+                "answer": answer,
+                "top_ids": top_ids,
+                "top_lp": [[-0.2, -1.0, -2.5]] * len(answer),
+            }
+        )
     return out
 
 
@@ -73,19 +81,43 @@ def test_training_lowers_the_loss_and_the_draft_reloads(tiny, tmp_path):
     (work / "data").mkdir(parents=True)
     (work / "data" / "shard-000000.json").write_text(json.dumps(_examples()))
     out = tmp_path / "out"
-    argv = ["train", "--target", str(tiny.model_path), "--work", str(work), "--out", str(out), "--layers", "2",
-            "--frozen", "1", "--vocab", "48", "--total-steps", "3", "--batch", "2", "--seq", "32", "--warmup", "1"]
+    argv = [
+        "train",
+        "--target",
+        str(tiny.model_path),
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--layers",
+        "2",
+        "--frozen",
+        "1",
+        "--vocab",
+        "48",
+        "--total-steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--warmup",
+        "1",
+    ]
     meta = early.train(early.parse(argv))
     assert meta["steps"] == 3 and meta["vocab"] == 48 and 0 < meta["coverage"] <= 1
     draft = early.load(tiny, out)
     saved = mx.load(str(out / "early_draft.safetensors"))
     np.testing.assert_array_equal(np.array(draft.head.weight), np.array(saved["head.weight"].astype(mx.float32)))
-    np.testing.assert_array_equal(np.array(draft.model.layers[0].mlp.up_proj.weight),
-                                  np.array(tiny.model.model.layers[0].mlp.up_proj.weight))  # frozen: the target's
+    np.testing.assert_array_equal(
+        np.array(draft.model.layers[0].mlp.up_proj.weight), np.array(tiny.model.model.layers[0].mlp.up_proj.weight)
+    )  # frozen: the target's
 
     sub_of = np.full(tiny.vocab_size, -1)
     sub_of[np.array(draft.token_ids)] = np.arange(48)
-    batch = early.make_batch(_examples(), random.Random(0), argparse.Namespace(batch=2, seq=32, top_k=3, soft=0.7), sub_of)
+    batch = early.make_batch(
+        _examples(), random.Random(0), argparse.Namespace(batch=2, seq=32, top_k=3, soft=0.7), sub_of
+    )
     step = nn.value_and_grad(draft, early.loss_fn)
     opt = optim.Adam(learning_rate=1e-2)
     first, _ = step(draft, *batch)

@@ -2,20 +2,23 @@
 the same constrained output in every decoding mode, forbidden drafts cut, bad
 constraints refused before any model work."""
 
+import mlx_engine as me
+from mlx_engine.speculative.loop import decode as _decode
+
 import json
 
 import jsonschema
 import mlx.core as mx
 import pytest
 from conftest import generate_ids, requires_default_model, run_alone
-from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
-import mlx_engine as me
-from mlx_engine.speculative.loop import decode as _decode
+from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
 
 def decode(*args, **kwargs):
     return run_alone(_decode(*args, **kwargs))
+
+
 from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.structured import GrammarConstraint, compile_constraint
@@ -40,17 +43,24 @@ def tiny(kit, draft_path):
     return kit
 
 
-@pytest.mark.parametrize("constraint", [
-    {"json_schema": SMALL_SCHEMA},
-    {"regex": r"(yes|no), [a-z]{2,6}\.[0-9]{3}"},
-    {"grammar": 'start: "answer: " WORD ";"\nWORD: /[a-z]+/'},
-])
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"json_schema": SMALL_SCHEMA},
+        {"regex": r"(yes|no), [a-z]{2,6}\.[0-9]{3}"},
+        {"grammar": 'start: "answer: " WORD ";"\nWORD: /[a-z]+/'},
+    ],
+)
 def test_constrained_greedy_output_is_the_same_in_every_mode(tiny, constraint):
     prompt = me.tokenize(tiny, "class Point:\n    def __init__(self, x, y):\n")
     common = dict(max_tokens=40, temp=0.0, **constraint)
     reference, last = generate_ids(tiny, prompt, structured_drafting=False, speculative_decoding_toggle=False, **common)
-    for mode in (dict(speculative_decoding_toggle=False), dict(prompt_lookup_num_tokens=4),
-                 dict(num_draft_tokens=3), dict(auto_speculative=True)):
+    for mode in (
+        dict(speculative_decoding_toggle=False),
+        dict(prompt_lookup_num_tokens=4),
+        dict(num_draft_tokens=3),
+        dict(auto_speculative=True),
+    ):
         ids, other = generate_ids(tiny, prompt, **mode, **common)
         assert ids == reference, mode
         assert other.stop_condition.stop_reason == last.stop_condition.stop_reason
@@ -108,8 +118,9 @@ def test_forbidden_drafts_are_cut_before_the_verify_pass(kit):
         kit.cache.prefill(prompt[:-1])
         stats = GenerationStats()
         constraint = GrammarConstraint(kit, grammar, draft_forced=False)
-        steps = decode(kit.cache, list(prompt), 12, build_sampler(SamplingParams()), [], 20, drafter, stats,
-                       constraint=constraint)
+        steps = decode(
+            kit.cache, list(prompt), 12, build_sampler(SamplingParams()), [], 20, drafter, stats, constraint=constraint
+        )
         outputs.append([s.token for s in steps])
         assert stats.drafted_tokens == 0
     assert outputs[0] == outputs[1]
@@ -125,31 +136,39 @@ def test_cancel_mid_object_then_generate_normally(kit, llama_path):
     ids, _ = generate_ids(kit, prompt, max_tokens=30, temp=0.0, json_schema=SMALL_SCHEMA)
     fresh = me.load_model(llama_path)
     assert ids == generate_ids(fresh, prompt, max_tokens=30, temp=0.0, json_schema=SMALL_SCHEMA)[0]
-    assert generate_ids(kit, prompt, max_tokens=8, temp=0.0)[0] == generate_ids(fresh, prompt, max_tokens=8, temp=0.0)[0]
+    assert (
+        generate_ids(kit, prompt, max_tokens=8, temp=0.0)[0] == generate_ids(fresh, prompt, max_tokens=8, temp=0.0)[0]
+    )
 
 
 def test_stop_string_inside_constrained_output(kit):
-    text, last = text_of(kit, me.tokenize(kit, "x"), max_tokens=40, temp=0.0, json_schema=SMALL_SCHEMA,
-                         stop_strings=['"ok"'])
+    text, last = text_of(
+        kit, me.tokenize(kit, "x"), max_tokens=40, temp=0.0, json_schema=SMALL_SCHEMA, stop_strings=['"ok"']
+    )
     assert last.stop_condition.stop_reason == "stop_string"
     assert text.startswith('{"color": ')
 
 
-@pytest.mark.parametrize("kwargs, argument", [
-    ({"json_schema": {"type": "foo"}}, "json_schema"),
-    ({"json_schema": "{not json"}, "json_schema"),
-    ({"json_schema": [1, 2]}, "json_schema"),
-    ({"json_schema": {"type": "string", "format": "no-such-format-x"}, "regex": "a"}, "json_schema and regex"),
-    ({"regex": "(unclosed"}, "regex"),
-    ({"regex": ""}, "regex"),
-    ({"grammar": "start: undefined_rule"}, "grammar"),
-    # Constraints llguidance builds but cannot run: they used to fail mid-generation.
-    ({"regex": "a{1000000}"}, "regex cannot be used.*too complex"),
-    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
-     "json_schema cannot be used.*too complex"),
-    ({"grammar": "start: " + " ".join(f'"t{i}"' for i in range(70000))}, "grammar cannot be used.*too large"),
-    ({"structured_drafting": "yes", "regex": "a"}, "structured_drafting"),
-])
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"json_schema": {"type": "foo"}}, "json_schema"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": [1, 2]}, "json_schema"),
+        ({"json_schema": {"type": "string", "format": "no-such-format-x"}, "regex": "a"}, "json_schema and regex"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"regex": ""}, "regex"),
+        ({"grammar": "start: undefined_rule"}, "grammar"),
+        # Constraints llguidance builds but cannot run: they used to fail mid-generation.
+        ({"regex": "a{1000000}"}, "regex cannot be used.*too complex"),
+        (
+            {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
+            "json_schema cannot be used.*too complex",
+        ),
+        ({"grammar": "start: " + " ".join(f'"t{i}"' for i in range(70000))}, "grammar cannot be used.*too large"),
+        ({"structured_drafting": "yes", "regex": "a"}, "structured_drafting"),
+    ],
+)
 def test_bad_constraints_are_refused_before_model_work(kit, kwargs, argument):
     prompt = me.tokenize(kit, "hello")
     before = list(kit.cache.tokens)
@@ -163,13 +182,14 @@ def test_vision_kit_takes_constraints(tmp_path):
     kit = me.load_model(make_qwen2_vl(tmp_path / "qwen2_vl"))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color?"}]}]
     prompt = list(kit.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    text, last = text_of(kit, prompt, images_b64=[image_b64((255, 0, 0))], max_tokens=20, temp=0.0, regex="(red|green|blue)")
+    text, last = text_of(
+        kit, prompt, images_b64=[image_b64((255, 0, 0))], max_tokens=20, temp=0.0, regex="(red|green|blue)"
+    )
     assert text in ("red", "green", "blue")
     assert last.stop_condition.stop_reason == "grammar_complete"
 
 
 # -- the real model: schema-valid JSON ------------------------------------------------
-
 
 
 PERSON = {
@@ -182,7 +202,10 @@ PERSON = {
         "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"street": {"type": "string", "maxLength": 40}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "street": {"type": "string", "maxLength": 40},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["street", "zip"],
             "additionalProperties": False,
         },
@@ -190,8 +213,6 @@ PERSON = {
     "required": ["name", "age", "height_m", "city", "hobbies", "address"],
     "additionalProperties": False,
 }
-
-
 
 
 @requires_default_model
@@ -218,4 +239,4 @@ def test_mask_covers_padded_vocabulary(draft_path, llama_path):
     c = GrammarConstraint(kit, compile_constraint(regex="[a-z]+")[1])
     masks = c.masks([])
     assert masks.shape == (1, kit.vocab_size)
-    assert not mx.any(masks[0, len(kit.tokenizer.get_vocab()):]).item()
+    assert not mx.any(masks[0, len(kit.tokenizer.get_vocab()) :]).item()

@@ -1,10 +1,10 @@
 """Suffix drafting: the kit's memory of earlier requests (speculative/suffix.py)."""
 
-import pytest
-
 import mlx_engine as me
-from conftest import generate_ids, markov_kit
 from mlx_engine.speculative.suffix import SuffixDrafter, SuffixMemory
+
+import pytest
+from conftest import generate_ids, markov_kit
 
 
 def test_longest_match_wins_over_a_shorter_one():
@@ -122,8 +122,10 @@ def test_known_answer_with_auto_and_outputs_identical_in_every_mode(llama_path):
     assert runs["lookup"][0] == runs["plain"][0] == runs["auto"][0]
     assert runs["lookup"][1].stats.accepted_tokens > 0
     assert runs["auto"][1].stats.accepted_tokens > 0
-    seeded = [generate_ids(kit, prompt, max_tokens=24, temp=0.9, seed=7, **kw)[0]
-              for kw in ({}, {"prompt_lookup_num_tokens": 8}, {"auto_speculative": True})]
+    seeded = [
+        generate_ids(kit, prompt, max_tokens=24, temp=0.9, seed=7, **kw)[0]
+        for kw in ({}, {"prompt_lookup_num_tokens": 8}, {"auto_speculative": True})
+    ]
     assert seeded[0] == seeded[1] == seeded[2]
 
 
@@ -132,7 +134,6 @@ def test_load_model_option(llama_path):
     assert me.load_model(llama_path, suffix_memory_tokens=128).suffix_memory.max_tokens == 128
     with pytest.raises(ValueError, match="suffix_memory_tokens"):
         me.load_model(llama_path, suffix_memory_tokens=-3)
-
 
 
 def test_drafts_are_at_most_one_token_per_matched_token():

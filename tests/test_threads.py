@@ -2,6 +2,9 @@
 generate on others; the kit's MLX work runs on its own engine thread, so host
 threads that exit, and process exit, never crash."""
 
+import mlx_engine as me
+from mlx_engine import GenerationInProgressError
+
 import os
 import subprocess
 import sys
@@ -11,10 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from conftest import generate_ids
-from fixtures.tiny_models import make_model
 
-import mlx_engine as me
-from mlx_engine import GenerationInProgressError
+from fixtures.tiny_models import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,8 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def half_path(models_dir, llama_path):
     """A float16 model: compute_dtype='auto' upcasts it at load (set_dtype)."""
-    return make_model(models_dir / "half", "llama", hidden=64, layers=2, scale=3.0, seed=1,
-                      tokenizer_from=llama_path, dtype=mx.float16)
+    return make_model(
+        models_dir / "half",
+        "llama",
+        hidden=64,
+        layers=2,
+        scale=3.0,
+        seed=1,
+        tokenizer_from=llama_path,
+        dtype=mx.float16,
+    )
 
 
 def on_thread(fn, *args, **kwargs):
@@ -101,7 +110,9 @@ def test_generation_abandoned_on_a_thread_that_exits(llama_path):
     with pytest.raises(GenerationInProgressError):
         me.unload(kit)  # the abandoned generation is still open
     holder.pop().close()
-    assert generate_ids(kit, prompt, max_tokens=4)[0] == generate_ids(me.load_model(llama_path), prompt, max_tokens=4)[0]
+    assert (
+        generate_ids(kit, prompt, max_tokens=4)[0] == generate_ids(me.load_model(llama_path), prompt, max_tokens=4)[0]
+    )
 
 
 def test_dropping_an_open_generator_frees_the_kit(llama_path):
@@ -164,8 +175,14 @@ print("done", flush=True)
 
 def run_exit_script(model: Path, requests: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(model), str(requests)], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(model), str(requests)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def test_process_exit_after_threaded_work_does_not_abort(half_path):
@@ -180,9 +197,9 @@ def test_process_exit_after_threaded_work_does_not_abort(half_path):
 def test_an_interrupted_wait_does_not_lose_the_step():
     """A KeyboardInterrupt while the host waits for a step (Ctrl-C) leaves the
     step running; the next next() returns its result, none is lost."""
-    import _thread
-
     from mlx_engine import streams, worker
+
+    import _thread
 
     started, release = threading.Event(), threading.Event()
 
@@ -231,7 +248,8 @@ def test_ctrl_c_while_waiting_for_results_loses_none(llama_path, max_parallel):
         f = frame
         while f is not None:  # only inside next() or create_generator: the test's own code is not interrupted
             if f.f_code.co_name in ("__next__", "create_generator") and f.f_code.co_filename.endswith(
-                    ("scheduler.py", "worker.py", "generate.py")):
+                ("scheduler.py", "worker.py", "generate.py")
+            ):
                 inside[0] += 1
                 raise KeyboardInterrupt
             f = f.f_back
@@ -331,7 +349,13 @@ def test_process_exit_with_daemon_threads_iterating_is_quiet(llama_path, max_par
     thread prints an error (it used to be a RuntimeError traceback)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", QUIET_EXIT_SCRIPT, str(llama_path), str(max_parallel)],
-                             capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", QUIET_EXIT_SCRIPT, str(llama_path), str(max_parallel)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=env,
+        )
         assert out.returncode == 0 and "done" in out.stdout, (out.returncode, out.stderr[-2000:])
         assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr[-2000:]

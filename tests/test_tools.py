@@ -3,16 +3,16 @@ calls held valid by the grammar in every decoding mode and in the batch,
 streamed deltas, malformed or unfinished calls reported as text, bad tool
 arguments refused."""
 
+import mlx_engine as me
+from mlx_engine.tools import FORMATS, ToolCallStream, detect_format, parse_tool_calls
+from mlx_engine.tools.formats import template_supports_tools
+
 import json
 import shutil
 
 import jsonschema
 import pytest
 from conftest import generate_ids, requires_default_model
-
-import mlx_engine as me
-from mlx_engine.tools import FORMATS, ToolCallStream, detect_format, parse_tool_calls
-from mlx_engine.tools.formats import template_supports_tools
 
 WEATHER = {
     "type": "function",
@@ -47,9 +47,9 @@ NAMES = set(SCHEMAS)
 # -- small chat templates in each family's format ----------------------------------
 HERMES_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
-    "Call a function with <tool_call>\\n{\"name\": ..., \"arguments\": ...}\\n</tool_call>.<|im_end|>\n{% endif %}"
+    'Call a function with <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>.<|im_end|>\n{% endif %}'
     "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
-    "{% for c in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    '{% for c in m.tool_calls %}\n<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
     "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
     "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
@@ -58,9 +58,9 @@ HERMES_TEMPLATE = (
 LLAMA3_TEMPLATE = (
     "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
     "{% if tools and loop.last %}Given the following functions, respond with a JSON for a function call "
-    "as {\"name\": function name, \"parameters\": dictionary of arguments}.\n{% for t in tools %}{{ t | tojson }}\n"
-    "{% endfor %}{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", "
-    "\"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}{% else %}{{ m.content }}{% endif %}<|eot_id|>"
+    'as {"name": function name, "parameters": dictionary of arguments}.\n{% for t in tools %}{{ t | tojson }}\n'
+    '{% endfor %}{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", '
+    '"parameters": {{ c.function.arguments | tojson }}}{% endfor %}{% else %}{{ m.content }}{% endif %}<|eot_id|>'
     "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 MISTRAL_TEMPLATE = (
@@ -75,21 +75,36 @@ MISTRAL_V11_TEMPLATE = MISTRAL_TEMPLATE.replace(
     "{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}",
 )
 PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-FAMILY_TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE,
-                    "mistral_v11": MISTRAL_V11_TEMPLATE, "default": PLAIN_TEMPLATE}
+FAMILY_TEMPLATES = {
+    "hermes": HERMES_TEMPLATE,
+    "llama3": LLAMA3_TEMPLATE,
+    "mistral": MISTRAL_TEMPLATE,
+    "mistral_v11": MISTRAL_V11_TEMPLATE,
+    "default": PLAIN_TEMPLATE,
+}
 
 # -- recorded outputs of each family --------------------------------------------------
 RECORDED = {
-    "hermes": ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-               '\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'),
-    "llama3": ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-               '{"name": "calculator", "parameters": {"expression": "2*3"}}'),
-    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-                '{"name": "calculator", "arguments": {"expression": "2*3"}}]'),
-    "mistral_v11": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
-                    '[TOOL_CALLS]calculator[ARGS]{"expression": "2*3"}'),
-    "default": ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-                '\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'),
+    "hermes": (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    ),
+    "llama3": (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "calculator", "parameters": {"expression": "2*3"}}'
+    ),
+    "mistral": (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "calculator", "arguments": {"expression": "2*3"}}]'
+    ),
+    "mistral_v11": (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+        '[TOOL_CALLS]calculator[ARGS]{"expression": "2*3"}'
+    ),
+    "default": (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    ),
 }
 RECORDED_TEXT = {"hermes": "Let me look.\n", "default": "Let me look.\n"}
 EXPECTED_CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("calculator", {"expression": "2*3"})]
@@ -117,19 +132,25 @@ def test_llama3_python_tag_and_plain_answers():
     assert parse_tool_calls(fmt, answer, NAMES) == (answer, [])
 
 
-@pytest.mark.parametrize("family, raw", [
-    ("hermes", 'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call> done'),  # bad JSON
-    ("hermes", '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>'),  # undeclared tool
-    ("hermes", 'Checking <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+'),  # cut short
-    ("default", '<tool_call>\n{"name": "calculator", "arguments": "not an object"}\n</tool_call>'),
-    ("llama3", '{"name": "calculator", "parameters": {"expression": "1"}'),  # unbalanced
-    ("mistral", '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": 1}}, {"nam'),
-    ("mistral_v11", '[TOOL_CALLS]calculator[ARGS]{"expression": '),
-])
+@pytest.mark.parametrize(
+    "family, raw",
+    [
+        (
+            "hermes",
+            'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call> done',
+        ),  # bad JSON
+        ("hermes", '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>'),  # undeclared tool
+        ("hermes", 'Checking <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+'),  # cut short
+        ("default", '<tool_call>\n{"name": "calculator", "arguments": "not an object"}\n</tool_call>'),
+        ("llama3", '{"name": "calculator", "parameters": {"expression": "1"}'),  # unbalanced
+        ("mistral", '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": 1}}, {"nam'),
+        ("mistral_v11", '[TOOL_CALLS]calculator[ARGS]{"expression": '),
+    ],
+)
 def test_a_malformed_call_is_text_never_a_broken_call(family, raw):
     assert parse_tool_calls(FORMATS[family], raw, NAMES) == (raw, [])
     stream = ToolCallStream(FORMATS[family], NAMES)
-    pieces = [stream.feed(raw[i:i + 3]) for i in range(0, len(raw), 3)] + [stream.finish()]
+    pieces = [stream.feed(raw[i : i + 3]) for i in range(0, len(raw), 3)] + [stream.finish()]
     assert "".join(p.text for p in pieces) == raw
     assert not any(p.calls or p.deltas for p in pieces)
 
@@ -139,7 +160,7 @@ def test_streamed_text_never_holds_markup_and_deltas_rebuild_the_calls(family):
     raw = RECORDED[family]
     for streamed in (False, True):
         stream = ToolCallStream(FORMATS[family], NAMES, streamed=streamed)
-        pieces = [stream.feed(raw[i:i + 2]) for i in range(0, len(raw), 2)] + [stream.finish()]
+        pieces = [stream.feed(raw[i : i + 2]) for i in range(0, len(raw), 2)] + [stream.finish()]
         assert "".join(p.text for p in pieces) == RECORDED_TEXT.get(family, "")
         calls = [c for p in pieces for c in p.calls]
         assert [(c.name, c.arguments) for c in calls] == EXPECTED_CALLS
@@ -177,9 +198,17 @@ def family_kits(llama_path, tmp_path_factory):
 
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
 ]
 
@@ -203,12 +232,30 @@ def test_apply_chat_template_refuses_bad_tools(family_kits):
 # -- generation: the tiny fixture in each family's syntax --------------------------------
 # Bounded arguments: the random-weight model would write an unbounded string forever.
 TINY_TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "calculator", "parameters": {
-        "type": "object", "properties": {"expression": {"type": "string", "maxLength": 6}},
-        "required": ["expression"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "maxLength": 6}},
+                "required": ["expression"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 TINY_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TINY_TOOLS}
 
@@ -218,8 +265,17 @@ def test_required_calls_follow_each_family_syntax(family_kits, family):
     kit = me.load_model(family_kits[family])
     try:
         prompt = me.apply_chat_template(kit, [{"role": "user", "content": "hello"}], tools=TINY_TOOLS)
-        results = list(me.create_generator(kit, prompt, max_tokens=120, temp=0.0, tools=TINY_TOOLS,
-                                           tool_choice="required", parallel_tool_calls=False))
+        results = list(
+            me.create_generator(
+                kit,
+                prompt,
+                max_tokens=120,
+                temp=0.0,
+                tools=TINY_TOOLS,
+                tool_choice="required",
+                parallel_tool_calls=False,
+            )
+        )
         ids = [t.id for r in results for t in r.tokens]
         calls = [c for r in results for c in r.tool_calls]
         assert results[-1].stop_condition.stop_reason == "grammar_complete"
@@ -233,17 +289,35 @@ def test_required_calls_follow_each_family_syntax(family_kits, family):
 
 
 # -- bad input ---------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(tools=[{"type": "function"}]), r"tools\[0\] must be"),
-    (dict(tools=[WEATHER, WEATHER]), "declared twice"),
-    (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice must be one of"),
-    (dict(tools=TOOLS, tool_choice={"name": "nope"}), "not one of the declared tools"),
-    (dict(tool_choice="required"), "tool_choice was given without tools"),
-    (dict(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls must be True or False"),
-    (dict(tools=TOOLS, json_schema={"type": "object"}), "tools and json_schema were both given"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "string", "pattern": "(unclosed"}}}}}]), r"tools\[0\]\.function\.parameters \(f\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tools=[{"type": "function"}]), r"tools\[0\] must be"),
+        (dict(tools=[WEATHER, WEATHER]), "declared twice"),
+        (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice must be one of"),
+        (dict(tools=TOOLS, tool_choice={"name": "nope"}), "not one of the declared tools"),
+        (dict(tool_choice="required"), "tool_choice was given without tools"),
+        (dict(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls must be True or False"),
+        (dict(tools=TOOLS, json_schema={"type": "object"}), "tools and json_schema were both given"),
+        (
+            dict(
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "string", "pattern": "(unclosed"}},
+                            },
+                        },
+                    }
+                ]
+            ),
+            r"tools\[0\]\.function\.parameters \(f\)",
+        ),
+    ],
+)
 def test_bad_tool_arguments_are_refused_before_any_work(kit, kwargs, match):
     prompt = me.tokenize(kit, "hi")
     with pytest.raises(ValueError, match=match):
@@ -252,8 +326,12 @@ def test_bad_tool_arguments_are_refused_before_any_work(kit, kwargs, match):
 
 
 # -- generation: the default model ---------------------------------------------------------
-MODES = {"plain": dict(speculative_decoding_toggle=False), "prompt_lookup": dict(prompt_lookup_num_tokens=4),
-         "draft_model": dict(num_draft_tokens=3), "auto": dict(auto_speculative=True)}
+MODES = {
+    "plain": dict(speculative_decoding_toggle=False),
+    "prompt_lookup": dict(prompt_lookup_num_tokens=4),
+    "draft_model": dict(num_draft_tokens=3),
+    "auto": dict(auto_speculative=True),
+}
 
 
 def weather_prompt(kit, question="What is the weather in Paris?"):
@@ -261,10 +339,13 @@ def weather_prompt(kit, question="What is the weather in Paris?"):
 
 
 @requires_default_model
-@pytest.mark.parametrize("choice, question", [
-    ("required", "Compute 23 * 19."),
-    ({"type": "function", "function": {"name": "get_weather"}}, "What is the weather in Paris?"),
-])
+@pytest.mark.parametrize(
+    "choice, question",
+    [
+        ("required", "Compute 23 * 19."),
+        ({"type": "function", "function": {"name": "get_weather"}}, "What is the weather in Paris?"),
+    ],
+)
 def test_calls_are_valid_and_the_same_in_every_mode(smollm, choice, question):
     prompt = weather_prompt(smollm, question)
     common = dict(max_tokens=48, temp=0.0, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
@@ -304,8 +385,17 @@ def test_without_the_grammar_a_malformed_call_is_text(smollm):
     # tool_choice="none" nothing holds it to the tools, and it stays text.
     broken = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": 3}'
     prompt = weather_prompt(smollm)
-    results = list(me.create_generator(smollm, prompt, max_tokens=60, temp=0.0, tools=TOOLS, tool_choice="none",
-                                       grammar=f"start: {json.dumps(broken)}"))
+    results = list(
+        me.create_generator(
+            smollm,
+            prompt,
+            max_tokens=60,
+            temp=0.0,
+            tools=TOOLS,
+            tool_choice="none",
+            grammar=f"start: {json.dumps(broken)}",
+        )
+    )
     assert "".join(r.text for r in results) == broken
     assert not any(r.tool_calls or r.tool_call_deltas for r in results)
 
@@ -313,8 +403,9 @@ def test_without_the_grammar_a_malformed_call_is_text(smollm):
 @requires_default_model
 def test_cancelling_in_the_middle_of_a_call(smollm):
     prompt = weather_prompt(smollm, "Compute 23 * 19.")
-    gen = me.create_generator(smollm, prompt, max_tokens=60, temp=0.0, tools=TOOLS, tool_choice="required",
-                              request_id="tool-cancel")
+    gen = me.create_generator(
+        smollm, prompt, max_tokens=60, temp=0.0, tools=TOOLS, tool_choice="required", request_id="tool-cancel"
+    )
     results = []
     for r in gen:
         results.append(r)
@@ -324,8 +415,11 @@ def test_cancelling_in_the_middle_of_a_call(smollm):
     assert last.stop_condition.stop_reason == "user_cancelled"
     assert not any(r.tool_calls for r in results)  # an unfinished call is never a call
     assert "".join(r.text for r in results) == ""  # nor text: its deltas were streamed
-    again = list(me.create_generator(smollm, prompt, max_tokens=56, temp=0.0, tools=TOOLS, tool_choice="required",
-                                     parallel_tool_calls=False))
+    again = list(
+        me.create_generator(
+            smollm, prompt, max_tokens=56, temp=0.0, tools=TOOLS, tool_choice="required", parallel_tool_calls=False
+        )
+    )
     assert len([c for r in again for c in r.tool_calls]) == 1  # the kit goes on
 
 
@@ -335,8 +429,10 @@ def test_tool_calls_inside_the_batch(smollm):
     tool_kw = dict(max_tokens=56, temp=0.0, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     alone_tool, _ = generate_ids(smollm, tool_prompt, **tool_kw)
     alone_text, _ = generate_ids(smollm, text_prompt, max_tokens=30, temp=0.0)
-    gens = [me.create_generator(smollm, tool_prompt, **tool_kw),
-            me.create_generator(smollm, text_prompt, max_tokens=30, temp=0.0)]
+    gens = [
+        me.create_generator(smollm, tool_prompt, **tool_kw),
+        me.create_generator(smollm, text_prompt, max_tokens=30, temp=0.0),
+    ]
     outs: list[list] = [[], []]
     live = [0, 1]
     while live:  # consume in turns: both decode in one batch
@@ -380,8 +476,11 @@ def test_a_marker_held_as_a_special_token_is_written_as_that_token(special_marke
     open_id, close_id = (kit.tokenizer.encode(m, add_special_tokens=False) for m in ("<tool_call>", "</tool_call>"))
     assert len(open_id) == len(close_id) == 1
     prompt = me.apply_chat_template(kit, [{"role": "user", "content": "hello"}], tools=TINY_TOOLS)
-    results = list(me.create_generator(kit, prompt, max_tokens=120, temp=0.0, tools=TINY_TOOLS,
-                                       tool_choice="required", parallel_tool_calls=False))
+    results = list(
+        me.create_generator(
+            kit, prompt, max_tokens=120, temp=0.0, tools=TINY_TOOLS, tool_choice="required", parallel_tool_calls=False
+        )
+    )
     ids = [t.id for r in results for t in r.tokens]
     assert ids[0] == open_id[0] and ids[-1] == close_id[0]  # the model's own tokens, not the text spelled out
     calls = [c for r in results for c in r.tool_calls]
@@ -390,10 +489,10 @@ def test_a_marker_held_as_a_special_token_is_written_as_that_token(special_marke
 
 
 def test_auto_opens_a_call_with_the_special_token_and_then_holds_it(special_marker_kit):
-    import llguidance
-
     from mlx_engine.structured import tokenizer_for
     from mlx_engine.tools import build_grammar, special_markers, tool_format, validate_tool_request
+
+    import llguidance
 
     kit = special_marker_kit
     spec = validate_tool_request(TINY_TOOLS, "auto", False, tool_format(kit))
@@ -415,6 +514,7 @@ def test_auto_opens_a_call_mid_answer_in_every_mode(tmp_path):
     decoding mode."""
     import mlx.core as mx
     from conftest import markov_kit
+
     from fixtures.tiny_models import make_model, successor_table
 
     path = marker_model(tmp_path, special=False)
@@ -429,12 +529,18 @@ def test_auto_opens_a_call_mid_answer_in_every_mode(tmp_path):
     kit = markov_kit(path, table)
     me.load_draft_model(kit, draft)
     try:
-        runs = {mode: list(me.create_generator(kit, prompt, max_tokens=80, temp=0.0, tools=TINY_TOOLS,
-                                               parallel_tool_calls=False, **kw)) for mode, kw in MODES.items()}
+        runs = {
+            mode: list(
+                me.create_generator(
+                    kit, prompt, max_tokens=80, temp=0.0, tools=TINY_TOOLS, parallel_tool_calls=False, **kw
+                )
+            )
+            for mode, kw in MODES.items()
+        }
     finally:
         me.unload(kit)
     reference = [t.id for r in runs["plain"] for t in r.tokens]
-    assert reference[:len(chain) - 1] == chain[1:]  # the free text, then the opening
+    assert reference[: len(chain) - 1] == chain[1:]  # the free text, then the opening
     for mode, results in runs.items():
         assert [t.id for r in results for t in r.tokens] == reference, mode
         assert "".join(r.text for r in results) == "ok ", mode

@@ -1,13 +1,6 @@
 """Unit tests of the pipeline's parts on their own: the sequence cache, the
 verify loop, stop-string matching, decoding plans and request bookkeeping."""
 
-import gc
-
-import mlx.core as mx
-import pytest
-from conftest import generate_ids, run_alone
-from fixtures.tiny_models import MarkovLM, successor_table
-
 import mlx_engine as me
 from mlx_engine.cache import UNKNOWN, CacheOptions, SequenceCache, common_prefix_length
 from mlx_engine.plan import DecodingPlan, choose_plan
@@ -15,6 +8,14 @@ from mlx_engine.results import GenerationStats
 from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.loop import decode
 from mlx_engine.stop_strings import StopStringMatcher
+
+import gc
+
+import mlx.core as mx
+import pytest
+from conftest import generate_ids, run_alone
+
+from fixtures.tiny_models import MarkovLM, successor_table
 
 VOCAB = 50
 
@@ -68,10 +69,16 @@ def test_rotating_cache_reports_why_it_cannot_rewind():
     assert "rotating KV cache" in cache.rewind_limit_reason(4)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_kv_size": 4}, "max_kv_size"), ({"kv_bits": 5}, "kv_bits"), ({"kv_group_size": 48}, "kv_group_size"),
-    ({"quantized_kv_start": -1}, "quantized_kv_start"), ({"kv_bits": 4, "max_kv_size": 64}, "cannot be combined"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_kv_size": 4}, "max_kv_size"),
+        ({"kv_bits": 5}, "kv_bits"),
+        ({"kv_group_size": 48}, "kv_group_size"),
+        ({"quantized_kv_start": -1}, "quantized_kv_start"),
+        ({"kv_bits": 4, "max_kv_size": 64}, "cannot be combined"),
+    ],
+)
 def test_cache_options_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CacheOptions.validate(**kwargs)
@@ -176,7 +183,9 @@ def test_held_text_is_released_when_it_cannot_start_a_stop_string():
 # -- plans and request bookkeeping -------------------------------------------------------------
 def test_plans_are_typed_and_checked(kit, draft_path):
     plan = choose_plan(kit, num_draft_tokens=None, toggle=None, lookup_tokens=5, ngrams=(1, 3, 4), auto=False)
-    assert plan == DecodingPlan("prompt_lookup", lookup_k=5, ngrams=(1, 3, 4), reason="requested: prompt_lookup_num_tokens=5")
+    assert plan == DecodingPlan(
+        "prompt_lookup", lookup_k=5, ngrams=(1, 3, 4), reason="requested: prompt_lookup_num_tokens=5"
+    )
     with pytest.raises(ValueError, match="prompt_lookup_min_ngram"):
         choose_plan(kit, num_draft_tokens=None, toggle=None, lookup_tokens=5, ngrams=(4, 3, 4), auto=False)
     me.load_draft_model(kit, draft_path)
@@ -212,11 +221,11 @@ def test_unstarted_generator_does_not_leak_its_request_id(kit):
 def test_create_generator_options_are_declared_once_and_unknown_names_are_refused():
     """The keyword arguments come from GenerationOptions (signature included);
     an unknown one is a ValueError naming it, raised before anything runs."""
-    import dataclasses
-    import inspect
-
     import mlx_engine as me
     from mlx_engine.request import GenerationOptions
+
+    import dataclasses
+    import inspect
 
     params = inspect.signature(me.create_generator).parameters
     options = {f.name: f.default for f in dataclasses.fields(GenerationOptions)}

@@ -5,6 +5,9 @@ The reference for correctness is mlx-vlm's own one-shot computation (its
 without a cache): every greedy token the engine produces must be the
 reference's argmax at that position, up to near-ties."""
 
+import mlx_engine as me
+from mlx_engine.images import decode_images
+
 import base64
 import struct
 import zlib
@@ -12,10 +15,8 @@ import zlib
 import mlx.core as mx
 import pytest
 from conftest import NEAR_TIE_TOLERANCE, first_divergence, generate_ids
-from fixtures.tiny_vlm import image_b64, make_gemma3, make_llava, make_qwen2_vl, make_text_draft
 
-import mlx_engine as me
-from mlx_engine.images import decode_images
+from fixtures.tiny_vlm import image_b64, make_gemma3, make_llava, make_qwen2_vl, make_text_draft
 
 RED = image_b64((255, 0, 0))
 BLUE = image_b64((0, 0, 255))
@@ -161,8 +162,12 @@ def test_image_and_text_only_generation_match_mlx_vlm(any_kit):
     assert final.stats.prompt_tokens == len(expanded(kit, prompt, [RED])) > len(prompt)
     assert final.stats.cached_tokens == 0 and ids
     assert_matches_reference(kit, prompt, [RED], ids)
+
     # The image matters: another image gives other first-token logprobs.
-    tops = lambda img: [(t.id, round(t.logprob, 4)) for t in next(iter(me.create_generator(kit, prompt, images_b64=[img], max_tokens=1, top_logprobs=5))).top_logprobs[0]]  # noqa: E731
+    def tops(img):
+        first = next(iter(me.create_generator(kit, prompt, images_b64=[img], max_tokens=1, top_logprobs=5)))
+        return [(t.id, round(t.logprob, 4)) for t in first.top_logprobs[0]]
+
     assert tops(RED) != tops(BLUE)
     # Text-only prompts work on a vision kit (no placeholders, no images).
     text = user(kit, "Hello world, how are you today?", n_images=0)
@@ -278,7 +283,12 @@ def test_cache_reuse_with_same_image_equals_fresh_kit(qwen_vl_path, gemma_path):
         ids, first = run(kit, prompt, [RED], max_tokens=8)
         n1 = first.stats.prompt_tokens
         assert calls["n"] == 1
-        follow = chat(kit, ("user", "What colour is this?", 1), ("assistant", kit.tokenizer.decode(ids), 0), ("user", "And now?", 0))
+        follow = chat(
+            kit,
+            ("user", "What colour is this?", 1),
+            ("assistant", kit.tokenizer.decode(ids), 0),
+            ("user", "And now?", 0),
+        )
         ids2, second = run(kit, follow, [RED], max_tokens=8)
         assert second.stats.cached_tokens >= n1 - 8  # the whole first prompt, image included
         assert calls["n"] == 1  # the image's features were not recomputed
@@ -387,19 +397,19 @@ def test_lookup_drafter_sees_real_token_ids(qwen_kit):
     from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
 
     seen = []
-    original = PromptLookupDrafter.propose
+    original = PromptLookupDrafter.peek  # every lookup drafter's match (suffix drafting's too) goes through it
 
-    def spy(self, history, limit):
+    def spy(self, history, n):
         seen.append(min(history))
-        out = original(self, history, limit)
+        out = original(self, history, n)
         assert all(t >= 0 for t in out)
         return out
 
-    PromptLookupDrafter.propose = spy
+    PromptLookupDrafter.peek = spy
     try:
         run(qwen_kit, user(qwen_kit, "What colour is this?"), [RED], max_tokens=6, prompt_lookup_num_tokens=3)
     finally:
-        PromptLookupDrafter.propose = original
+        PromptLookupDrafter.peek = original
     assert seen and min(seen) >= 0
 
 
@@ -451,8 +461,18 @@ def test_demo_with_images(qwen_vl_path, tmp_path):
     for name, data in (("a.png", RED), ("b.jpg", image_b64((0, 0, 255), fmt="JPEG"))):
         (tmp_path / name).write_bytes(base64.b64decode(data))
         files.append(str(tmp_path / name))
-    cmd = [sys.executable, str(root / "demo.py"), "--model", str(qwen_vl_path), "--images", *files,
-           "--prompt", "Compare the two images.", "--max-tokens", "6"]
+    cmd = [
+        sys.executable,
+        str(root / "demo.py"),
+        "--model",
+        str(qwen_vl_path),
+        "--images",
+        *files,
+        "--prompt",
+        "Compare the two images.",
+        "--max-tokens",
+        "6",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
     assert "Generation stats:" in out.stdout and "Stop reason:" in out.stdout

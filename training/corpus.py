@@ -34,8 +34,7 @@ HELDOUT_FILES = (
     "colorsys.py",
 )
 
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests",
-                           "idlelib", "lib2to3", "__pycache__"})
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 MAX_FILE_BYTES = 200_000
 
 

@@ -38,15 +38,19 @@ def chat_agreement(kit: me.ModelKit, draft, n_prompts: int, max_new: int) -> dic
 
     from .train_smollm2_draft import HELDOUT_EVERY
 
-    prompts = [me.apply_chat_template(kit, [{"role": "user", "content": t}])
-               for i, t in enumerate(chat_prompts()) if i % HELDOUT_EVERY == 0]
+    prompts = [
+        me.apply_chat_template(kit, [{"role": "user", "content": t}])
+        for i, t in enumerate(chat_prompts())
+        if i % HELDOUT_EVERY == 0
+    ]
     prompts = [p for p in prompts if len(p) <= 256][:n_prompts]
-    res = batch_generate(kit.model, kit.tokenizer, prompts, max_tokens=max_new, return_token_ids=True,
-                         completion_batch_size=len(prompts))
+    res = batch_generate(
+        kit.model, kit.tokenizer, prompts, max_tokens=max_new, return_token_ids=True, completion_batch_size=len(prompts)
+    )
     hits = total = 0
     for p, a in zip(prompts, res.token_ids):
         a = list(map(int, a))
-        pred = argmax_all(draft, p + a)[len(p) - 1: len(p) + len(a) - 1]
+        pred = argmax_all(draft, p + a)[len(p) - 1 : len(p) + len(a) - 1]
         hits += sum(int(x == y) for x, y in zip(pred, a))
         total += len(a)
     return {"prompts": len(prompts), "answer_tokens": total, "agreement": hits / max(total, 1)}
@@ -56,8 +60,10 @@ def text_agreement(kit: me.ModelKit, draft, length: int = 512) -> dict:
     """Teacher-forced agreement with the target's argmax on text the draft never
     saw: held-out stdlib files (code) and two of this repository's docs (English)."""
     docs = Path(__file__).resolve().parents[1] / "docs"
-    sources = {"code": [Path(stdlib_root()) / n for n in HELDOUT_FILES[:3]],
-               "english": [docs / "architecture.md", docs / "performance.md"]}
+    sources = {
+        "code": [Path(stdlib_root()) / n for n in HELDOUT_FILES[:3]],
+        "english": [docs / "architecture.md", docs / "performance.md"],
+    }
     out = {}
     for kind, paths in sources.items():
         hits = total = 0
@@ -74,7 +80,7 @@ def copy_accuracy(draft, vocab: int, n: int = 64, seed: int = 0) -> float:
     """Share of the second copy of a random token run that the draft predicts."""
     rng = random.Random(seed)
     run = [rng.randrange(1000, vocab) for _ in range(n)]
-    pred = argmax_all(draft, run + run)[n: 2 * n - 1]
+    pred = argmax_all(draft, run + run)[n : 2 * n - 1]
     return sum(int(p == t) for p, t in zip(pred, run[1:])) / (n - 1)
 
 
@@ -108,11 +114,14 @@ def evaluate(args: argparse.Namespace) -> dict:
     report = me.check_draft_model(kit, args.out)
     me.load_draft_model(kit, args.out)
     draft = kit.draft.model
-    out = {"compatible": report.compatible, "draft_params_m": kit.draft.num_params / 1e6,
-           "step_cost": step_costs(kit, draft),
-           "agreement_heldout_chat": chat_agreement(kit, draft, args.eval_prompts, args.max_new),
-           "agreement_heldout_text": text_agreement(kit, draft),
-           "copy_accuracy_random_run": copy_accuracy(draft, kit.vocab_size)}
+    out = {
+        "compatible": report.compatible,
+        "draft_params_m": kit.draft.num_params / 1e6,
+        "step_cost": step_costs(kit, draft),
+        "agreement_heldout_chat": chat_agreement(kit, draft, args.eval_prompts, args.max_new),
+        "agreement_heldout_text": text_agreement(kit, draft),
+        "copy_accuracy_random_run": copy_accuracy(draft, kit.vocab_size),
+    }
     logger.info("eval: %s", json.dumps(out))
     (Path(args.out) / "eval.json").write_text(json.dumps(out, indent=1) + "\n")
     return out

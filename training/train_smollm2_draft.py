@@ -43,10 +43,22 @@ logger = logging.getLogger("train_smollm2_draft")
 TARGET = "smollm2-135m-instruct"
 HELDOUT_EVERY = 25  # prompt i with i % 25 == 0 is held out for evaluation
 DRAFT_CONFIG = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 192, "num_hidden_layers": 4,
-    "intermediate_size": 768, "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 64,
-    "rms_norm_eps": 1e-5, "vocab_size": 49152, "rope_theta": 100000.0, "rope_traditional": False,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 192,
+    "num_hidden_layers": 4,
+    "intermediate_size": 768,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 49152,
+    "rope_theta": 100000.0,
+    "rope_traditional": False,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
     "torch_dtype": "float16",
 }
 
@@ -67,8 +79,13 @@ def answer_batch(kit: me.ModelKit, prompts: list[list[int]], args: argparse.Name
     target's top ``--top-k`` log-probabilities at every answer position."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(kit.model, stop_tokens=[[t] for t in kit.eos_token_ids], max_tokens=args.max_new,
-                         completion_batch_size=args.batch, prefill_batch_size=8)
+    gen = BatchGenerator(
+        kit.model,
+        stop_tokens=[[t] for t in kit.eos_token_ids],
+        max_tokens=args.max_new,
+        completion_batch_size=args.batch,
+        prefill_batch_size=8,
+    )
     uids = gen.insert(prompts, [args.max_new] * len(prompts))
     out = {u: {"answer": [], "top_ids": [], "top_lp": []} for u in uids}
     while responses := gen.next_generated():
@@ -97,13 +114,15 @@ def generate(args: argparse.Namespace) -> None:
     for b in range(0, len(todo), per_call):
         if time.time() - start > args.minutes * 60:
             break
-        chunk = todo[b:b + per_call]
+        chunk = todo[b : b + per_call]
         answers = answer_batch(kit, [p for _, p in chunk], args)
         shard = [{"index": i, "prompt": p, **a} for (i, p), a in zip(chunk, answers)]
         (data / f"shard-{len(done) + b:06d}.json").write_text(json.dumps(shard))
         tokens += sum(len(s["answer"]) for s in shard)
         el = time.time() - start
-        logger.info("generate: %d/%d prompts, %d answer tokens, %.0f tok/s", b + len(chunk), len(todo), tokens, tokens / el)
+        logger.info(
+            "generate: %d/%d prompts, %d answer tokens, %.0f tok/s", b + len(chunk), len(todo), tokens, tokens / el
+        )
 
 
 # -- the draft model ------------------------------------------------------------
@@ -144,8 +163,10 @@ def load_examples(work: Path) -> list[dict]:
 def frequent_tokens(examples: list[dict], n: int) -> np.ndarray:
     """The ``n`` most frequent answer tokens: with the batch's own targets they
     form the candidate rows of the output layer during training."""
-    counts = np.bincount(np.concatenate([np.asarray(ex["answer"], dtype=np.int64) for ex in examples]),
-                         minlength=DRAFT_CONFIG["vocab_size"])
+    counts = np.bincount(
+        np.concatenate([np.asarray(ex["answer"], dtype=np.int64) for ex in examples]),
+        minlength=DRAFT_CONFIG["vocab_size"],
+    )
     return np.argsort(-counts)[:n]
 
 
@@ -169,7 +190,7 @@ def make_batch(examples: list[dict], rng: random.Random, args: argparse.Namespac
     rows, masks, softs, seq, k = [], [], [], args.seq, args.top_k
     for _ in range(args.batch):
         toks, mask, soft = _row(rng.choice(examples), rng, args)
-        toks, mask, soft = toks[-(seq + 1):], mask[-(seq + 1):], soft[-(seq + 1):]
+        toks, mask, soft = toks[-(seq + 1) :], mask[-(seq + 1) :], soft[-(seq + 1) :]
         rows.append(toks + [0] * (seq + 1 - len(toks)))
         masks.append(mask[1:] + [0] * (seq + 1 - len(mask)))
         softs += [sf for m, sf in zip(mask[1:], soft[1:]) if m]
@@ -183,9 +204,15 @@ def make_batch(examples: list[dict], rng: random.Random, args: argparse.Namespac
     cand = np.unique(np.concatenate([frequent, y, soft_ids.reshape(-1), noise]))
     p = np.exp(soft_lp - soft_lp.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
-    return (mx.array(arr[:, :-1]), mx.array(idx), mx.array(cand.astype(np.int32)),
-            mx.array(np.searchsorted(cand, y).astype(np.int32)),
-            mx.array(np.searchsorted(cand, soft_ids).astype(np.int32)), mx.array(p), mx.array(soft_w * args.soft))
+    return (
+        mx.array(arr[:, :-1]),
+        mx.array(idx),
+        mx.array(cand.astype(np.int32)),
+        mx.array(np.searchsorted(cand, y).astype(np.int32)),
+        mx.array(np.searchsorted(cand, soft_ids).astype(np.int32)),
+        mx.array(p),
+        mx.array(soft_w * args.soft),
+    )
 
 
 def loss_fn(model, x, idx, cand, y, soft_idx, soft_p, soft_w):
@@ -239,8 +266,17 @@ def train(args: argparse.Namespace) -> None:
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 10 == 0:
             el = time.time() - start
-            logger.info("step %d loss %.3f (ema %.3f) lr %.2e | %d loss tokens, %.0f tok/s, %d examples, %.1f min",
-                        step, loss.item(), ema, opt.learning_rate.item(), seen, seen / el, len(examples), el / 60)
+            logger.info(
+                "step %d loss %.3f (ema %.3f) lr %.2e | %d loss tokens, %.0f tok/s, %d examples, %.1f min",
+                step,
+                loss.item(),
+                ema,
+                opt.learning_rate.item(),
+                seen,
+                seen / el,
+                len(examples),
+                el / 60,
+            )
         if time.time() - last_save > args.save_minutes * 60:
             save_draft(model, kit, args.out, _meta(args, step, seen, start, ema, len(examples)))
             last_save = time.time()
@@ -249,9 +285,22 @@ def train(args: argparse.Namespace) -> None:
 
 
 def _meta(args, step, seen, start, ema, n_examples) -> dict:
-    return {"steps": step, "loss_tokens_this_run": seen, "minutes_this_run": round((time.time() - start) / 60, 1),
-            "loss_ema": ema, "examples": n_examples, "batch": args.batch, "seq": args.seq, "lr": args.lr,
-            "copy_frac": args.copy_frac, "frequent": args.frequent, "negatives": args.negatives, "soft": args.soft, "top_k": args.top_k, "total_steps": args.total_steps}
+    return {
+        "steps": step,
+        "loss_tokens_this_run": seen,
+        "minutes_this_run": round((time.time() - start) / 60, 1),
+        "loss_ema": ema,
+        "examples": n_examples,
+        "batch": args.batch,
+        "seq": args.seq,
+        "lr": args.lr,
+        "copy_frac": args.copy_frac,
+        "frequent": args.frequent,
+        "negatives": args.negatives,
+        "soft": args.soft,
+        "top_k": args.top_k,
+        "total_steps": args.total_steps,
+    }
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -288,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         train(args)
     else:
         from .eval_smollm2_draft import evaluate
+
         evaluate(args)
     return 0
 

@@ -99,8 +99,11 @@ def new_draft(kit: me.ModelKit, n_layers: int, token_ids: np.ndarray, frozen: in
     first ``frozen`` layers do not train."""
     draft = EarlyExitDraft(target_args(kit), n_layers, token_ids)
     src = dict(tree_flatten(kit.model.parameters()))
-    weights = [(k, v) for k, v in src.items()
-               if k.startswith("model.") and (not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers)]
+    weights = [
+        (k, v)
+        for k, v in src.items()
+        if k.startswith("model.") and (not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers)
+    ]
     head = src.get("lm_head.weight", src["model.embed_tokens.weight"])  # tied when there is no lm_head
     draft.load_weights(weights + [("head.weight", head[mx.array(token_ids)])], strict=False)
     draft.model.embed_tokens.freeze()
@@ -126,7 +129,9 @@ def generate(args: argparse.Namespace) -> None:
     for b in range(0, len(todo), args.batch):
         if time.time() - start > args.minutes * 60:
             break
-        chunk = [(i, me.apply_chat_template(kit, [{"role": "user", "content": texts[i]}])) for i in todo[b:b + args.batch]]
+        chunk = [
+            (i, me.apply_chat_template(kit, [{"role": "user", "content": texts[i]}])) for i in todo[b : b + args.batch]
+        ]
         chunk = [(i, p) for i, p in chunk if len(p) <= 256]
         answers = answer_batch(kit, [p for _, p in chunk], args)
         shard = [{"index": i, "prompt": p, **a} for (i, p), a in zip(chunk, answers)]
@@ -148,12 +153,15 @@ def make_batch(examples: list[dict], rng: random.Random, args: argparse.Namespac
         ex = rng.choice(examples)
         full, n_prompt = ex["prompt"] + ex["answer"], len(ex["prompt"])
         start = rng.randrange(max(1, len(full) - seq))  # a random window of a long answer
-        toks = full[start:start + seq + 1]
+        toks = full[start : start + seq + 1]
         mask = [int(start + j >= n_prompt) for j in range(1, len(toks))]  # predicts an answer token
         rows.append(toks + [0] * (seq + 1 - len(toks)))
         masks.append(mask + [0] * (seq + 1 - len(toks)))
-        tops += [(ex["top_ids"][start + j - n_prompt], ex["top_lp"][start + j - n_prompt])
-                 for j in range(1, len(toks)) if start + j >= n_prompt]
+        tops += [
+            (ex["top_ids"][start + j - n_prompt], ex["top_lp"][start + j - n_prompt])
+            for j in range(1, len(toks))
+            if start + j >= n_prompt
+        ]
     arr = np.array(rows, dtype=np.int64)
     y_all = sub_of[arr[:, 1:].reshape(-1)]
     scored = np.array(masks, dtype=bool).reshape(-1)
@@ -165,9 +173,14 @@ def make_batch(examples: list[dict], rng: random.Random, args: argparse.Namespac
     p = np.exp(top_lp - top_lp.max(axis=1, keepdims=True)) * (places >= 0)
     w = (p.sum(axis=1) > 0).astype(np.float32) * args.soft
     p /= np.maximum(p.sum(axis=1, keepdims=True), 1e-9)
-    return (mx.array(arr[:, :-1].astype(np.int32)), mx.array(idx.astype(np.int32)),
-            mx.array(y_all[idx].astype(np.int32)), mx.array(np.maximum(places, 0).astype(np.int32)),
-            mx.array(p), mx.array(w))
+    return (
+        mx.array(arr[:, :-1].astype(np.int32)),
+        mx.array(idx.astype(np.int32)),
+        mx.array(y_all[idx].astype(np.int32)),
+        mx.array(np.maximum(places, 0).astype(np.int32)),
+        mx.array(p),
+        mx.array(w),
+    )
 
 
 def loss_fn(model: EarlyExitDraft, x, idx, y, soft_idx, soft_p, soft_w):
@@ -212,8 +225,14 @@ def train(args: argparse.Namespace) -> dict:
     sub_of[token_ids] = np.arange(len(token_ids))
     draft = new_draft(kit, args.layers, token_ids, args.frozen)
     n_train = sum(v.size for _, v in tree_flatten(draft.trainable_parameters()))
-    logger.info("%d examples, %d answer tokens; subset of %d covers %.3f; %.2fM trainable", len(examples),
-                sum(len(e["answer"]) for e in examples), len(token_ids), coverage, n_train / 1e6)
+    logger.info(
+        "%d examples, %d answer tokens; subset of %d covers %.3f; %.2fM trainable",
+        len(examples),
+        sum(len(e["answer"]) for e in examples),
+        len(token_ids),
+        coverage,
+        n_train / 1e6,
+    )
     opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.0)
     step_fn = nn.value_and_grad(draft, loss_fn)
     rng, start, step, seen, ema = random.Random(args.seed), time.time(), 0, 0, None
@@ -230,12 +249,32 @@ def train(args: argparse.Namespace) -> dict:
         step, seen = step + 1, seen + batch[1].size
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % 10 == 0:
-            logger.info("step %d loss %.3f (ema %.3f) lr %.2e | %d tokens, %.1f min", step, loss.item(), ema,
-                        opt.learning_rate.item(), seen, (time.time() - start) / 60)
-    meta = {"layers": args.layers, "frozen": args.frozen, "vocab": len(token_ids), "coverage": coverage,
-            "steps": step, "scored_tokens": seen, "minutes": round((time.time() - start) / 60, 1), "loss_ema": ema,
-            "examples": len(examples), "answer_tokens": sum(len(e["answer"]) for e in examples),
-            "batch": args.batch, "seq": args.seq, "lr": args.lr, "soft": args.soft, "trainable_m": n_train / 1e6}
+            logger.info(
+                "step %d loss %.3f (ema %.3f) lr %.2e | %d tokens, %.1f min",
+                step,
+                loss.item(),
+                ema,
+                opt.learning_rate.item(),
+                seen,
+                (time.time() - start) / 60,
+            )
+    meta = {
+        "layers": args.layers,
+        "frozen": args.frozen,
+        "vocab": len(token_ids),
+        "coverage": coverage,
+        "steps": step,
+        "scored_tokens": seen,
+        "minutes": round((time.time() - start) / 60, 1),
+        "loss_ema": ema,
+        "examples": len(examples),
+        "answer_tokens": sum(len(e["answer"]) for e in examples),
+        "batch": args.batch,
+        "seq": args.seq,
+        "lr": args.lr,
+        "soft": args.soft,
+        "trainable_m": n_train / 1e6,
+    }
     save(draft, args.out, meta)
     logger.info("saved %s: %s", args.out, meta)
     return meta
@@ -251,12 +290,19 @@ def engine_costs(kit: me.ModelKit, draft: nn.Module, agreement: float) -> dict:
 
     target = costs.measure(kit.model, kit.vocab_size)
     draft_step = costs.measure_chained_step(draft, kit.vocab_size)
-    gain = {k: speedup.expected_tokens(agreement, k) * target.step() / (k * draft_step + target.seconds[k])
-            for k in range(1, 9)}
+    gain = {
+        k: speedup.expected_tokens(agreement, k) * target.step() / (k * draft_step + target.seconds[k])
+        for k in range(1, 9)
+    }
     best = max(gain, key=gain.get)
-    return {"target_step_ms": target.step() * 1e3, "draft_chained_step_ms": draft_step * 1e3,
-            "ratio": target.step() / draft_step, "verify": target.summary(),
-            "predicted_speedup": round(gain[best], 3), "at_draft_length": best}
+    return {
+        "target_step_ms": target.step() * 1e3,
+        "draft_chained_step_ms": draft_step * 1e3,
+        "ratio": target.step() / draft_step,
+        "verify": target.summary(),
+        "predicted_speedup": round(gain[best], 3),
+        "at_draft_length": best,
+    }
 
 
 def heldout_answers(kit: me.ModelKit, args: argparse.Namespace) -> list[tuple[list[int], list[int]]]:
@@ -271,11 +317,20 @@ def heldout_answers(kit: me.ModelKit, args: argparse.Namespace) -> list[tuple[li
     path = args.work / f"heldout-{args.eval_prompts}-{args.max_new}.json"
     if path.exists():
         return [tuple(x) for x in json.loads(path.read_text())]
-    prompts = [me.apply_chat_template(kit, [{"role": "user", "content": t}])
-               for i, t in enumerate(chat_prompts()) if i % HELDOUT_EVERY == 0]
+    prompts = [
+        me.apply_chat_template(kit, [{"role": "user", "content": t}])
+        for i, t in enumerate(chat_prompts())
+        if i % HELDOUT_EVERY == 0
+    ]
     prompts = [p for p in prompts if len(p) <= 256][: args.eval_prompts]
-    res = batch_generate(kit.model, kit.tokenizer, prompts, max_tokens=args.max_new, return_token_ids=True,
-                         completion_batch_size=len(prompts))
+    res = batch_generate(
+        kit.model,
+        kit.tokenizer,
+        prompts,
+        max_tokens=args.max_new,
+        return_token_ids=True,
+        completion_batch_size=len(prompts),
+    )
     pairs = [(p, list(map(int, a))) for p, a in zip(prompts, res.token_ids)]
     path.write_text(json.dumps(pairs))
     return pairs
@@ -289,12 +344,16 @@ def agreement(draft: nn.Module, pairs: list[tuple[list[int], list[int]]]) -> dic
     hits = inside = total = 0
     ids = set(np.array(draft.token_ids).tolist()) if hasattr(draft, "token_ids") else None
     for p, a in pairs:
-        pred = argmax_all(draft, p + a)[len(p) - 1: len(p) + len(a) - 1]
+        pred = argmax_all(draft, p + a)[len(p) - 1 : len(p) + len(a) - 1]
         hits += sum(int(x == y) for x, y in zip(pred, a))
         inside += len(a) if ids is None else sum(int(t in ids) for t in a)
         total += len(a)
-    return {"prompts": len(pairs), "answer_tokens": total, "agreement": hits / max(total, 1),
-            "answer_tokens_in_subset": inside / max(total, 1)}
+    return {
+        "prompts": len(pairs),
+        "answer_tokens": total,
+        "agreement": hits / max(total, 1),
+        "answer_tokens_in_subset": inside / max(total, 1),
+    }
 
 
 def evaluate(args: argparse.Namespace) -> dict:
@@ -304,8 +363,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     kit = me.load_model(args.target)
     draft = load(kit, args.out)
-    out = {"agreement_heldout_chat": agreement(draft, heldout_answers(kit, args)),
-           "step_cost": step_costs(kit, draft)}
+    out = {"agreement_heldout_chat": agreement(draft, heldout_answers(kit, args)), "step_cost": step_costs(kit, draft)}
     out["engine_costs"] = engine_costs(kit, draft, out["agreement_heldout_chat"]["agreement"])
     logger.info("eval: %s", json.dumps(out))
     (args.out / "eval.json").write_text(json.dumps(out, indent=1) + "\n")
@@ -313,7 +371,9 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m training.train_smollm2_early_draft", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m training.train_smollm2_early_draft", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("command", choices=("generate", "train", "eval"))
     p.add_argument("--target", default=TARGET, help="the model the draft serves (its answers are in --work)")
     p.add_argument("--work", type=Path, default=Path("models/logs/smollm2-draft"), help="generated answers (shards)")

@@ -22,9 +22,17 @@ def open_control(group, health: Health, thread: ShardWorker, opts) -> ControlSer
     after ``connect_timeout`` so that no collective waits forever on a stalled rank."""
     # accept() waits up to connect_timeout itself and reports who is missing; the
     # watchdog catches what it cannot (a collective around it that never returns).
-    watchdog = threading.Timer(opts["connect_timeout"] + ABORT_GRACE, on_failure,
-                               (health, thread, f"a rank did not join the control channel within "
-                                                f"{opts['connect_timeout']:g} s (connect_timeout): it is hung or stopped", None))
+    watchdog = threading.Timer(
+        opts["connect_timeout"] + ABORT_GRACE,
+        on_failure,
+        (
+            health,
+            thread,
+            f"a rank did not join the control channel within "
+            f"{opts['connect_timeout']:g} s (connect_timeout): it is hung or stopped",
+            None,
+        ),
+    )
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -46,7 +54,9 @@ def _serve_control(group, opts) -> ControlServer:
     try:
         host = opts["control_host"] or rank0_host()
         if not host:
-            raise DistributedConfigError("no ring hostfile (MLX_HOSTFILE) to find rank 0's address in; pass control_host")
+            raise DistributedConfigError(
+                "no ring hostfile (MLX_HOSTFILE) to find rank 0's address in; pass control_host"
+            )
         server = ControlServer(host, group.size() - 1, token, opts["heartbeat_timeout"])
     except (OSError, ValueError) as exc:
         error = f"cannot open the control channel: {exc}"

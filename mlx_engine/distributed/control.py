@@ -55,7 +55,9 @@ class ControlServer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(1, self.followers + 1)) - set(self._conns))
-                    raise DistributedConfigError(f"ranks {missing} did not connect to rank 0's control channel within {timeout:.0f} s")
+                    raise DistributedConfigError(
+                        f"ranks {missing} did not connect to rank 0's control channel within {timeout:.0f} s"
+                    )
                 self._listener.settimeout(left)
                 try:
                     conn, _ = self._listener.accept()
@@ -81,7 +83,9 @@ class ControlServer:
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
         """Start the monitor thread; ``on_failure(reason)`` is called once."""
-        self._thread = threading.Thread(target=self._monitor, args=(on_failure,), name="mlx-engine-shard-monitor", daemon=True)
+        self._thread = threading.Thread(
+            target=self._monitor, args=(on_failure,), name="mlx-engine-shard-monitor", daemon=True
+        )
         self._thread.start()
 
     def _monitor(self, on_failure: Callable[[str], None]) -> None:
@@ -100,11 +104,15 @@ class ControlServer:
                 except OSError:
                     data = b""
                 if not data:
-                    return self._fail(on_failure, f"rank {rank}'s process exited or was killed (its control connection closed)")
+                    return self._fail(
+                        on_failure, f"rank {rank}'s process exited or was killed (its control connection closed)"
+                    )
                 last[rank] = now
             for rank, seen in last.items():
                 if now - seen > self.heartbeat_timeout:
-                    return self._fail(on_failure, f"rank {rank} sent no heartbeat for {now - seen:.1f} s: it is hung or stopped")
+                    return self._fail(
+                        on_failure, f"rank {rank} sent no heartbeat for {now - seen:.1f} s: it is hung or stopped"
+                    )
 
     def closing(self) -> None:
         """Rank 0 is releasing the followers: their connections closing is expected."""
@@ -138,7 +146,9 @@ class ControlClient:
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
-            raise DistributedConfigError(f"rank {rank} could not reach rank 0's control channel at {host}:{port}: {exc}") from exc
+            raise DistributedConfigError(
+                f"rank {rank} could not reach rank 0's control channel at {host}:{port}: {exc}"
+            ) from exc
         self._sock.sendall(_HELLO.pack(token, rank))
         self._sock.settimeout(None)
         self._closed = threading.Event()
@@ -254,4 +264,3 @@ def _address(get) -> tuple[str, int] | None:
     except OSError:
         return None
     return (addr[0], addr[1]) if isinstance(addr, tuple) and len(addr) >= 2 else None
-

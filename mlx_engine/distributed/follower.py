@@ -33,7 +33,9 @@ class Follower:
             result = FollowerExit("failed", self._loop.passes, str(exc), len(self._loop.caches))
         self._stopped = True
         self._control.close()
-        logger.info("follower rank %d: %s after %d passes %s", self.shard.rank, result.reason, result.passes, result.detail)
+        logger.info(
+            "follower rank %d: %s after %d passes %s", self.shard.rank, result.reason, result.passes, result.detail
+        )
         return result
 
     def lost_rank0(self) -> None:

@@ -58,7 +58,8 @@ class ShardWorker(worker.MLXWorker):
             # unload() runs the kit's release either directly or through the
             # API's idle check (a WhenIdle carrying it).
             releasing = self.release is not None and (
-                fn == self.release or (isinstance(fn, WhenIdle) and fn.action == self.release))
+                fn == self.release or (isinstance(fn, WhenIdle) and fn.action == self.release)
+            )
             if releasing or _closes_generator(fn):
                 # Unloading a dead kit or closing its generators touches no rank: run it here.
                 task = worker.Task(fn, args, kwargs)

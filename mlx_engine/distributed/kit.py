@@ -35,8 +35,15 @@ class ShardedModelKit(ModelKit):
 
     shard: ShardInfo
 
-    def attach_shard(self, model: MirroredModel, info: ShardInfo, num_params: int, compute_dtype, health: Health,
-                     control: ControlServer) -> None:
+    def attach_shard(
+        self,
+        model: MirroredModel,
+        info: ShardInfo,
+        num_params: int,
+        compute_dtype,
+        health: Health,
+        control: ControlServer,
+    ) -> None:
         """Give the kit (built vocabulary-only) its shard of the model and the job's health and control channel."""
         self.vocab_only = False
         self.model = model

@@ -60,9 +60,17 @@ def load_sharded_model(
             raise ValueError(f"{name} must be a number of seconds from 1 to 3600, got {value!r}")
     health = Health()
     thread = ShardWorker(health)
-    options = dict(max_kv_size=max_kv_size, trust_remote_code=trust_remote_code, seed=seed, compute_dtype=compute_dtype,
-                   parallelism=parallelism, verify_weights=verify_weights, heartbeat_timeout=float(heartbeat_timeout),
-                   connect_timeout=float(connect_timeout), control_host=control_host)
+    options = dict(
+        max_kv_size=max_kv_size,
+        trust_remote_code=trust_remote_code,
+        seed=seed,
+        compute_dtype=compute_dtype,
+        parallelism=parallelism,
+        verify_weights=verify_weights,
+        heartbeat_timeout=float(heartbeat_timeout),
+        connect_timeout=float(connect_timeout),
+        control_host=control_host,
+    )
     try:
         result = thread.call(_load, model_path, health, thread, **options)
     except ShardedKitError as exc:  # a rank died (MLX: connection lost) or hung (control channel) during the load
@@ -92,11 +100,14 @@ def _load(model_path, health: Health, thread: ShardWorker, **opts) -> ShardedMod
     if opts["seed"] is not None:
         mx.random.seed(opts["seed"])
     if info.rank == 0:
-        options = KitOptions(CacheOptions.validate(opts["max_kv_size"]), vocab_only=True,
-                             trust_remote_code=opts["trust_remote_code"])
+        options = KitOptions(
+            CacheOptions.validate(opts["max_kv_size"]), vocab_only=True, trust_remote_code=opts["trust_remote_code"]
+        )
         kit = ShardedModelKit(path, options)
         mirrored = MirroredModel(model, group)
-        kit.attach_shard(mirrored, ShardInfo(0, group.size(), info.parallelism, mirrored.counter), num_params, dtype, health, control)
+        kit.attach_shard(
+            mirrored, ShardInfo(0, group.size(), info.parallelism, mirrored.counter), num_params, dtype, health, control
+        )
         logger.info("sharded kit: %s over %d ranks (%s-parallel)", path, group.size(), info.parallelism)
         return kit
     follower = Follower(FollowerLoop(model, group), info, thread, control)

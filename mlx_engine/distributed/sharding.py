@@ -45,7 +45,9 @@ def agree(group: mx.distributed.Group, what: str, error: str | None, digest: byt
     message = (error or "").encode("utf-8")[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
     local = mx.array([0 if error else 1, *digest, *message], dtype=mx.int32)
     rows = mx.distributed.all_gather(local, group=group).reshape(group.size(), -1).tolist()
-    outcomes = [RankOutcome(bool(r[0]), bytes(r[1:33]), bytes(r[33:]).rstrip(b"\0").decode("utf-8", "replace")) for r in rows]
+    outcomes = [
+        RankOutcome(bool(r[0]), bytes(r[1:33]), bytes(r[33:]).rstrip(b"\0").decode("utf-8", "replace")) for r in rows
+    ]
     failed = [f"rank {i}: {o.message}" for i, o in enumerate(outcomes) if not o.ok]
     if failed:
         raise DistributedConfigError(f"{what} failed on {len(failed)} of {len(outcomes)} ranks: " + "; ".join(failed))
@@ -54,7 +56,9 @@ def agree(group: mx.distributed.Group, what: str, error: str | None, digest: byt
         for i, o in enumerate(outcomes):
             groups.setdefault(o.digest, []).append(i)
         parts = [f"ranks {ranks} have {d[:6].hex()}" for d, ranks in groups.items()]
-        raise DistributedConfigError(f"{what} differ between ranks ({'; '.join(parts)}): every rank must load the same model files with the same settings")
+        raise DistributedConfigError(
+            f"{what} differ between ranks ({'; '.join(parts)}): every rank must load the same model files with the same settings"
+        )
     return outcomes
 
 
@@ -98,7 +102,7 @@ def shard_support(model: nn.Module) -> tuple[bool, bool]:
 
 
 def choose_parallelism(model: nn.Module, config: dict, size: int, requested: str) -> str:
-    """"tensor" or "pipeline" for this model over ``size`` ranks, or a
+    """ "tensor" or "pipeline" for this model over ``size`` ranks, or a
     DistributedConfigError saying why neither works."""
     tensor, pipeline = shard_support(model)
     cfg = config.get("text_config", config)
@@ -120,7 +124,10 @@ def choose_parallelism(model: nn.Module, config: dict, size: int, requested: str
         return "tensor"
     if requested in ("auto", "pipeline") and pipeline:
         return "pipeline"
-    raise DistributedConfigError(f"this model cannot be sharded {'' if requested == 'auto' else requested + '-parallel '}over {size} ranks: " + "; ".join(reasons))
+    raise DistributedConfigError(
+        f"this model cannot be sharded {'' if requested == 'auto' else requested + '-parallel '}over {size} ranks: "
+        + "; ".join(reasons)
+    )
 
 
 def load_lazily(path: Path, trust_remote_code: bool) -> tuple[nn.Module, dict]:

@@ -32,13 +32,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-parallel", type=int, default=4, help="generations decoded together (rows of the batch)")
     p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, help="requests that may wait for a row before 429s")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require this bearer token (default: ${API_KEY_ENV}; none: no key)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require this bearer token (default: ${API_KEY_ENV}; none: no key)",
+    )
     p.add_argument("--models-dir", help="folder draft models may be loaded from by path over HTTP")
-    p.add_argument("--cors-origin", action="append", default=[], help="allowed browser origin (repeatable; default none)")
+    p.add_argument(
+        "--cors-origin", action="append", default=[], help="allowed browser origin (repeatable; default none)"
+    )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--decoding", default="auto", choices=["auto", "plain", "prompt_lookup", "draft"],
-                   help="default decoding mode when a request names none")
+    p.add_argument(
+        "--decoding",
+        default="auto",
+        choices=["auto", "plain", "prompt_lookup", "draft"],
+        help="default decoding mode when a request names none",
+    )
     p.add_argument("--context", help="max_kv_size: an integer (rotating window) or 'auto' (fit the context to memory)")
     p.add_argument("--prompt-cache-dir", help="disk tier of the prompt cache")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "native", "float32", "float16", "bfloat16"])
@@ -65,17 +74,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use the model", args.host)
     context = args.context if args.context in (None, "auto") else int(args.context)
-    kit = me.load_model(args.model, max_kv_size=context, prompt_cache_dir=args.prompt_cache_dir,
-                        compute_dtype=args.compute_dtype, max_parallel=args.max_parallel)
+    kit = me.load_model(
+        args.model,
+        max_kv_size=context,
+        prompt_cache_dir=args.prompt_cache_dir,
+        compute_dtype=args.compute_dtype,
+        max_parallel=args.max_parallel,
+    )
     if args.draft:
         me.load_draft_model(kit, args.draft)
-    app = create_app(kit, model_id=args.model_id or _default_id(args.model), api_key=args.api_key,
-                     queue_size=args.queue, models_dir=args.models_dir, cors_origins=args.cors_origin,
-                     max_body_bytes=args.max_body_bytes, decoding=args.decoding)
+    app = create_app(
+        kit,
+        model_id=args.model_id or _default_id(args.model),
+        api_key=args.api_key,
+        queue_size=args.queue,
+        models_dir=args.models_dir,
+        cors_origins=args.cors_origin,
+        max_body_bytes=args.max_body_bytes,
+        decoding=args.decoding,
+    )
     if args.draft:
         app.state.service.draft_name = args.draft
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_grace)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace
+    )
     server = _Server(config, app.state.service)
     # uvicorn re-raises the signal it caught once it has stopped; these handlers
     # make that a no-op, so a requested stop exits 0.

@@ -9,11 +9,13 @@ handler reads: check the model, build the prompt and arguments off the loop
 
 from __future__ import annotations
 
+import mlx_engine as me
+
 import asyncio
-from collections import Counter
 import hmac
 import json
 import logging
+from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +27,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-import mlx_engine as me
 
 from . import params
 from .drafts import draft_router
@@ -64,8 +64,12 @@ class Service:
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
-            raise APIError(404, f"model {model!r} is not served here; GET /v1/models lists {self.model_id!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; GET /v1/models lists {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def drain(self) -> None:
         """Stop admitting: queued and new requests get 503; running ones go on."""
@@ -81,10 +85,18 @@ class Service:
                 await asyncio.sleep(0.02)
 
 
-def create_app(kit: me.ModelKit, *, model_id: str | None = None, api_key: str | None = None,
-               max_parallel: int | None = None, queue_size: int = DEFAULT_QUEUE, models_dir: str | Path | None = None,
-               cors_origins: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               decoding: str = "auto") -> FastAPI:
+def create_app(
+    kit: me.ModelKit,
+    *,
+    model_id: str | None = None,
+    api_key: str | None = None,
+    max_parallel: int | None = None,
+    queue_size: int = DEFAULT_QUEUE,
+    models_dir: str | Path | None = None,
+    cors_origins: list[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    decoding: str = "auto",
+) -> FastAPI:
     """The OpenAI-compatible app serving ``kit`` (docs/server.md).
 
     ``model_id``: the name clients pass as ``model`` (default: the model
@@ -96,13 +108,21 @@ def create_app(kit: me.ModelKit, *, model_id: str | None = None, api_key: str | 
     ``decoding``: the default mode (auto, plain, prompt_lookup, draft)."""
     rows = kit.max_parallel if max_parallel is None else max_parallel
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
-        raise ValueError(f"max_parallel must be an integer from 1 to the kit's max_parallel ({kit.max_parallel}), got {max_parallel!r}")
+        raise ValueError(
+            f"max_parallel must be an integer from 1 to the kit's max_parallel ({kit.max_parallel}), got {max_parallel!r}"
+        )
     if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
         raise ValueError(f"queue_size must be a non-negative integer, got {queue_size!r}")
     if decoding not in ("auto", "plain", "prompt_lookup", "draft"):
         raise ValueError(f"decoding must be auto, plain, prompt_lookup or draft, got {decoding!r}")
-    service = Service(kit, model_id or Path(kit.model_path).name, AdmissionQueue(rows, queue_size), api_key or None,
-                      Path(models_dir) if models_dir else None, decoding)
+    service = Service(
+        kit,
+        model_id or Path(kit.model_path).name,
+        AdmissionQueue(rows, queue_size),
+        api_key or None,
+        Path(models_dir) if models_dir else None,
+        decoding,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -114,8 +134,12 @@ def create_app(kit: me.ModelKit, *, model_id: str | None = None, api_key: str | 
     _install_errors(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if cors_origins:  # added last, so outermost: its headers reach every answer, a 413 included
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     auth = _auth_dependency(service)
     _add_routes(app, service, auth)
     app.include_router(draft_router(service, auth))
@@ -131,8 +155,12 @@ def _auth_dependency(service: Service):
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
-                           type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer KEY'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     return check
 
@@ -148,7 +176,9 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(ClientGone)
     async def client_gone(request, exc: ClientGone):
-        return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed"}}, status_code=499)
+        return JSONResponse(
+            {"error": {"message": "client closed the request", "type": "client_closed"}}, status_code=499
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
@@ -159,14 +189,20 @@ def _install_errors(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, service: Service, auth) -> None:
     @app.get("/health")
     async def health():
-        return {"status": "stopping" if service.queue.closed else "ok", "model": service.model_id,
-                "running": service.queue.running, "waiting": service.queue.waiting,
-                **{k: service.outcomes[k] for k in ("completed", "cancelled", "failed")}}
+        return {
+            "status": "stopping" if service.queue.closed else "ok",
+            "model": service.model_id,
+            "running": service.queue.running,
+            "waiting": service.queue.waiting,
+            **{k: service.outcomes[k] for k in ("completed", "cancelled", "failed")},
+        }
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
-        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
-                                            "owned_by": "mlx-engine"}]}
+        return {
+            "object": "list",
+            "data": [{"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine"}],
+        }
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -199,14 +235,20 @@ async def _answer(service: Service, request: Request, body, prompt: params.Promp
     return JSONResponse(env.whole(choices, len(prompt.tokens), with_logprobs))
 
 
-async def _admit(service: Service, request: Request, prompt: params.Prompt, kwargs: list[dict], *,
-                 prompt_field: str) -> RequestRun:
+async def _admit(
+    service: Service, request: Request, prompt: params.Prompt, kwargs: list[dict], *, prompt_field: str
+) -> RequestRun:
     """Wait for rows (429 when the line is full, 503 when stopping), then start."""
     try:
         await _unless_disconnected(request, service.queue.acquire(len(kwargs)))
     except QueueFullError:
-        raise APIError(429, f"the server is busy: {service.queue.waiting} requests are waiting; retry later",
-                       type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        raise APIError(
+            429,
+            f"the server is busy: {service.queue.waiting} requests are waiting; retry later",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from None
     except ShuttingDownError:
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
     run = RequestRun(service.kit, service.queue, service.runs, service.outcomes)
@@ -258,8 +300,9 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _events(run: RequestRun, env: Envelope, n: int, prompt_len: int, with_logprobs: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    run: RequestRun, env: Envelope, n: int, prompt_len: int, with_logprobs: bool, include_usage: bool
+) -> AsyncIterator[str]:
     """The stream as OpenAI sends it: a role chunk (chat), content and
     ``tool_calls`` delta chunks, a finish chunk per choice, a usage chunk when asked, ``[DONE]``. Leaving the
     stream (a client disconnect cancels it) stops the generations."""
@@ -276,9 +319,17 @@ async def _events(run: RequestRun, env: Envelope, n: int, prompt_len: int, with_
             c, r = choices[item.index], item.result
             entries = c.add(r, with_logprobs)
             if r.text or entries or r.tool_call_deltas or c.finish is not None:
-                yield _sse(env.chunk(c.index, text=r.text, entries=entries if with_logprobs else None,
-                                     offset=offsets[c.index], finish=c.finish_reason, with_usage=include_usage,
-                                     tool_deltas=r.tool_call_deltas))
+                yield _sse(
+                    env.chunk(
+                        c.index,
+                        text=r.text,
+                        entries=entries if with_logprobs else None,
+                        offset=offsets[c.index],
+                        finish=c.finish_reason,
+                        with_usage=include_usage,
+                        tool_deltas=r.tool_call_deltas,
+                    )
+                )
                 offsets[c.index] += len(r.text)
         if include_usage:
             yield _sse(env.usage_chunk(choices, prompt_len))

@@ -8,12 +8,12 @@ the server read anything else.
 
 from __future__ import annotations
 
+import mlx_engine as me
+
 from pathlib import Path
 
 import anyio
 from fastapi import APIRouter, Depends
-
-import mlx_engine as me
 
 from .errors import APIError, bad_request
 from .schemas import DraftRequest
@@ -24,13 +24,19 @@ def resolve_draft(value: str, models_dir: Path | None) -> str:
     if value.lower() in me.CATALOG:
         return value
     if models_dir is None:
-        raise APIError(403, "model: only catalog names are accepted; the server was started without --models-dir",
-                       param="model", type="permission_error")
+        raise APIError(
+            403,
+            "model: only catalog names are accepted; the server was started without --models-dir",
+            param="model",
+            type="permission_error",
+        )
     root = models_dir.resolve()
     path = Path(value)
     path = (path if path.is_absolute() else root / path).resolve()
     if path != root and root not in path.parents:
-        raise APIError(403, "model: the path is outside the server's --models-dir", param="model", type="permission_error")
+        raise APIError(
+            403, "model: the path is outside the server's --models-dir", param="model", type="permission_error"
+        )
     return str(path)
 
 
@@ -80,5 +86,9 @@ def draft_router(service, auth) -> APIRouter:
 
 
 def _busy(exc: Exception) -> APIError:
-    return APIError(409, f"generations are running; retry when the server is idle ({exc})", code="busy",
-                    headers={"Retry-After": "1"})
+    return APIError(
+        409,
+        f"generations are running; retry when the server is idle ({exc})",
+        code="busy",
+        headers={"Retry-After": "1"},
+    )

@@ -25,8 +25,11 @@ class BodySizeLimit:
         self.app, self.max_bytes = app, max_bytes
 
     def _error(self) -> APIError:
-        return APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
-                        code="request_too_large")
+        return APIError(
+            413,
+            f"the request body is larger than the server's limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

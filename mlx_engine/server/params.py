@@ -9,12 +9,11 @@ back from ``create_generator`` as ``ValueError`` and is mapped the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx_engine as me
 from mlx_engine.request import DEFAULT_MAX_TOKENS
-
 from mlx_engine.tools import tool_format, validate_tool_request
+
+from dataclasses import dataclass
 
 from .errors import bad_request, from_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
@@ -108,25 +107,37 @@ def token_budget(kit: me.ModelKit, prompt_len: int, asked: int | None) -> int:
         return asked or DEFAULT_MAX_TOKENS
     room = context - prompt_len
     if room <= 0:
-        raise bad_request(f"messages: the prompt has {prompt_len} tokens, which leaves no room in the "
-                          f"model's context of {context} tokens", "messages")
+        raise bad_request(
+            f"messages: the prompt has {prompt_len} tokens, which leaves no room in the "
+            f"model's context of {context} tokens",
+            "messages",
+        )
     return min(asked, room) if asked else room
 
 
 def decoding_kwargs(opts: EngineOptions, default_mode: str) -> dict:
     """The ``mlx_engine`` extension as ``create_generator``'s decoding arguments."""
     mode = opts.decoding or default_mode
-    ngrams = {"prompt_lookup_min_ngram": opts.prompt_lookup_min_ngram,
-              "prompt_lookup_max_ngram": opts.prompt_lookup_max_ngram}
+    ngrams = {
+        "prompt_lookup_min_ngram": opts.prompt_lookup_min_ngram,
+        "prompt_lookup_max_ngram": opts.prompt_lookup_max_ngram,
+    }
     if mode == "plain":
         return {"speculative_decoding_toggle": False}
     if mode == "draft":
         return {"speculative_decoding_toggle": True, "num_draft_tokens": opts.num_draft_tokens}
     if mode == "prompt_lookup":
-        return {"speculative_decoding_toggle": False, **ngrams,
-                "prompt_lookup_num_tokens": opts.prompt_lookup_num_tokens or DEFAULT_LOOKUP_TOKENS}
-    return {"auto_speculative": True, "num_draft_tokens": opts.num_draft_tokens,
-            "prompt_lookup_num_tokens": opts.prompt_lookup_num_tokens, **ngrams}
+        return {
+            "speculative_decoding_toggle": False,
+            **ngrams,
+            "prompt_lookup_num_tokens": opts.prompt_lookup_num_tokens or DEFAULT_LOOKUP_TOKENS,
+        }
+    return {
+        "auto_speculative": True,
+        "num_draft_tokens": opts.num_draft_tokens,
+        "prompt_lookup_num_tokens": opts.prompt_lookup_num_tokens,
+        **ngrams,
+    }
 
 
 def structured_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict:
@@ -138,14 +149,16 @@ def structured_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict:
     if fmt.type == "json_object":
         return {**out, "json_schema": {"type": "object"}}
     if fmt.json_schema is None:
-        raise bad_request("response_format.json_schema is required when type is 'json_schema'",
-                          "response_format.json_schema")
+        raise bad_request(
+            "response_format.json_schema is required when type is 'json_schema'", "response_format.json_schema"
+        )
     # Always enforced by the grammar, whether or not ``strict`` is set.
     return {**out, "json_schema": fmt.json_schema.schema_}
 
 
-def generator_kwargs(kit: me.ModelKit, req: ChatCompletionRequest | CompletionRequest, prompt: Prompt,
-                     default_mode: str) -> list[dict]:
+def generator_kwargs(
+    kit: me.ModelKit, req: ChatCompletionRequest | CompletionRequest, prompt: Prompt, default_mode: str
+) -> list[dict]:
     """``create_generator``'s keyword arguments for each of the ``n`` choices
     (choice i samples with ``seed + i``, so seeded choices differ and repeat)."""
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
@@ -153,9 +166,12 @@ def generator_kwargs(kit: me.ModelKit, req: ChatCompletionRequest | CompletionRe
     base = {
         "max_tokens": token_budget(kit, len(prompt.tokens), asked),
         "temp": req.temperature if req.temperature is not None else 1.0,
-        "top_p": req.top_p, "top_k": req.top_k or None, "min_p": req.min_p,
+        "top_p": req.top_p,
+        "top_k": req.top_k or None,
+        "min_p": req.min_p,
         "stop_strings": [req.stop] if isinstance(req.stop, str) else (req.stop or None),
-        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
         "logit_bias": _logit_bias(req.logit_bias),
         "repetition_penalty": req.mlx_engine.repetition_penalty,
         "repetition_context_size": req.mlx_engine.repetition_context_size,

@@ -3,16 +3,31 @@ chunks, logprobs and usage (with the ``mlx_engine`` statistics extension)."""
 
 from __future__ import annotations
 
+import mlx_engine as me
+
 import time
 import uuid
 from dataclasses import dataclass, field
 
-import mlx_engine as me
-
-FINISH_REASONS = {"eos_token": "stop", "stop_string": "stop", "grammar_complete": "stop",
-                  "token_limit": "length", "user_cancelled": "stop"}
-_STATS = ("decoding_mode", "mode_reason", "drafted_tokens", "accepted_tokens", "acceptance_rate",
-          "time_to_first_token", "prompt_tps", "generation_tps", "cache_source", "generated_tokens")
+FINISH_REASONS = {
+    "eos_token": "stop",
+    "stop_string": "stop",
+    "grammar_complete": "stop",
+    "token_limit": "length",
+    "user_cancelled": "stop",
+}
+_STATS = (
+    "decoding_mode",
+    "mode_reason",
+    "drafted_tokens",
+    "accepted_tokens",
+    "acceptance_rate",
+    "time_to_first_token",
+    "prompt_tps",
+    "generation_tps",
+    "cache_source",
+    "generated_tokens",
+)
 
 
 @dataclass
@@ -49,9 +64,14 @@ class Choice:
         text = "".join(self.text)
         if not self.tool_calls:
             return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": text or None,
-                "tool_calls": [{"id": c.id, "type": "function",
-                                "function": {"name": c.name, "arguments": c.arguments_json}} for c in self.tool_calls]}
+        return {
+            "role": "assistant",
+            "content": text or None,
+            "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                for c in self.tool_calls
+            ],
+        }
 
 
 def delta_tool_calls(deltas: list[me.ToolCallDelta]) -> list[dict]:
@@ -60,8 +80,14 @@ def delta_tool_calls(deltas: list[me.ToolCallDelta]) -> list[dict]:
     out = []
     for d in deltas:
         if d.id is not None:
-            out.append({"index": d.index, "id": d.id, "type": "function",
-                        "function": {"name": d.name, "arguments": d.arguments}})
+            out.append(
+                {
+                    "index": d.index,
+                    "id": d.id,
+                    "type": "function",
+                    "function": {"name": d.name, "arguments": d.arguments},
+                }
+            )
         else:
             out.append({"index": d.index, "function": {"arguments": d.arguments}})
     return out
@@ -74,8 +100,10 @@ def _entry(text: str, logprob: float) -> dict:
 def token_logprobs(r: me.GenerationResult) -> list[dict]:
     """Chat logprob entries (``{"token", "logprob", "bytes", "top_logprobs"}``) of a result's tokens."""
     tops = r.top_logprobs or [[] for _ in r.tokens]
-    return [{**_entry(t.text, t.logprob), "top_logprobs": [_entry(a.text, a.logprob) for a in alts]}
-            for t, alts in zip(r.tokens, tops)]
+    return [
+        {**_entry(t.text, t.logprob), "top_logprobs": [_entry(a.text, a.logprob) for a in alts]}
+        for t, alts in zip(r.tokens, tops)
+    ]
 
 
 def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
@@ -84,9 +112,12 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
     for e in entries:
         offsets.append(pos)
         pos += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def engine_stats(stats: me.GenerationStats | None) -> dict:
@@ -105,8 +136,13 @@ def usage(prompt_len: int, choices: list[Choice]) -> dict:
     ext = {**engine_stats(first), "stop_reason": choices[0].finish.stop_reason if choices[0].finish else None}
     if len(choices) > 1:
         ext["choices"] = [{**engine_stats(c.stats), "index": c.index} for c in choices]
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens if first else 0}, "mlx_engine": ext}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens if first else 0},
+        "mlx_engine": ext,
+    }
 
 
 class Envelope:
@@ -118,8 +154,13 @@ class Envelope:
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": "mlx-engine"}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": "mlx-engine",
+        }
 
     def whole(self, choices: list[Choice], prompt_len: int, with_logprobs: bool) -> dict:
         """The non-streamed answer."""
@@ -133,9 +174,18 @@ class Envelope:
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": out, "usage": usage(prompt_len, choices)}
 
-    def chunk(self, index: int, *, text: str | None = None, role: bool = False, entries: list[dict] | None = None,
-              offset: int = 0, finish: str | None = None, with_usage: bool = False,
-              tool_deltas: list[me.ToolCallDelta] | None = None) -> dict:
+    def chunk(
+        self,
+        index: int,
+        *,
+        text: str | None = None,
+        role: bool = False,
+        entries: list[dict] | None = None,
+        offset: int = 0,
+        finish: str | None = None,
+        with_usage: bool = False,
+        tool_deltas: list[me.ToolCallDelta] | None = None,
+    ) -> dict:
         """One stream chunk for choice ``index``."""
         lp = None
         if entries is not None:

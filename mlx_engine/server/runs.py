@@ -11,6 +11,8 @@ back to the admission queue.
 
 from __future__ import annotations
 
+import mlx_engine as me
+
 import asyncio
 import logging
 import threading
@@ -20,8 +22,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import anyio
-
-import mlx_engine as me
 
 from .queue import AdmissionQueue
 
@@ -73,7 +73,9 @@ class RequestRun:
         self.registry.add(self)
         for index, (rid, gen) in enumerate(gens):
             self.request_ids.append(rid)
-            threading.Thread(target=self._pump, args=(index, gen), name=f"mlx-engine-server-{rid[-6:]}", daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(index, gen), name=f"mlx-engine-server-{rid[-6:]}", daemon=True
+            ).start()
 
     async def _create(self, prompt: list[int], kwargs: dict):
         while True:

@@ -91,7 +91,9 @@ def _interpolate(timings: dict[int, float], widest: int) -> list[float]:
     return seconds
 
 
-def measure_chained_step(model: nn.Module, vocab_size: int, chain: int = 4, context: int = 128, repeats: int = 5) -> float:
+def measure_chained_step(
+    model: nn.Module, vocab_size: int, chain: int = 4, context: int = 128, repeats: int = 5
+) -> float:
     """Seconds per step when ``chain`` greedy steps are built lazily, each queued
     as soon as it is built, and evaluated once: how a drafter runs its model,
     cheaper than isolated steps because graph building overlaps computation."""
@@ -152,7 +154,9 @@ class RoundCosts:
         ks = range(1, MAX_MODEL_DRAFT + 1)
         ys = [self.prior[k] / self.prior[0] - 1.0 for k in ks]
         k_mean, y_mean = sum(ks) / len(ks), sum(ys) / len(ys)
-        self._prior_slope = sum((k - k_mean) * (y - y_mean) for k, y in zip(ks, ys)) / sum((k - k_mean) ** 2 for k in ks)
+        self._prior_slope = sum((k - k_mean) * (y - y_mean) for k, y in zip(ks, ys)) / sum(
+            (k - k_mean) ** 2 for k in ks
+        )
         self._prior_jump = y_mean - self._prior_slope * k_mean
         self.t0_sum = self.t0_count = 0.0  # undrafted rounds: decaying sum of seconds, count
         # Drafted rounds: decaying sums of w, w·k, w·k², w·s, w·k·s (s in seconds),

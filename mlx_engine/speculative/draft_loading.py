@@ -90,8 +90,9 @@ def _special_notes(main_tok, draft_tok, main_rows: int, draft_rows) -> list[str]
     if set(main_tok.all_special_ids) != set(draft_tok.all_special_ids):
         notes.append("the tokenizers mark different sets of ids as special (the main tokenizer's are used)")
     if isinstance(draft_rows, int) and draft_rows != main_rows:
-        notes.append(f"embedding rows differ: main {main_rows}, draft {draft_rows} (rows past the vocabulary "
-                     "are never drafted)")
+        notes.append(
+            f"embedding rows differ: main {main_rows}, draft {draft_rows} (rows past the vocabulary are never drafted)"
+        )
     return notes
 
 
@@ -114,7 +115,9 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     notes += _special_notes(kit.tokenizer, draft_tok, main_rows, config.get("vocab_size"))
     try:
         if _uses_recurrent_cache(config):
-            reasons.append(f"the draft architecture {config['model_type']!r} has recurrent layers whose cache cannot be rewound")
+            reasons.append(
+                f"the draft architecture {config['model_type']!r} has recurrent layers whose cache cannot be rewound"
+            )
     except Exception as exc:  # pragma: no cover - module introspection failure
         reasons.append(f"could not inspect the draft architecture: {exc}")
     return DraftCompatibility(not reasons, reasons, notes)

@@ -73,8 +73,9 @@ class DraftModelDrafter:
         drafted round: the next one starts where its accepted drafts end."""
         return not self._last_drafted and self.policy.idle_next()
 
-    def prefill_prompt(self, prompt: list[int], on_chunk: Callable[[int], None] | None = None,
-                       chunk_size: int = PREFILL_CHUNK) -> Iterator[None]:
+    def prefill_prompt(
+        self, prompt: list[int], on_chunk: Callable[[int], None] | None = None, chunk_size: int = PREFILL_CHUNK
+    ) -> Iterator[None]:
         """Bring the draft cache to ``prompt[:-1]`` (keeping the prefix it shares),
         yielding after each chunk of ``chunk_size`` tokens, as the main model's
         prefill does (``ModelKit.prefill_prompt``): the scheduler lets the other

@@ -240,8 +240,9 @@ class _Loop:
     """One decode's state: the history, the drafter (dropped for good when it
     becomes unavailable), the tokens produced and the last round's read time."""
 
-    def __init__(self, cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback,
-                 constraint):
+    def __init__(
+        self, cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback, constraint
+    ):
         self.cache, self.history, self.max_new = cache, history, max_new
         self.sampler, self.processors, self.context_window = sampler, processors, context_window
         self.drafter, self.on_fallback, self.constraint = drafter, on_fallback, constraint
@@ -311,8 +312,16 @@ class _Loop:
         """Yield this round's launch; the caller sends back its queued round."""
         history, limit = self.history, self.max_new - self.produced - 1
         if self.constraint is not None:
-            launch = _launch_constrained(self.cache, history, limit, self.propose, self.constraint, self.sampler,
-                                         self.processors, self.context_window)
+            launch = _launch_constrained(
+                self.cache,
+                history,
+                limit,
+                self.propose,
+                self.constraint,
+                self.sampler,
+                self.processors,
+                self.context_window,
+            )
         else:
             launch = self._launch_free(history, limit)
         return (yield launch)
@@ -325,13 +334,18 @@ class _Loop:
         if isinstance(drafts, (mx.array, PendingDrafts)):
             if drafts.size and not self.processors:
                 # The launch's lazy ids are the drafts (pending ones are computed first).
-                return Launch(self.cache, [history[-1]], drafts, lambda logits, start, ids: _queue(
-                    ids, start, *sample_rows(logits, [], [], sample, [], 0, position=position)))
+                return Launch(
+                    self.cache,
+                    [history[-1]],
+                    drafts,
+                    lambda logits, start, ids: _queue(
+                        ids, start, *sample_rows(logits, [], [], sample, [], 0, position=position)
+                    ),
+                )
             drafts = drafts.tolist()  # processors need each position's exact context
 
         def finish(logits: mx.array, start: int, ids: None) -> Round:
-            rows = sample_rows(logits, history, drafts, sample, self.processors, self.context_window,
-                               position=position)
+            rows = sample_rows(logits, history, drafts, sample, self.processors, self.context_window, position=position)
             return _queue(drafts, start, *rows)
 
         return Launch(self.cache, [history[-1]] + drafts, None, finish)
@@ -342,8 +356,16 @@ class _Loop:
         # construction overlaps the running step.
         # ``token`` sits at len(history) (not appended yet); this step samples the next position.
         sample, position = self.sampler, len(self.history) + 1
-        return (yield Launch(self.cache, [], token, lambda logits, start, ids: _queue(
-            [], start, *sample_rows(logits, [], [], sample, [], 0, position=position))))
+        return (
+            yield Launch(
+                self.cache,
+                [],
+                token,
+                lambda logits, start, ids: _queue(
+                    [], start, *sample_rows(logits, [], [], sample, [], 0, position=position)
+                ),
+            )
+        )
 
 
 def _draft_count(drafts: Drafts) -> int:
@@ -391,8 +413,7 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
     def finish(logits: mx.array, start: int, ids: None) -> Round:
         mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
         masks = constraint.masks(drafts)
-        rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks,
-                           position=position)
+        rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks, position=position)
         return _queue(drafts, start, *rows, forced=bool(forced))
 
     return Launch(cache, [history[-1]] + drafts, None, finish)

@@ -27,8 +27,13 @@ class DraftLengthPolicy:
     # target's own token, after the last draft it had not been fed.
     steady_catch_up = 2
 
-    def __init__(self, fixed: int | None, round_costs: costs.RoundCosts | None = None,
-                 prior_acceptance: float = 0.6, decay: float = 0.8):
+    def __init__(
+        self,
+        fixed: int | None,
+        round_costs: costs.RoundCosts | None = None,
+        prior_acceptance: float = 0.6,
+        decay: float = 0.8,
+    ):
         self.fixed = fixed
         self.round_costs = round_costs
         # A draft model's acceptance changes quickly between copied and free

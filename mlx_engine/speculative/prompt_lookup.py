@@ -179,8 +179,14 @@ class PromptLookupDrafter:
     # request's own history: a one- or two-token match there drafts noise.
     MEMORY_MIN_NGRAM = 3
 
-    def __init__(self, num_tokens: int, min_ngram: int = 1, max_ngram: int = 3, num_candidates: int = 4,
-                 memory: list[list[int]] | None = None):
+    def __init__(
+        self,
+        num_tokens: int,
+        min_ngram: int = 1,
+        max_ngram: int = 3,
+        num_candidates: int = 4,
+        memory: list[list[int]] | None = None,
+    ):
         self.num_tokens = num_tokens
         self.num_candidates = num_candidates
         # Set for a fixed-length request on a batching kit: drafts are cut to what

@@ -243,7 +243,9 @@ class AutoRouter:
 
     def _draft_speedup(self) -> float:
         """The draft model's expected speed-up from its record on this request."""
-        return best_draft_length(self.draft_drafter.acceptance, self.draft_drafter.round_costs, costs.MAX_MODEL_DRAFT)[1]
+        return best_draft_length(self.draft_drafter.acceptance, self.draft_drafter.round_costs, costs.MAX_MODEL_DRAFT)[
+            1
+        ]
 
     def _lookup_rounds_beside_draft(self) -> list[float]:
         """Lookup rounds' times while the draft model runs: lookup's own line
@@ -391,7 +393,9 @@ class AutoRouter:
         than the running mode."""
         # From plain decoding a switch gains more than from the draft model, and
         # the draft model's switches were tuned with watch_rounds: keep them so.
-        needed = self.s.watch_rounds if self.mode == "draft_model" else self.s.shadow_rounds << min(self._lookup_exits, 5)
+        needed = (
+            self.s.watch_rounds if self.mode == "draft_model" else self.s.shadow_rounds << min(self._lookup_exits, 5)
+        )
         # Evidence is counted in decided positions: one shadow matching three
         # tokens in a row says as much as three matching their first.
         if self.shadow_positions < needed or (self.mode == "draft_model" and self._lookup_retired):

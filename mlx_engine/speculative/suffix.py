@@ -66,8 +66,15 @@ class SuffixMemory:
 
     Not thread-safe: a kit's memory is used on its engine thread only."""
 
-    def __init__(self, max_tokens: int = DEFAULT_SUFFIX_MEMORY_TOKENS, key: int = 2, max_depth: int = 64,
-                 max_candidates: int = 64, min_probability: float = 0.1, length_factor: float = 1.0):
+    def __init__(
+        self,
+        max_tokens: int = DEFAULT_SUFFIX_MEMORY_TOKENS,
+        key: int = 2,
+        max_depth: int = 64,
+        max_candidates: int = 64,
+        min_probability: float = 0.1,
+        length_factor: float = 1.0,
+    ):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
         if key < 1 or max_depth < key:
@@ -119,8 +126,11 @@ class SuffixMemory:
                 self._seqs.move_to_end(sid)  # nothing new (a request's cache lags its last token)
                 return
             self._remove(sid)
-        for other in [s for s, seq in self._seqs.items() if seq and len(seq) < len(tokens)
-                      and seq[0] == tokens[0] and tokens[: len(seq)] == seq]:
+        for other in [
+            s
+            for s, seq in self._seqs.items()
+            if seq and len(seq) < len(tokens) and seq[0] == tokens[0] and tokens[: len(seq)] == seq
+        ]:
             self._remove(other)  # the earlier turn of this conversation
         sid = self._next_id
         self._next_id += 1
@@ -207,7 +217,9 @@ def _agreement(seq: list[int], i: int, history: list[int], j: int, most: int) ->
     return n
 
 
-def _walk(occurrences: list[tuple[list[int], int]], limit: int, min_probability: float) -> tuple[list[int], float, float]:
+def _walk(
+    occurrences: list[tuple[list[int], int]], limit: int, min_probability: float
+) -> tuple[list[int], float, float]:
     """The greedy most-frequent path below a suffix-tree node given by its
     occurrences (sequence, position of the next token), most recent first."""
     drafts: list[int] = []
@@ -243,8 +255,15 @@ class SuffixDrafter(PromptLookupDrafter):
 
     name = "suffix"
 
-    def __init__(self, num_tokens: int, memory: SuffixMemory, request_name: Hashable,
-                 min_ngram: int = 1, max_ngram: int = 3, num_candidates: int = 4):
+    def __init__(
+        self,
+        num_tokens: int,
+        memory: SuffixMemory,
+        request_name: Hashable,
+        min_ngram: int = 1,
+        max_ngram: int = 3,
+        num_candidates: int = 4,
+    ):
         super().__init__(num_tokens, min_ngram, max_ngram, num_candidates)
         self.suffix_memory = memory
         self.request_name = request_name

@@ -56,8 +56,10 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
     if spec is None or spec.choice == "none":
         return spec, constraint
     if constraint is not None:
-        raise ValueError(f"tools and {constraint[0]} were both given; a tool call's arguments follow the tool's "
-                         "own schema, so pass one of them (or tool_choice='none')")
+        raise ValueError(
+            f"tools and {constraint[0]} were both given; a tool call's arguments follow the tool's "
+            "own schema, so pass one of them (or tool_choice='none')"
+        )
     grammar = build_grammar(spec, special_markers(kit, spec.format))
     try:
         check_grammar(kit, "tools", grammar)
@@ -66,8 +68,9 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
             try:
                 check_grammar(kit, *compile_constraint(json_schema=tool.parameters))
             except ValueError as exc:
-                raise ValueError(f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: "
-                                 f"{exc}") from exc
+                raise ValueError(
+                    f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: {exc}"
+                ) from exc
         raise
     return spec, ("tools", grammar)
 

@@ -82,7 +82,7 @@ def parse_region(fmt: ToolFormat, region: str, names: set[str] | None) -> list[t
         return _mistral_v11(region, names)
     if fmt.name == "llama3":
         region = region.strip()
-        region = region[len(PYTHON_TAG):] if region.startswith(PYTHON_TAG) else region
+        region = region[len(PYTHON_TAG) :] if region.startswith(PYTHON_TAG) else region
     values = _json_values(region)
     if values is not None and fmt.name.startswith("mistral") and len(values) == 1 and isinstance(values[0], list):
         values = values[0]
@@ -231,7 +231,7 @@ class ToolCallStream:
             return p, False
         idx = p.find(fmt.open)
         if idx >= 0:
-            self._region, self._pending = "", p[idx + len(fmt.open):]
+            self._region, self._pending = "", p[idx + len(fmt.open) :]
             return ("" if self._count and not p[:idx].strip() else p[:idx]), True
         cut = len(p) - _held_prefix(p, fmt.open)
         if self._count and not p[:cut].strip():
@@ -248,7 +248,7 @@ class ToolCallStream:
         self._stream(self._region if idx < 0 else self._region[:idx])
         if idx < 0:
             return None  # not closed yet, or (no closing text) the calls run to the end of the message
-        body, self._pending = self._region[:idx], self._region[idx + len(self.fmt.close):]
+        body, self._pending = self._region[:idx], self._region[idx + len(self.fmt.close) :]
         self._region = None
         if self._scanner is not None:
             self._scanner.reset()
