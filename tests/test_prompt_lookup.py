@@ -294,30 +294,9 @@ def test_prompt_lookup_falls_back_when_cache_cannot_rewind(llama_path):
 
 def test_sampling_modes_work_with_prompt_lookup(kit):
     prompt = me.tokenize(kit, "for i in range(10):\n    print(i, i * i)\n" * 6)
-    a, final = generate_ids(
-        kit,
-        prompt,
-        max_tokens=25,
-        temp=0.7,
-        top_p=0.9,
-        top_k=40,
-        min_p=0.05,
-        repetition_penalty=1.1,
-        seed=11,
-        prompt_lookup_num_tokens=4,
-    )
-    b, _ = generate_ids(
-        kit,
-        prompt,
-        max_tokens=25,
-        temp=0.7,
-        top_p=0.9,
-        top_k=40,
-        min_p=0.05,
-        repetition_penalty=1.1,
-        seed=11,
-        prompt_lookup_num_tokens=4,
-    )
+    options = dict(max_tokens=25, temp=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, seed=11)
+    a, final = generate_ids(kit, prompt, prompt_lookup_num_tokens=4, **options)
+    b, _ = generate_ids(kit, prompt, prompt_lookup_num_tokens=4, **options)
     assert a == b and len(a) == 25
     assert all(0 <= t < kit.vocab_size for t in a)
     assert final.stats.decoding_mode == "prompt_lookup"
