@@ -200,6 +200,7 @@ def test_an_interrupted_wait_does_not_lose_the_step():
     from mlx_engine import streams, worker
 
     import _thread
+    import signal
 
     started, release = threading.Event(), threading.Event()
 
@@ -209,6 +210,8 @@ def test_an_interrupted_wait_does_not_lose_the_step():
         yield "first"
         yield "second"
 
+    # interrupt_main does nothing unless Python's own SIGINT handler is installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     thread = worker.acquire()
     try:
         it = streams.WorkerIterator(thread, steps())
@@ -221,6 +224,7 @@ def test_an_interrupted_wait_does_not_lose_the_step():
         assert list(it) == ["first", "second"]
     finally:
         worker.release(thread)
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no finalizer may fail

@@ -101,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     server = _Server(config, app.state.service)
     # uvicorn re-raises the signal it caught once it has stopped; these handlers
     # make that a no-op, so a requested stop exits 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    server.run()
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:  # a caller running main() in-process gets its handlers back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     try:
         me.unload(kit)
     except me.GenerationInProgressError:  # a generation outlived the grace period and the wait for it
