@@ -80,6 +80,21 @@ def _optional_number(name: str, value) -> float | None:
     return None if value is None else (_number(name, value) or None)
 
 
+def _checked(name: str, value, ok: Callable[[float], bool], allowed: str, integer: bool = False):
+    """``value`` as a finite number (None stays None); ``ValueError`` saying
+    "``name`` must be ``allowed``" unless ``ok`` holds for it."""
+    if value is None:
+        return None
+    if not ok(number := _number(name, value, integer=integer)):
+        raise ValueError(f"{name} must be {allowed}, got {number}")
+    return number
+
+
+def _count(name: str, value, lo: int, hi: int, allowed: str) -> int | None:
+    """``value`` as an integer in [lo, hi] (None stays None), else ``ValueError``."""
+    return _checked(name, value, lambda x: lo <= x <= hi, allowed, integer=True)
+
+
 def validate_sampling(
     *,
     temp: float | None,
@@ -99,36 +114,18 @@ def validate_sampling(
     """Check every sampling argument and return them normalised (NaN and
     infinities are refused for every float). ``vocab_size`` bounds ``top_k`` and
     ``min_tokens_to_keep``."""
-    if temp is not None and (temp := _number("temp", temp)) < 0:
-        raise ValueError(f"temp must be >= 0 (0 or None is greedy), got {temp}")
-    if top_p is not None and not (0 < (top_p := _number("top_p", top_p)) <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k is not None and not (0 <= (top_k := _number("top_k", top_k, integer=True)) < vocab_size):
-        raise ValueError(f"top_k must be from 0 (off) to {vocab_size - 1} (below the vocabulary size), got {top_k}")
-    if min_p is not None and not (0 <= (min_p := _number("min_p", min_p)) <= 1):
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-    if min_tokens_to_keep is not None and not (
-        1 <= (min_tokens_to_keep := _number("min_tokens_to_keep", min_tokens_to_keep, integer=True)) <= vocab_size
-    ):
-        raise ValueError(
-            f"min_tokens_to_keep must be from 1 to {vocab_size} (the vocabulary size), got {min_tokens_to_keep}"
-        )
-    if (
-        repetition_penalty is not None
-        and (repetition_penalty := _number("repetition_penalty", repetition_penalty)) <= 0
-    ):
-        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
-    if not (
-        1
-        <= (repetition_context_size := _number("repetition_context_size", repetition_context_size, integer=True))
-        <= MAX_REPETITION_CONTEXT
-    ):
-        raise ValueError(f"repetition_context_size must be from 1 to 2**31 - 1 (tokens), got {repetition_context_size}")
+    temp = _checked("temp", temp, lambda x: x >= 0, ">= 0 (0 or None is greedy)")
+    top_p = _checked("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]")
+    top_k = _count("top_k", top_k, 0, vocab_size - 1, f"from 0 (off) to {vocab_size - 1} (below the vocabulary size)")
+    min_p = _checked("min_p", min_p, lambda x: 0 <= x <= 1, "in [0, 1]")
+    min_tokens_to_keep = _count(
+        "min_tokens_to_keep", min_tokens_to_keep, 1, vocab_size, f"from 1 to {vocab_size} (the vocabulary size)"
+    )
+    repetition_penalty = _checked("repetition_penalty", repetition_penalty, lambda x: x > 0, "> 0")
+    context = _number("repetition_context_size", repetition_context_size, integer=True)  # required
+    context = _count("repetition_context_size", context, 1, MAX_REPETITION_CONTEXT, "from 1 to 2**31 - 1 (tokens)")
     seed = validate_seed(seed)
-    if top_logprobs is not None and not (
-        0 <= (top_logprobs := _number("top_logprobs", top_logprobs, integer=True)) <= MAX_TOP_LOGPROBS
-    ):
-        raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    top_logprobs = _count("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS, f"between 0 and {MAX_TOP_LOGPROBS}")
     return SamplingParams(
         temp=float(temp or 0.0),
         top_p=top_p,
@@ -136,7 +133,7 @@ def validate_sampling(
         min_p=min_p,
         min_tokens_to_keep=min_tokens_to_keep,
         repetition_penalty=repetition_penalty,
-        repetition_context_size=repetition_context_size,
+        repetition_context_size=context,
         seed=seed,
         top_logprobs=top_logprobs or None,
         presence_penalty=_optional_number("presence_penalty", presence_penalty),
