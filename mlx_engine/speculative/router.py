@@ -158,8 +158,8 @@ class AutoRouter:
         this, plain rounds under the router cost a few percent more than plain
         decoding's."""
         if self.mode in ("probe", "prompt_lookup") and self._lookup_pays_nothing():
-            # In prompt lookup, a round lookup does not draft may be the draft model's.
-            return self.mode == "probe" or self.draft_drafter is None or self.draft_drafter.plain_ahead
+            # A round lookup does not draft may be the draft model's (_draft_turn).
+            return self.draft_drafter is None or self.draft_drafter.plain_ahead
         if self.mode == "draft_model":
             # Not while lookup has earned rounds of its own here: they are chosen in propose.
             return self.draft_drafter.plain_ahead and not self._lookup_earns()
