@@ -217,9 +217,14 @@ class PromptLookupDrafter:
 
     def propose(self, history: list[int], limit: int) -> list[int]:
         drafts = self.peek(history, min(self.num_tokens, limit))
+        drafts = drafts[: self.match_length_cap()]
         if self.batch_pricing is not None:
             drafts = drafts[: self.batch_pricing.draft_length(self.strength, len(drafts))]
         return drafts
+
+    def match_length_cap(self) -> int | None:
+        """The most drafts the last peek's match may propose (None: all N)."""
+        return None
 
     def peek(self, history: list[int], n: int) -> list[int]:
         """Up to ``n`` tokens lookup would draft after ``history`` (the router's

@@ -269,16 +269,12 @@ class SuffixDrafter(PromptLookupDrafter):
         self.request_name = request_name
         self.last_match = NO_MATCH  # the memory's answer to the last peek
 
-    def propose(self, history: list[int], limit: int) -> list[int]:
-        """As prompt lookup, with SuffixDecoding's adaptive length for every
-        match: at most one draft token per matched token (a one-token match,
-        right about a quarter of the time, drafts one token, not N; a long
-        copy drafts up to N). The memory's own query already keeps to it."""
-        drafts = self.peek(history, min(self.num_tokens, limit))
-        drafts = drafts[: max(1, self.strength)]
-        if self.batch_pricing is not None:
-            drafts = drafts[: self.batch_pricing.draft_length(self.strength, len(drafts))]
-        return drafts
+    def match_length_cap(self) -> int:
+        """SuffixDecoding's adaptive length for every match: at most one draft
+        token per matched token (a one-token match, right about a quarter of the
+        time, drafts one token, not N; a long copy drafts up to N). The memory's
+        own query already keeps to it."""
+        return max(1, self.strength)
 
     def peek(self, history: list[int], n: int) -> list[int]:
         own = super().peek(history, n)
