@@ -294,7 +294,9 @@ class SimulatedDraft:
 
     acceptance = property(lambda self: self.policy.acceptance)
     round_costs = property(lambda self: self.policy.round_costs)
-    plain_ahead = False
+
+    def plain_ahead(self, history: list[int]) -> bool:
+        return False
 
     def propose(self, history: list[int], limit: int) -> list[int]:
         self._proposed = True

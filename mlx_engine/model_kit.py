@@ -21,6 +21,7 @@ from .disk_cache import DiskCache, model_identity
 from .draft_pool import DraftModel  # re-exported: tests import it from here
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
 from .speculative import costs
+from .speculative.drafting_rows import DraftingRows
 from .speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,8 @@ class ModelKit:
         self.cost_model: costs.CostModel | None = None  # see forward_costs
         # What earlier requests produced, for suffix drafting (speculative/suffix.py).
         self.suffix_memory = SuffixMemory(options.suffix_memory_tokens) if options.suffix_memory_tokens else None
+        # What the batch's lookup rows can draft, so each prices its drafts with the others'.
+        self.drafting_rows = DraftingRows()
         self.num_params = 0
         self._activity = Activity()
         self.max_parallel = 1  # concurrent generations (see _init_batching)

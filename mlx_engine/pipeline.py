@@ -189,6 +189,7 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
     if prepared is not None:
         # Every request teaches suffix drafting (plain ones too), before the row's cache is released.
         jobs.append(lambda: kit.remember_sequence(request_id, prepared.cache.tokens))
+        jobs.append(lambda: kit.drafting_rows.forget(request_id))
         jobs.append(lambda: release_row(kit.batch, prepared.cache))
         if prepared.draft_drafter is not None:
             jobs.append(lambda: kit.draft.give_back(prepared.draft_drafter.cache))

@@ -137,14 +137,16 @@ def build_drafter(
     stats.decoding_mode, stats.mode_reason = plan.mode_name, plan.reason
     if plan.kind == "plain":
         return None, None
+    name = request_id if request_id is not None else object()
     if kit.suffix_memory is not None:
-        name = request_id if request_id is not None else object()
         lookup = SuffixDrafter(plan.lookup_k, kit.suffix_memory, name, *plan.ngrams)
     else:
         lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
+    batch = None
+    if kit.max_parallel > 1:
+        batch = BatchPricing(kit.forward_costs, lambda: kit.open_generations, kit.drafting_rows, name)
     if plan.kind == "prompt_lookup":
-        if kit.max_parallel > 1:
-            lookup.batch_pricing = BatchPricing(kit.forward_costs, lambda: kit.open_generations)
+        lookup.batch_pricing = batch
         return lookup, None
     draft_drafter = None
     if plan.use_draft:
@@ -157,7 +159,5 @@ def build_drafter(
         )
     if plan.kind == "draft_model":
         return draft_drafter, draft_drafter
-    router = AutoRouter(
-        prompt, kit.forward_costs(), stats, lookup, draft_drafter, batch_rows=lambda: kit.open_generations
-    )
+    router = AutoRouter(prompt, kit.forward_costs(), stats, lookup, draft_drafter, batch=batch)
     return router, draft_drafter

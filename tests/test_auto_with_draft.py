@@ -84,9 +84,8 @@ class _Spy:
         self._by_draft = True
         return self._draft_propose(history, limit)
 
-    @property
-    def plain_ahead(self) -> bool:
-        return self.router.plain_ahead
+    def plain_ahead(self, history) -> bool:
+        return self.router.plain_ahead(history)
 
     def propose(self, history, limit):
         self._by_draft = False

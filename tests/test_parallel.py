@@ -4,6 +4,7 @@ import mlx_engine as me
 from mlx_engine import CallbackError
 from mlx_engine.batch_cache import RaggedBatch
 from mlx_engine.scheduler import MAX_BACKLOG
+from mlx_engine.speculative.costs import CostModel
 
 import threading
 
@@ -675,3 +676,42 @@ def test_a_failing_draft_prefill_fails_its_request_alone(pkit, llama_path, draft
     monkeypatch.setattr(SequenceCache, "prefill", logged)
     ids = solo(pkit, long, max_tokens=12, num_draft_tokens=3)
     assert_same_or_near_tie(pkit, long, solo(one, long, max_tokens=12, num_draft_tokens=3), ids)
+
+
+def test_lookup_rows_draft_together_in_a_batch_and_stay_exact(pkit, llama_path, monkeypatch):
+    """Four fixed-length lookup requests copying text: at costs where one row's
+    drafts never pay for a 4-row pass, the rows draft together (each prices its
+    drafts with the others' posts on the kit's board), outputs equal their solo
+    ones, and every request's post is gone when it ends."""
+    # A pass costs a fixed part plus 10% of a step per token: alone in 4 rows a
+    # 96% draft does not pay, four of them do (test_batch_costs).
+    width_costs = CostModel(tuple(0.01 * (1 + 0.1 * (n - 1)) for n in range(1, 34)))
+    monkeypatch.setattr(pkit, "forward_costs", lambda: width_costs)
+    # Priced as 4 rows to the end (rows that finish first would leave the last ones alone).
+    monkeypatch.setattr(type(pkit), "open_generations", property(lambda kit: 4))
+    one = me.load_model(llama_path, max_parallel=1)
+    texts = [t * 3 for t in TEXTS]
+    prompts = [me.tokenize(pkit, t) for t in texts]
+    want = [solo(one, p, max_tokens=24, speculative_decoding_toggle=False) for p in prompts]
+
+    def run(board_on: bool):
+        if not board_on:
+            monkeypatch.setattr(pkit.drafting_rows, "beside", lambda row: [])
+        gens = [me.create_generator(pkit, p, max_tokens=24, prompt_lookup_num_tokens=8) for p in prompts]
+        results = [[] for _ in gens]
+        finals = [None] * len(gens)
+        while any(f is None for f in finals):
+            for i, g in enumerate(gens):
+                if finals[i] is None:
+                    r = next(g)
+                    results[i] += [t.id for t in r.tokens]
+                    finals[i] = r if r.stop_condition is not None else None
+        return results, finals
+
+    got, finals = run(board_on=True)
+    for p, w, ids in zip(prompts, want, got):
+        assert_same_or_near_tie(pkit, p, w, ids)
+    assert sum(f.stats.drafted_tokens for f in finals) > 0
+    assert pkit.drafting_rows.beside(None) == []
+    _, alone = run(board_on=False)  # each row priced alone: no draft pays for a 4-row batch
+    assert sum(f.stats.drafted_tokens for f in alone) == 0

@@ -234,20 +234,33 @@ def test_router_prefilter_keeps_short_prompts_plain_when_set():
 
 
 def test_router_probe_draft_grows_while_accepted_whole():
-    router = AutoRouter(list(range(50)) * 8, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32))
-    history = list(range(50)) * 8
-    lengths = []
+    copied = list(range(50))
+    # A copy whose context differs from the original's: a 3-token match, 60% on the traces.
+    history = list(range(100, 150)) + [7] + copied + [8] + copied[:3]
+    router = AutoRouter(history, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32))
+    lengths, at = [], 3
     while router.mode == "probe":
         drafts = router.propose(history, 64)
         lengths.append(len(drafts))
-        assert drafts == [history[len(history) - 50 + i] for i in range(len(drafts))]
+        assert drafts == copied[at : at + len(drafts)]
         router.observe(len(drafts), len(drafts))
-        for _ in range(len(drafts) + 1):  # the text is a 50-token cycle
-            history.append(history[-50])
-    assert lengths == [4, 16]  # 22 tokens: the probe's 16 are done
+        history += copied[at : at + len(drafts) + 1]
+        at += len(drafts) + 1
+    # A short first draft (what a 60% match pays for), then the longest at once.
+    assert len(lengths) == 2 and lengths[0] < 8 and lengths[1] == 32
     assert router.mode == "prompt_lookup"
     # The probe's evidence carries over: the first committed draft is long too.
     assert len(router.propose(history, 64)) == 32
+
+
+def test_router_probe_drafts_a_strong_match_long_at_once():
+    """A match agreeing 16 tokens or more (96% accepted on the traces) is drafted
+    at the length that pays for it from the first probe round."""
+    router = AutoRouter(list(range(50)) * 8, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32))
+    history = list(range(50)) * 8
+    drafts = router.propose(history, 64)
+    assert len(drafts) > RouterSettings().probe_draft_tokens
+    assert drafts == list(range(len(drafts)))
 
 
 def test_router_leaves_lookup_when_it_stops_paying():
@@ -383,9 +396,9 @@ def test_router_with_a_draft_model_probes_lookup_and_gives_the_draft_the_rounds_
     assert draft.acceptance.drafted == 1 and router.lookup_acceptance.drafted == 0  # its record, not lookup's
     history += [702] + list(range(20))  # the text copies the prompt again: lookup drafts
     drafts = router.propose(history, 8)
-    assert drafts == list(range(20, 24)) and router.mode == "probe"
-    router.observe(4, 4)
-    assert router.lookup_acceptance.drafted == 4 and draft.acceptance.drafted == 1
+    assert drafts == list(range(20, 28)) and router.mode == "probe"  # a strong match: long at once
+    router.observe(8, 8)
+    assert router.lookup_acceptance.drafted == 8 and draft.acceptance.drafted == 1
 
 
 def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadows_promised():
@@ -467,7 +480,8 @@ def test_router_probe_drafts_from_lookup_memory():
     memory = [[50, 51, 52, 53, 54, 55, 56, 57, 58]]
     router = AutoRouter([50, 51], flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8, memory=memory))
     assert router.mode == "probe"
-    assert router.propose([50, 51, 52], 8) == [53, 54, 55, 56]  # the probe's first 4-token draft
+    drafts = router.propose([50, 51, 52], 8)  # the probe's first draft: 4 tokens, or what the match pays for
+    assert len(drafts) >= 4 and drafts == list(range(53, 53 + len(drafts)))
 
 
 def test_finder_prefers_the_candidate_whose_context_matches_longest():
@@ -565,7 +579,7 @@ def test_router_plain_rounds_are_queued_ahead_and_still_make_shadow_drafts():
         PromptLookupDrafter(32),
         settings=RouterSettings(min_prompt_tokens=256),
     )
-    assert router.plain_ahead
+    assert router.plain_ahead(history)
     assert router.propose(history, 32) == []  # the first round is launched normally
     rounds = 0
     while router.mode == "plain":
@@ -573,7 +587,7 @@ def test_router_plain_rounds_are_queued_ahead_and_still_make_shadow_drafts():
         history.append(passage[len(history) - 140])
         rounds += 1
     assert rounds <= router.s.shadow_rounds + 2
-    assert router.mode == "prompt_lookup" and not router.plain_ahead
+    assert router.mode == "prompt_lookup" and not router.plain_ahead(history)
 
 
 def test_auto_with_plain_rounds_queued_ahead_is_exact(kit):
@@ -649,6 +663,7 @@ def test_router_probe_skips_a_weak_match_that_does_not_pay():
     assert router.mode == "probe"
     assert router.propose(history, 32) == []
     strong = AutoRouter(cycle * 4, cpu_costs(), GenerationStats(), PromptLookupDrafter(32))
-    assert strong.propose(cycle * 5, 32) == cycle[:4]  # a copied passage: the probe's 4 tokens
+    drafts = strong.propose(cycle * 5, 32)  # a copied passage: drafted long at once
+    assert len(drafts) > 4 and drafts == cycle[: len(drafts)]
     cheap = AutoRouter(cycle * 4, flat_costs(1.01), GenerationStats(), PromptLookupDrafter(32))
-    assert cheap.propose(history, 32) == [8, 9, 10, 11]  # verifying is nearly free: the weak match is probed
+    assert cheap.propose(history, 32)[:4] == [8, 9, 10, 11]  # verifying is nearly free: the weak match is probed

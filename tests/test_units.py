@@ -143,8 +143,7 @@ class FlippingDrafter(ScriptedDrafter):
         self.proposals += 1  # the batch changes while this round's drafts are verified
         return super().propose(history, limit)
 
-    @property
-    def plain_ahead(self):
+    def plain_ahead(self, history):
         return self.proposals % 2 == 1
 
 

@@ -65,8 +65,7 @@ class DraftModelDrafter:
         self._proposed = True
         return self.policy.num_tokens(limit)
 
-    @property
-    def plain_ahead(self) -> bool:
+    def plain_ahead(self, history: list[int]) -> bool:
         """True while the adaptive length drafts nothing: the loop then queues
         each round before the previous one is read, as plain decoding does (an
         idle draft model's rounds cost 2-3% more otherwise). Never right after a

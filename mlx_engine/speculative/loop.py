@@ -123,6 +123,11 @@ class Drafter(Protocol):
         round's wall time (from the previous round's result to this one's, so it
         includes drafting and the caller's overlapped work; None for the first)."""
 
+    # Optional: ``plain_ahead(history) -> bool``, True when the round after
+    # ``history`` and one more token (whichever it is) drafts nothing; the loop
+    # then queues that round before the previous one is read, as plain decoding
+    # does. Drafters without it are asked every round.
+
 
 def sample_rows(
     logits: mx.array,
@@ -254,8 +259,8 @@ class _Loop:
         cache = self.cache
         rnd = yield from self.launch()
         while True:
-            # A drafter with plain_ahead set (the router in plain decoding) drafts nothing next round.
-            plain = self.drafter is None or getattr(self.drafter, "plain_ahead", False)
+            # A drafter whose plain_ahead says so (the router in plain decoding) drafts nothing next round.
+            plain = self.drafter is None or _plain_ahead(self.drafter, self.history)
             ahead = plain and not self.processors and self.constraint is None
             # Only behind a round without drafts: with drafts still to accept, the row's
             # next position is not known until they are (a batch-priced drafter's
@@ -366,6 +371,13 @@ class _Loop:
                 ),
             )
         )
+
+
+def _plain_ahead(drafter: Drafter, history: list[int]) -> bool:
+    """Whether ``drafter`` drafts nothing in the round after ``history`` and one
+    more token (whichever it is); drafters without ``plain_ahead`` may draft."""
+    ahead = getattr(drafter, "plain_ahead", None)
+    return ahead is not None and ahead(history)
 
 
 def _draft_count(drafts: Drafts) -> int:

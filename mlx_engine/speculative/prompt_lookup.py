@@ -8,10 +8,11 @@ costs a few dictionary probes whatever the history length.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
 from . import costs, speedup
+from .drafting_rows import DraftingRows
 
 
 class NGramIndex:
@@ -91,6 +92,30 @@ class NGramIndex:
                 return best[:num_tokens]
         return []
 
+    def next_strength_bound(self, scan: int = 256) -> int:
+        """The most ``strength`` a lookup can have once one more token, whichever
+        it is, is appended: one more than the longest suffix of the history that
+        also occurred earlier followed by a token (a match after the new token
+        is that token plus an earlier repeat of what precedes it). Costs what a
+        lookup does, so a batch can tell before a token is read that no draft
+        after it would pay (``scan``: more earlier occurrences than this give
+        the largest strength rather than being compared).
+
+        Example: after ``[1, 2, 3, 9, 1, 2]`` the suffix ``1 2`` occurred before
+        (followed by 3), so the strongest match after one more token is ``1 2 3``:
+        the bound is 3. After ``[1, 2, 3, 9]`` it is ``min_ngram`` (9 is new)."""
+        toks, end = self.tokens, len(self.tokens)
+        most = self.max_ngram + CONTEXT_WINDOW
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            earlier = [p for p in self._table.get(tuple(toks[end - n :]), ()) if p < end]
+            if not earlier:
+                continue
+            if len(earlier) > scan:
+                return most
+            longest = max(n + _context_match(toks, p - n, toks, end - n) for p in earlier)
+            return min(1 + longest, most)
+        return self.min_ngram
+
 
 #: How far back candidates' contexts are compared (tokens beyond the n-gram).
 CONTEXT_WINDOW = 32
@@ -151,20 +176,34 @@ def strength_acceptance(strength: int) -> float:
 
 class BatchPricing(NamedTuple):
     """What a fixed-length lookup needs to shorten its drafts in a batch: the
-    kit's verify costs (a callable: measured when first needed) and the rows of
-    the batch now."""
+    kit's verify costs (a callable: measured when first needed), the rows of
+    the batch now, and the board where the batch's lookup rows post what they
+    can draft (this request's row on it: ``row``)."""
 
     verify_costs: Callable[[], costs.CostModel]
     rows: Callable[[], int]
+    board: DraftingRows | None = None
+    row: Hashable = None
+
+    def post(self, strength: int) -> None:
+        """Tell the batch's other rows what this row's next round can reach."""
+        if self.board is not None:
+            self.board.post(self.row, strength_acceptance(strength))
+
+    def beside(self) -> list[float]:
+        """What the batch's other lookup rows posted (drafting_rows.py)."""
+        return self.board.beside(self.row) if self.board is not None else []
 
     def draft_length(self, strength: int, available: int) -> int:
         """How many of ``available`` drafts from a match of ``strength`` pay
-        for the batch's wider pass (all of them alone)."""
+        for the batch's wider pass, with the rows drafting beside it (all of
+        them alone)."""
         rows = self.rows()
         if rows <= 1 or available == 0:
             return available
         table = costs.batch_round_table(self.verify_costs(), rows)
-        return speedup.best_draft_length(strength_acceptance(strength), table, available, rows=rows)[0]
+        acceptance = strength_acceptance(strength)
+        return speedup.best_draft_length(acceptance, table, available, rows=rows, beside=self.beside())[0]
 
 
 class PromptLookupDrafter:
@@ -206,14 +245,26 @@ class PromptLookupDrafter:
             for seq in reversed(kept):
                 self.memory.extend(self.memory.tokens + seq + [SEPARATOR])
 
-    @property
-    def plain_ahead(self) -> bool:
-        """True while the batch is so big that even the strongest match's draft
-        would not pay for it: the loop then queues plain rounds ahead, as plain
-        decoding does (undrafted rounds built only after the previous one is read
-        cost a batch more than plain decoding's)."""
+    def plain_ahead(self, history: list[int]) -> bool:
+        """True while, in the batch as it is, no match the round after
+        ``history`` and one more token can find would pay for its drafts
+        (``next_strength_bound``): the loop then queues that round ahead, as
+        plain decoding does (undrafted rounds built only after the previous one
+        is read cost a batch more than plain decoding's)."""
         p = self.batch_pricing
-        return p is not None and p.rows() > 1 and p.draft_length(STRENGTH_ACCEPTANCE[0][0], self.num_tokens) == 0
+        if p is None:
+            return False
+        bound = self.next_strength_bound(history)
+        p.post(bound)
+        return p.rows() > 1 and p.draft_length(bound, self.num_tokens) == 0
+
+    def next_strength_bound(self, history: list[int]) -> int:
+        """The most ``strength`` the round after ``history`` and one more token
+        can have (NGramIndex.next_strength_bound); a match in the lookup memory,
+        continuing only the history's last n-gram, is never stronger than it."""
+        self.index.extend(history)
+        bound = self.index.next_strength_bound()
+        return max(bound, self.index.max_ngram) if self.memory is not None else bound
 
     def propose(self, history: list[int], limit: int) -> list[int]:
         drafts = self.peek(history, min(self.num_tokens, limit))

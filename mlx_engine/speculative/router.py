@@ -23,15 +23,25 @@ chose it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..results import GenerationStats
 from . import costs
 from .draft_model import DraftModelDrafter
 from .loop import Drafts
-from .prompt_lookup import PromptLookupDrafter, density_score
+from .prompt_lookup import BatchPricing, PromptLookupDrafter, density_score, strength_acceptance
 from .speedup import AcceptanceModel, best_draft_length
+
+
+class LookupPricing(NamedTuple):
+    """How a lookup round is priced: round times by draft length (a RoundCosts
+    alone), the rows of the batch, and the acceptances of the rows drafting beside it."""
+
+    rounds: costs.RoundCosts | list[float]
+    rows: int
+    beside: list[float]
+
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +65,7 @@ class RouterSettings:
     # The switch margin grows on thin evidence, x(1 + thin_evidence / positions
     # decided): one shadow matching a short phrase must not look like copying.
     thin_evidence: float = 1.0
-    probe_growth: int = 4  # a probe draft accepted whole makes the next one this many times longer
+    probe_growth: int = 8  # a probe draft accepted whole makes the next one this many times longer
     # A lookup match this weak or weaker (prompt_lookup.NGramIndex.strength: one
     # matching token, no agreeing context before it) gets its own acceptance
     # record, starting from weak_match_prior, because such matches are accepted far
@@ -78,12 +88,13 @@ class AutoRouter:
         lookup: PromptLookupDrafter,
         draft_drafter: DraftModelDrafter | None = None,
         settings: RouterSettings = RouterSettings(),
-        batch_rows: Callable[[], int] | None = None,
+        batch: BatchPricing | None = None,
     ):
         self.lookup_costs = costs.RoundCosts(verify_costs)  # a lookup draft costs nothing to make
         self.verify_costs = verify_costs
-        # How many rows the batch this request decodes in holds now (None: alone).
-        self.batch_rows = batch_rows
+        # The batch this request decodes in: its rows now, and the board of what
+        # its lookup rows can draft (None: alone).
+        self.batch = batch
         self.stats = stats
         self.lookup = lookup
         self.draft_drafter = draft_drafter
@@ -150,19 +161,19 @@ class AutoRouter:
         logger.debug("router: %s (%s)", mode, why)
 
     # -- drafter interface -------------------------------------------------
-    @property
-    def plain_ahead(self) -> bool:
+    def plain_ahead(self, history: list[int]) -> bool:
         """True in plain decoding: the loop may then queue each round before the
         previous one is read, as plain decoding does without a router (it skips
         ``propose``; ``observe`` makes the round's shadow draft instead). Without
         this, plain rounds under the router cost a few percent more than plain
         decoding's."""
+        self._post(history)
         if self.mode in ("probe", "prompt_lookup") and self._lookup_pays_nothing():
             # A round lookup does not draft may be the draft model's (_draft_turn).
-            return self.draft_drafter is None or self.draft_drafter.plain_ahead
+            return self.draft_drafter is None or self.draft_drafter.plain_ahead(history)
         if self.mode == "draft_model":
             # Not while lookup has earned rounds of its own here: they are chosen in propose.
-            return self.draft_drafter.plain_ahead and not self._lookup_earns()
+            return self.draft_drafter.plain_ahead(history) and not self._lookup_earns()
         return self.mode == "plain"
 
     def _lookup_pays_nothing(self) -> bool:
@@ -170,14 +181,24 @@ class AutoRouter:
         (strong or weak match): such a round drafts nothing, so it is queued
         ahead like a plain round instead of built after the previous one is read
         (which would hold up every row of the batch's next step)."""
-        if self.batch_rows is None:
-            return False
-        rounds, rows = self._lookup_pricing()
-        if rows <= 1:
+        if self._lookup_pricing().rows <= 1:
             return False
         max_k = self.lookup_k if self.mode == "probe" else self.max_lookup
-        strong = best_draft_length(self.lookup_acceptance, rounds, max_k, rows=rows)[0]
-        return strong == 0 and best_draft_length(self.weak, rounds, max_k, rows=rows)[0] == 0
+        return self._best_lookup(self.lookup_acceptance, max_k)[0] == 0 and self._best_lookup(self.weak, max_k)[0] == 0
+
+    def _post(self, history: list[int]) -> None:
+        """Tell the batch's other rows what this row's next lookup round can
+        reach (drafting_rows.py): in lookup's modes, the acceptance of the
+        strongest match it can find, at most what lookup's record here expects;
+        in the others, nothing."""
+        b = self.batch
+        if b is None or b.board is None:
+            return
+        if self.mode not in ("probe", "prompt_lookup"):
+            b.board.forget(b.row)
+            return
+        bound = strength_acceptance(self.lookup.next_strength_bound(history))
+        b.board.post(b.row, min(bound, self.lookup_acceptance.conditional()[0]))
 
     def propose(self, history: list[int], limit: int) -> Drafts:
         self._history, self._proposed, self._round_by = history, True, None
@@ -185,12 +206,9 @@ class AutoRouter:
             drafts = self._lookup_round(history, limit)
             return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
         if self.mode == "probe":
-            self.lookup.num_tokens = self.lookup_k
+            self.lookup.num_tokens = self.max_lookup
             drafts = self.lookup.propose(history, limit)
-            rounds, rows = self._lookup_pricing()
-            if rows > 1 and drafts:
-                # In a batch the probe's drafts widen every row's pass: only what pays for the batch.
-                drafts = drafts[: best_draft_length(self.lookup_acceptance, rounds, len(drafts), rows=rows)[0]]
+            drafts = drafts[: self._probe_length(len(drafts))]
             self._round_weak = self._is_weak(drafts)
             if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
@@ -204,6 +222,22 @@ class AutoRouter:
                 return drafts
             return self.draft_drafter.propose(history, limit)
         return []
+
+    def _probe_length(self, available: int) -> int:
+        """A probe round's length: ``lookup_k`` (growing while drafts are
+        accepted whole), or longer where the match is so strong that its
+        acceptance on the replay traces (strength_acceptance: 96% from 16
+        matching tokens on) pays for a longer draft: a copy is then drafted at
+        full length from its first round, not after two growths. In a batch, at
+        most what pays for the batch."""
+        if not available:
+            return 0
+        strong = best_draft_length(strength_acceptance(self.lookup.strength), self.lookup_costs, available)[0]
+        k = min(available, max(self.lookup_k, strong))
+        if self._lookup_pricing().rows > 1:
+            # In a batch the probe's drafts widen every row's pass: only what pays for the batch.
+            k = min(k, self._best_lookup(self.lookup_acceptance, k)[0])
+        return k
 
     def _draft_turn(self, history: list[int], limit: int) -> Drafts:
         """A probe or lookup round that lookup does not draft (no match, or one
@@ -265,22 +299,31 @@ class AutoRouter:
         if self._round_weak:
             k = self._weak_length(max_k)
         else:
-            rounds, rows = self._lookup_pricing()
             # Alone at least one token (leaving lookup is _watch_lookup's call); in a
             # batch a round that does not pay drafts nothing.
-            k = best_draft_length(self.lookup_acceptance, rounds, max_k, min_k=int(rows == 1), rows=rows)[0]
+            k = self._best_lookup(self.lookup_acceptance, max_k, min_k=int(self._lookup_pricing().rows == 1))[0]
         self.lookup_k = k
         return drafts[:k]
 
-    def _lookup_pricing(self) -> tuple[costs.RoundCosts | list[float], int]:
-        """Lookup rounds' times and the batch's rows: alone, the learned round
-        costs; in a batch of several rows, a k-draft round widens every row's
-        pass (costs.batch_round_table, scaled to the timed undrafted steps) and
-        the draft's gain is shared with rows that gain nothing from it."""
-        rows = self.batch_rows() if self.batch_rows is not None else 1
+    def _best_lookup(self, acceptance: AcceptanceModel, max_k: int, min_k: int = 0) -> tuple[int, float]:
+        """The lookup length that pays best at this acceptance, and its speed-up,
+        priced for the batch this request is in (with its rows drafting beside it)."""
+        p = self._lookup_pricing()
+        return best_draft_length(acceptance, p.rounds, max_k, min_k, rows=p.rows, beside=p.beside)
+
+    def _lookup_pricing(self) -> LookupPricing:
+        """Lookup rounds' times, the batch's rows and what the others can draft:
+        alone, the learned round costs; in a batch of several rows, a k-draft
+        round widens every row's pass (costs.batch_round_table, scaled to the
+        timed undrafted steps), and its gain adds to the other rows' (each
+        gaining one token a step, or what its own drafts in the same pass
+        bring, for the rows drafting beside it)."""
+        b = self.batch
+        rows = b.rows() if b is not None else 1
         if rows <= 1:
-            return self.lookup_costs, 1
-        return costs.batch_round_table(self.verify_costs, rows, self.lookup_costs.undrafted()), rows
+            return LookupPricing(self.lookup_costs, 1, [])
+        table = costs.batch_round_table(self.verify_costs, rows, self.lookup_costs.undrafted())
+        return LookupPricing(table, rows, b.beside())
 
     def _is_weak(self, drafts: list[int]) -> bool:
         """Whether ``drafts``, the last lookup's, come from a weak match (RouterSettings.weak_match)."""
@@ -288,8 +331,7 @@ class AutoRouter:
 
     def _weak_length(self, max_k: int) -> int:
         """The draft length a weak match pays for (0: none), from weak matches' record."""
-        rounds, rows = self._lookup_pricing()
-        return best_draft_length(self.weak, rounds, max_k, rows=rows)[0]
+        return self._best_lookup(self.weak, max_k)[0]
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if self.mode in ("plain", "draft_model") and not self._proposed and self._history is not None:
@@ -324,8 +366,13 @@ class AutoRouter:
             self.lookup_acceptance.observe(drafted, accepted)
             if drafted and accepted == drafted:
                 # Copying from the first drafts on: a fixed 32 drafts 33 tokens a
-                # round from there, so reach it in two rounds, not after the probe.
+                # round from there, so reach it at once, not after the probe.
                 self.lookup_k = min(self.max_lookup, self.lookup_k * self.s.probe_growth)
+            elif drafted:
+                # A copy that ended: back to the rejection bound (as lookup's own rounds).
+                self.lookup_k = max(
+                    min(self.lookup_k, 2 * accepted + 4), min(self.s.probe_draft_tokens, self.max_lookup)
+                )
             self._after_probe_round()
         elif self.mode == "prompt_lookup":
             self.lookup_acceptance.observe(drafted, accepted)
@@ -400,12 +447,12 @@ class AutoRouter:
         # tokens in a row says as much as three matching their first.
         if self.shadow_positions < needed or (self.mode == "draft_model" and self._lookup_retired):
             return
-        lookup_rounds, rows = self._lookup_pricing()
         current = 1.0
         if self.mode == "draft_model":
             current = self._draft_speedup()
-            lookup_rounds, rows = self._lookup_rounds_beside_draft(), 1
-        k, speedup = best_draft_length(self.shadow, lookup_rounds, self.max_lookup, rows=rows)
+            k, speedup = best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), self.max_lookup)
+        else:
+            k, speedup = self._best_lookup(self.shadow, self.max_lookup)
         margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
         if k and speedup > margin * current:
             shadow = self.shadow
@@ -421,8 +468,7 @@ class AutoRouter:
 
     def _lookup_speedup(self) -> tuple[int, float, float]:
         rate = self.accepted / self.drafted if self.drafted else 0.0
-        rounds, rows = self._lookup_pricing()
-        k, speedup = best_draft_length(self.lookup_acceptance, rounds, self.max_lookup, rows=rows)
+        k, speedup = self._best_lookup(self.lookup_acceptance, self.max_lookup)
         return k, speedup, rate
 
     def _fallback_mode(self) -> str:
@@ -464,8 +510,7 @@ class AutoRouter:
             return
         if (replaced := self._replaced_draft_speedup) is not None:
             # Only a switch from the draft model is checked: against what it replaced.
-            rounds, rows = self._lookup_pricing()
-            delivered = best_draft_length(self.lookup_own, rounds, self.max_lookup, rows=rows)[1]
+            delivered = self._best_lookup(self.lookup_own, self.max_lookup)[1]
             if delivered * self.s.switch_margin < replaced:
                 self._lookup_retired = True
                 self._replaced_draft_speedup = None

@@ -208,6 +208,27 @@ class SuffixMemory:
         drafts, score, prob = _walk(best, limit, self.min_probability)
         return SuffixMatch(drafts, best_len, len(best), score)
 
+    def next_match_bound(self, history: list[int], scan: int = 256) -> int:
+        """The longest ``match_length`` a query can find once one more token,
+        whichever it is, is appended to ``history``: one more than the longest
+        earlier occurrence, followed by a token, of the history's end (at least
+        ``key``; ``max_depth`` past ``scan`` occurrences). As
+        ``NGramIndex.next_strength_bound``, for the memory."""
+        k = self.key
+        if len(history) < k:
+            return min(k, len(history) + 1)
+        longest = 0
+        entry = self._index.get(tuple(history[-k:]), {})
+        if sum(len(positions) for positions in entry.values()) > scan:
+            return self.max_depth
+        for sid, positions in entry.items():
+            seq = self._seqs[sid]
+            for pos in positions:
+                if pos < len(seq):
+                    m = k + _agreement(seq, pos - k, history, len(history) - k, self.max_depth - k)
+                    longest = max(longest, m)
+        return min(max(k, 1 + longest), self.max_depth)
+
 
 def _agreement(seq: list[int], i: int, history: list[int], j: int, most: int) -> int:
     """How many tokens before ``seq[i]`` equal those before ``history[j]`` (up to ``most``)."""
@@ -275,6 +296,10 @@ class SuffixDrafter(PromptLookupDrafter):
         time, drafts one token, not N; a long copy drafts up to N). The memory's
         own query already keeps to it."""
         return max(1, self.strength)
+
+    def next_strength_bound(self, history: list[int]) -> int:
+        """As prompt lookup's, the suffix memory's matches included."""
+        return max(super().next_strength_bound(history), self.suffix_memory.next_match_bound(history))
 
     def peek(self, history: list[int], n: int) -> list[int]:
         own = super().peek(history, n)
