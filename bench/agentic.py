@@ -7,6 +7,9 @@ that repeat themselves the way agent harnesses and chat apps do:
   regenerate, a retried agent step, a second user asking the same);
 - ``code-edit``: one chat in which the model writes a function, then re-emits
   it whole with a rename, then with a docstring;
+- ``code-rewrite``: one chat in which the model writes a class, code only, then
+  is asked twice for the whole class again with an edit (an agent rewriting a
+  file): most of each answer re-emits the class;
 - ``tool-calls``: the same tool offered in three new chats with different
   arguments (``apply_chat_template(tools=...)``, ``create_generator(tools=...)``);
 - ``json-shape``: three new chats asking for an answer in the same JSON shape;
@@ -77,6 +80,11 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("a", "Write a Python function `word_count(text)` that returns a dict mapping each word to its count."),
         ("a", "Rename the function to `count_words` and return the whole function."),
         ("a", "Add a docstring to the function and return the whole function."),
+    ],
+    "code-rewrite": [
+        ("a", "Write a Python class `Stack` with push, pop, peek and is_empty methods. Reply with the code only."),
+        ("a", "Add a `size` method and reply with the whole class, code only."),
+        ("a", "Rename the class to `LifoStack` and reply with the whole class, code only."),
     ],
     "tool-calls": [(c, f"What is the weather in {c} right now?") for c in ("Paris", "Tokyo", "Lima")],
     "json-shape": [
