@@ -116,10 +116,13 @@ def test_fixed_lookup_rows_post_what_they_can_draft_and_draft_together():
     assert drafters[0].plain_ahead(history) and drafters[0].propose(history, 64) == []
     for d in drafters[1:]:
         d.plain_ahead(history)
-    assert len(board.beside(0)) == 7
+    assert len(board.beside(0, 8)) == 7
     assert not drafters[0].plain_ahead(history) and len(drafters[0].propose(history, 64)) > 0
     board.forget(1)
-    assert len(board.beside(0)) == 6
+    assert len(board.beside(0, 8)) == 6
+    for row in range(1, 6):
+        board.forget(row)  # three copying rows of eight: not enough to pay for breaking the batch's pipelining
+    assert board.beside(0, 8) == [] and drafters[0].propose(history, 64) == []
 
 
 def test_next_strength_bound_holds_whatever_token_comes_next():

@@ -32,7 +32,13 @@ class DraftingRows:
         with self._lock:
             self._posted.pop(row, None)
 
-    def beside(self, row: Hashable) -> list[float]:
-        """The other rows' posted acceptances."""
+    def beside(self, row: Hashable, rows: int) -> list[float]:
+        """The other rows' posted acceptances, when they and ``row`` are at
+        least half of the batch's ``rows``; else none. Rows that draft cannot
+        have their next step queued before this one is read, which the pass
+        widths do not price: with 2-3 copying rows of 8 (86% of their drafts
+        accepted) drafting together measured 0.89-0.99x plain batched decoding,
+        with all 8 copying 1.18x."""
         with self._lock:
-            return [a for r, a in self._posted.items() if r != row]
+            others = [a for r, a in self._posted.items() if r != row]
+        return others if 2 * (len(others) + 1) >= rows else []

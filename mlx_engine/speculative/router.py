@@ -30,7 +30,7 @@ from ..results import GenerationStats
 from . import costs
 from .draft_model import DraftModelDrafter
 from .loop import Drafts
-from .prompt_lookup import BatchPricing, PromptLookupDrafter, density_score, strength_acceptance
+from .prompt_lookup import COPYING, BatchPricing, PromptLookupDrafter, density_score, strength_acceptance
 from .speedup import AcceptanceModel, best_draft_length
 
 
@@ -121,6 +121,7 @@ class AutoRouter:
         # their rounds and shadows in every mode of this request.
         self.weak = AcceptanceModel(prior=settings.weak_match_prior)
         self._round_weak = False  # the round being observed drafted from a weak match
+        self._copying = False  # this round's strongest possible match is a copy's (_post)
         self._reset_evidence()
         facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
         if self.lookup_allowed:
@@ -188,17 +189,18 @@ class AutoRouter:
 
     def _post(self, history: list[int]) -> None:
         """Tell the batch's other rows what this row's next lookup round can
-        reach (drafting_rows.py): in lookup's modes, the acceptance of the
-        strongest match it can find, at most what lookup's record here expects;
-        in the others, nothing."""
+        reach (drafting_rows.py): in lookup's modes, where the strongest match it
+        can find is a copy's, that match's acceptance, at most what lookup's
+        record here expects; otherwise nothing."""
         b = self.batch
         if b is None or b.board is None:
             return
-        if self.mode not in ("probe", "prompt_lookup"):
+        bound = self.lookup.next_strength_bound(history) if self.mode in ("probe", "prompt_lookup") else 0
+        self._copying = bound >= COPYING
+        if not self._copying:
             b.board.forget(b.row)
             return
-        bound = strength_acceptance(self.lookup.next_strength_bound(history))
-        b.board.post(b.row, min(bound, self.lookup_acceptance.conditional()[0]))
+        b.board.post(b.row, min(strength_acceptance(bound), self.lookup_acceptance.conditional()[0]))
 
     def propose(self, history: list[int], limit: int) -> Drafts:
         self._history, self._proposed, self._round_by = history, True, None
@@ -323,7 +325,8 @@ class AutoRouter:
         if rows <= 1:
             return LookupPricing(self.lookup_costs, 1, [])
         table = costs.batch_round_table(self.verify_costs, rows, self.lookup_costs.undrafted())
-        return LookupPricing(table, rows, b.beside())
+        # Only a row that is copying counts the rows copying beside it (BatchPricing.draft_length).
+        return LookupPricing(table, rows, b.beside(rows) if self._copying else [])
 
     def _is_weak(self, drafts: list[int]) -> bool:
         """Whether ``drafts``, the last lookup's, come from a weak match (RouterSettings.weak_match)."""
