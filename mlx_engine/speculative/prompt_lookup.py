@@ -271,9 +271,12 @@ class PromptLookupDrafter:
         p = self.batch_pricing
         if p is None:
             return False
+        if p.rows() <= 1:  # alone: nothing to post, and every round drafts (no bound to compute per token)
+            p.post(0)
+            return False
         bound = self.next_strength_bound(history)
         p.post(bound)
-        return p.rows() > 1 and p.draft_length(bound, self.num_tokens) == 0
+        return p.draft_length(bound, self.num_tokens) == 0
 
     def next_strength_bound(self, history: list[int]) -> int:
         """The most ``strength`` the round after ``history`` and one more token

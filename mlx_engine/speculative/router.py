@@ -189,13 +189,14 @@ class AutoRouter:
 
     def _post(self, history: list[int]) -> None:
         """Tell the batch's other rows what this row's next lookup round can
-        reach (drafting_rows.py): in lookup's modes, where the strongest match it
+        reach (drafting_rows.py): in a batch and in lookup's modes, where the strongest match it
         can find is a copy's, that match's acceptance, at most what lookup's
         record here expects; otherwise nothing."""
         b = self.batch
         if b is None or b.board is None:
             return
-        bound = self.lookup.next_strength_bound(history) if self.mode in ("probe", "prompt_lookup") else 0
+        copying_possible = self.mode in ("probe", "prompt_lookup") and b.rows() > 1  # alone: no bound per token
+        bound = self.lookup.next_strength_bound(history) if copying_possible else 0
         self._copying = bound >= COPYING
         if not self._copying:
             b.board.forget(b.row)
