@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import PREFILL_CHUNK
+from ..caches.sequence import PREFILL_CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    from .loading import physical_memory
+    from .model import physical_memory
 
     return physical_memory()
 

@@ -16,9 +16,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import catalog, gguf, gguf_models, gguf_tokenizer
-from .errors import ModelLoadError
-from .model_checks import check_config_fields, check_model_files, check_weights_match_config
+from ..errors import ModelLoadError
+from . import catalog
+from .checks import check_config_fields, check_model_files, check_weights_match_config
+from .gguf import families as gguf_models
+from .gguf import reader as gguf
+from .gguf import tokenizer as gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
