@@ -38,13 +38,6 @@ DEFAULT_MAX_ENTRIES = 16
 DEFAULT_DISK_BYTES = 8 * 2**30
 
 
-def default_memory_budget() -> int:
-    """An eighth of physical memory, at most 4 GiB."""
-    from ..loading.model import physical_memory
-
-    return min(4 * 2**30, physical_memory() // 8)
-
-
 @dataclass(frozen=True)
 class PromptCacheOptions:
     """``load_model``'s prompt-cache arguments, checked: ``memory_bytes`` bounds

@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..caches.ragged import release_row
-from ..caches.sequence import PREFILL_CHUNK, SequenceCache
+from ..caches.sequence import SequenceCache
+from ..loading.memory import PREFILL_CHUNK
 from ..speculative import costs, speedup
 from ..speculative.loop import DrafterUnavailable, PendingDrafts
 from ..speculative.policy import DraftLengthPolicy

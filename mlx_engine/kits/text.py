@@ -13,12 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..caches.disk import DiskCache, model_identity
-from ..caches.prompt import PromptCache, PromptCacheOptions, default_memory_budget
+from ..caches.prompt import PromptCache, PromptCacheOptions
 from ..caches.ragged import RaggedBatch, can_batch
-from ..caches.sequence import PREFILL_CHUNK, CacheOptions, SequenceCache
+from ..caches.sequence import CacheOptions, SequenceCache
 from ..draft.model import DraftModel  # re-exported: tests import it from here
 from ..loading import model as loading
-from ..loading.memory import fit_context
+from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
 from ..speculative import costs
 from ..speculative.drafting_rows import DraftingRows
 from ..speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory

@@ -32,10 +32,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ..caches.sequence import PREFILL_CHUNK
 from ..errors import ModelLoadError
 from ..loading import model as loading
 from ..loading.checks import check_weights_match_config
+from ..loading.memory import PREFILL_CHUNK
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
 from .text import ExpandedPrompt, KitOptions, ModelKit
 
