@@ -20,7 +20,7 @@ from mlx_engine.speculative.router import AutoRouter
 from itertools import pairwise
 
 import mlx.core as mx
-from conftest import run_alone
+from helpers import run_alone
 
 from fixtures.tiny_models import MarkovLM
 

@@ -11,7 +11,7 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, run_alone
+from helpers import assert_same_or_near_tie, generate_ids, run_alone
 
 from fixtures.tiny_models import MarkovLM, make_model, successor_table
 

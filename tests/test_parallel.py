@@ -10,7 +10,7 @@ import threading
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, markov_kit
+from helpers import assert_same_or_near_tie, generate_ids, markov_kit
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from helpers import assert_same_or_near_tie, generate_ids
 
 pytestmark = pytest.mark.soak
 FULL = os.environ.get("MLX_ENGINE_SOAK") == "1"

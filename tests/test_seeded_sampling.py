@@ -8,7 +8,7 @@ from mlx_engine.request.sampling import SamplingParams, build_sampler, draw_seed
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, markov_kit
+from helpers import generate_ids, markov_kit
 from mlx_lm.sample_utils import make_sampler
 
 from fixtures.tiny_models import MarkovLM, successor_table

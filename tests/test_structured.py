@@ -10,7 +10,7 @@ import json
 import jsonschema
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, requires_default_model, run_alone
+from helpers import generate_ids, requires_default_model, run_alone
 
 from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 

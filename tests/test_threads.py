@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 from fixtures.tiny_models import make_model
 

@@ -13,7 +13,7 @@ import gc
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, run_alone
+from helpers import generate_ids, run_alone
 
 from fixtures.tiny_models import MarkovLM, successor_table
 

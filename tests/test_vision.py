@@ -14,7 +14,7 @@ import zlib
 
 import mlx.core as mx
 import pytest
-from conftest import NEAR_TIE_TOLERANCE, first_divergence, generate_ids
+from helpers import NEAR_TIE_TOLERANCE, first_divergence, generate_ids
 
 from fixtures.tiny_vlm import image_b64, make_gemma3, make_llava, make_qwen2_vl, make_text_draft
 
