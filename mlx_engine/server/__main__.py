@@ -1,7 +1,9 @@
-"""``python -m mlx_engine.server --model NAME|PATH``: load a kit and serve it.
+"""``python -m mlx_engine.server [--model NAME|PATH] [--models-dir DIR]``:
+serve the catalog's models and those of ``--models-dir`` by name, loading them
+on demand (host.py); ``--model`` is loaded at start.
 
 SIGTERM or SIGINT: stop accepting, let running generations finish for
-``--shutdown-grace`` seconds, cancel the rest, unload the kit (writing the
+``--shutdown-grace`` seconds, cancel the rest, unload the models (writing the
 prompt cache's disk tier, if any) and exit 0.
 """
 
@@ -11,13 +13,16 @@ import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import uvicorn  # noqa: E402
 
 from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE, create_app  # noqa: E402
+from .host import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions, ModelHost  # noqa: E402
 
 logger = logging.getLogger("mlx_engine.server")
 API_KEY_ENV = "MLX_ENGINE_API_KEY"
@@ -25,7 +30,7 @@ API_KEY_ENV = "MLX_ENGINE_API_KEY"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser("python -m mlx_engine.server", description="OpenAI-compatible server for mlx-engine")
-    p.add_argument("--model", required=True, help="catalog name, model directory or .gguf file")
+    p.add_argument("--model", help="model loaded at start: catalog name, model directory or .gguf file")
     p.add_argument("--model-id", help="the name clients pass as `model` (default: the model's file or folder name)")
     p.add_argument("--draft", help="draft model: catalog name or path")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -37,7 +42,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get(API_KEY_ENV),
         help=f"require this bearer token (default: ${API_KEY_ENV}; none: no key)",
     )
-    p.add_argument("--models-dir", help="folder draft models may be loaded from by path over HTTP")
+    p.add_argument("--models-dir", help="folder of models served by name; draft models may be loaded from it by path")
+    p.add_argument(
+        "--ttl",
+        type=float,
+        help=f"idle seconds before a model is unloaded (0: never; default {DEFAULT_TTL_S:g} for models loaded on demand, never for --model)",
+    )
+    p.add_argument("--memory-budget", type=int, help="bytes loaded models may hold (default: half of physical memory)")
+    p.add_argument("--max-loaded", type=int, help="models loaded at once (default: no limit but the memory budget)")
+    p.add_argument("--load-wait", type=float, default=DEFAULT_LOAD_WAIT_S, help="seconds a request waits for a load")
+    p.add_argument("--no-catalog", action="store_true", help="serve only --model and --models-dir, not the catalog")
+    p.add_argument("--no-metrics", action="store_true", help="no GET /metrics")
     p.add_argument(
         "--cors-origin", action="append", default=[], help="allowed browser origin (repeatable; default none)"
     )
@@ -74,31 +89,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use the model", args.host)
     context = args.context if args.context in (None, "auto") else int(args.context)
-    kit = me.load_model(
-        args.model,
-        max_kv_size=context,
-        prompt_cache_dir=args.prompt_cache_dir,
-        compute_dtype=args.compute_dtype,
-        max_parallel=args.max_parallel,
+    defaults = LoadOptions(context, args.max_parallel, args.compute_dtype, prompt_cache_dir=args.prompt_cache_dir)
+    ttl = DEFAULT_TTL_S if args.ttl is None else (args.ttl or None)
+    limits = HostLimits(ttl, args.memory_budget, args.max_loaded, args.load_wait)
+    host = ModelHost(
+        models_dirs=[args.models_dir] if args.models_dir else [],
+        catalog=not args.no_catalog,
+        defaults=defaults,
+        limits=limits,
     )
-    if args.draft:
-        me.load_draft_model(kit, args.draft)
     app = create_app(
-        kit,
-        model_id=args.model_id or _default_id(args.model),
+        host,
         api_key=args.api_key,
         queue_size=args.queue,
         models_dir=args.models_dir,
         cors_origins=args.cors_origin,
         max_body_bytes=args.max_body_bytes,
         decoding=args.decoding,
+        metrics=not args.no_metrics,
     )
-    if args.draft:
-        app.state.service.draft_name = args.draft
+    if args.model:
+        kit = me.load_model(
+            args.model,
+            max_kv_size=context,
+            prompt_cache_dir=args.prompt_cache_dir,
+            compute_dtype=args.compute_dtype,
+            max_parallel=args.max_parallel,
+        )
+        if args.draft:
+            me.load_draft_model(kit, args.draft)
+        # Loaded explicitly: no idle TTL (as LM Studio's explicit loads) unless --ttl names one.
+        options = replace(defaults, draft=args.draft, ttl=args.ttl or math.inf)
+        host.add_kit(args.model_id or _default_id(args.model), kit, managed=True, options=options, draft=args.draft)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace
     )
-    server = _Server(config, app.state.service)
+    server = _Server(config, host)
     # uvicorn re-raises the signal it caught once it has stopped; these handlers
     # make that a no-op, so a requested stop exits 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -107,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # a caller running main() in-process gets its handlers back
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    try:
-        me.unload(kit)
-    except me.GenerationInProgressError:  # a generation outlived the grace period and the wait for it
-        logger.warning("a generation was still ending at exit; the kit was not unloaded")
-    logger.info("stopped")
+    logger.info("stopped")  # the app's lifespan has unloaded the models (host.stop)
     return 0
 
 

@@ -12,11 +12,13 @@ Everything else runs on the event loop: states change between awaits only.
 from __future__ import annotations
 
 import mlx_engine as me
-from mlx_engine import catalog, gguf
-from mlx_engine.loading import physical_memory
+from mlx_engine.loading import catalog
+from mlx_engine.loading.gguf import reader as gguf
+from mlx_engine.loading.memory import physical_memory
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
@@ -313,6 +315,7 @@ class ModelHost:
         queue = getattr(entry.service, "queue", None)
         if entry.state == LOADED and entry.service is not None:
             entry.memory_bytes = kit_memory(entry.service.kit)
+        ttl = self.ttl_of(entry)
         return {
             "id": entry.model.id,
             "object": "model",
@@ -324,7 +327,7 @@ class ModelHost:
                 "managed": entry.managed,
                 "memory_bytes": entry.memory_bytes if entry.state == LOADED else 0,
                 "disk_bytes": entry.model.size_bytes,
-                "ttl": self.ttl_of(entry) if entry.managed else None,
+                "ttl": ttl if entry.managed and ttl != math.inf else None,
                 "idle_s": round(time.monotonic() - entry.last_used, 3) if entry.state == LOADED else None,
                 "running": queue.running if queue else 0,
                 "waiting": queue.waiting if queue else 0,

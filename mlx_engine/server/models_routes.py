@@ -5,6 +5,7 @@ unload, memory per model). All behind the API key when one is set."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from fastapi import APIRouter, Depends
@@ -62,10 +63,11 @@ def models_router(host: ModelHost, auth) -> APIRouter:
     @router.post("/v1/mlx_engine/models/load")
     async def load(body: LoadRequest):
         entry = host.lookup(body.model)
-        changes = body.model_dump(exclude={"model", "draft"}, exclude_none=True)
+        changes = body.model_dump(exclude={"model", "draft", "ttl"}, exclude_none=True)
         draft = body.draft if "draft" in body.model_fields_set else PAIRED
+        ttl = body.ttl or math.inf  # loaded on purpose: no idle TTL unless asked, as LM Studio's explicit loads
         try:
-            options = replace_options(host.defaults, **changes, draft=draft)
+            options = replace_options(host.defaults, **changes, draft=draft, ttl=ttl)
         except ValueError as exc:
             raise from_engine(exc) from exc
         await host.load(entry.model.id, options)
