@@ -517,3 +517,21 @@ def test_metrics_can_be_turned_off(llama_path):
             assert json.loads(httpx.get(f"{url}/health").text)["status"] == "ok"
     finally:
         me.unload(kit)
+
+
+def test_load_with_a_draft_model(tmp_path, llama_path, draft_path):
+    (tmp_path / "alpha").symlink_to(llama_path, target_is_directory=True)
+    (tmp_path / "drafty").symlink_to(draft_path, target_is_directory=True)
+    host = make_host(tmp_path)
+    with serve(create_app(host, api_key=KEY, models_dir=tmp_path)) as url:
+        post = lambda body: httpx.post(f"{url}/v1/mlx_engine/models/load", json=body, headers=AUTH)  # noqa: E731
+        plain = post({"model": "alpha"}).json()["mlx_engine"]
+        assert plain["draft"] is None
+        outside = post({"model": "alpha", "draft": str(llama_path.parent.parent)})
+        assert outside.status_code == 403 and outside.json()["error"]["param"] == "draft"
+        drafted = post({"model": "alpha", "draft": "drafty"})
+        assert drafted.status_code == 200, drafted.text
+        info = drafted.json()["mlx_engine"]
+        assert info["draft"] == "drafty" and info["memory_bytes"] > plain["memory_bytes"]
+        r = chat(url, "alpha", mlx_engine={"decoding": "draft"})
+        assert r.status_code == 200 and r.json()["usage"]["mlx_engine"]["decoding_mode"] == "draft_model"

@@ -165,7 +165,7 @@ def create_app(
     auth = _auth_dependency(api_key or None)
     _add_routes(app, host, auth)
     app.include_router(draft_router(host, Path(models_dir) if models_dir else None, auth))
-    app.include_router(models_router(host, auth))
+    app.include_router(models_router(host, Path(models_dir) if models_dir else None, auth))
     if app_metrics is not None:
 
         @app.get("/metrics", dependencies=[Depends(auth)])

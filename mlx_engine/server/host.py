@@ -347,6 +347,7 @@ class ModelHost:
         way a route reaches a kit. The model counts as busy (never unloaded)
         until the block ends, and while its generations hold or wait for rows."""
         entry = self.lookup(model)
+        label_request(entry.model.id)  # the request's model, for the requests counter
         if ttl is not None:
             check_ttl(ttl)
             entry.ttl = ttl  # LM Studio's request ttl: this model's idle time from now on
@@ -354,7 +355,6 @@ class ModelHost:
         try:
             service = await self._ready(entry)
             entry.last_used = time.monotonic()
-            label_request(entry.model.id)  # the request's model, for the requests counter
             yield service
         finally:
             entry.active -= 1
@@ -370,7 +370,7 @@ class ModelHost:
             if entry.state == NOT_LOADED:
                 if not entry.managed:
                     raise APIError(503, f"model {entry.model.id!r} was unloaded by its host", type="server_error")
-                entry.task = asyncio.ensure_future(self._load(entry, entry.options))
+                self._start_load(entry, entry.options)
             await self._wait(entry, deadline - time.monotonic())
 
     async def _wait(self, entry: ModelEntry, timeout: float | None) -> None:
@@ -414,13 +414,17 @@ class ModelHost:
         if entry.state == LOADED and options is not None and options != entry.options:
             await self.unload(model, reason="reload")
         if entry.state == NOT_LOADED:
-            entry.task = asyncio.ensure_future(self._load(entry, options or entry.options))
+            self._start_load(entry, options or entry.options)
             await self._wait(entry, None)
         return entry
 
+    def _start_load(self, entry: ModelEntry, options: LoadOptions) -> None:
+        # The state changes before anything awaits: a request arriving next waits on this load.
+        entry.state, entry.options = LOADING, options
+        entry.task = asyncio.ensure_future(self._load(entry, options))
+
     async def _load(self, entry: ModelEntry, options: LoadOptions) -> None:
         """Make room, load on a thread, and publish the kit (or the loader's error)."""
-        entry.state, entry.options = LOADING, options
         started = time.monotonic()
         try:
             await self._make_room(entry, entry.model.size_bytes)
@@ -484,12 +488,12 @@ class ModelHost:
                 code="busy",
                 headers={"Retry-After": "1"},
             )
-        entry.task = asyncio.ensure_future(self._unload(entry, reason))
+        service, entry.state = entry.service, UNLOADING  # before any await: no request gets this service now
+        entry.task = asyncio.ensure_future(self._unload(entry, service, reason))
         await asyncio.shield(entry.task)
         return entry
 
-    async def _unload(self, entry: ModelEntry, reason: str) -> None:
-        service, entry.state = entry.service, UNLOADING
+    async def _unload(self, entry: ModelEntry, service, reason: str) -> None:
         try:
             service.drain()
             await anyio.to_thread.run_sync(me.unload, service.kit)
@@ -534,22 +538,32 @@ class ModelHost:
 
     async def _reap(self) -> None:
         while True:
-            ttls = [self.ttl_of(e) for e in self.entries.values() if e.managed and e.state == LOADED]
-            ttls = [t for t in ttls if t]
-            await asyncio.sleep(min([0.5] + [t / 4 for t in ttls]))
-            now = time.monotonic()
-            for entry in list(self.entries.values()):
-                if entry.state != LOADED or not entry.managed:
-                    continue
-                if entry.busy:
-                    entry.last_used = now  # idle time counts from the last generation's end
-                    continue
-                ttl = self.ttl_of(entry)
-                if ttl and now - entry.last_used >= ttl:
-                    try:
-                        await self.unload(entry.model.id, reason="ttl")
-                    except APIError:  # became busy meanwhile
-                        pass
+            try:
+                await self._reap_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never leave the models without their TTL
+                logger.exception("idle unloads failed; retrying")
+                await asyncio.sleep(1.0)
+
+    async def _reap_once(self) -> None:
+        """Sleep a quarter of the shortest TTL (at most 0.5 s), then unload the idle expired models."""
+        ttls = [self.ttl_of(e) for e in self.entries.values() if e.managed and e.state == LOADED]
+        ttls = [t for t in ttls if t]
+        await asyncio.sleep(min([0.5] + [t / 4 for t in ttls]))
+        now = time.monotonic()
+        for entry in list(self.entries.values()):
+            if entry.state != LOADED or not entry.managed:
+                continue
+            if entry.busy:
+                entry.last_used = now  # idle time counts from the last generation's end
+                continue
+            ttl = self.ttl_of(entry)
+            if ttl and now - entry.last_used >= ttl:
+                try:
+                    await self.unload(entry.model.id, reason="ttl")
+                except APIError:  # became busy meanwhile
+                    pass
 
     def drain(self) -> None:
         """Admit nothing more: new and queued requests get 503; running ones go on."""

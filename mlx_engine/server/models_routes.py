@@ -6,12 +6,14 @@ unload, memory per model). All behind the API key when one is set."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Literal
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import from_engine
+from .drafts import resolve_draft
+from .errors import APIError, from_engine
 from .host import PAIRED, ModelHost, replace_options
 
 
@@ -36,8 +38,9 @@ class UnloadRequest(BaseModel):
     model: str = Field(min_length=1)
 
 
-def models_router(host: ModelHost, auth) -> APIRouter:
-    """``/v1/models`` and ``/v1/mlx_engine/models`` over ``host``."""
+def models_router(host: ModelHost, models_dir: Path | None, auth) -> APIRouter:
+    """``/v1/models`` and ``/v1/mlx_engine/models`` over ``host``; a draft
+    named by path must lie inside ``models_dir`` (as drafts.py's endpoints)."""
     router = APIRouter(dependencies=[Depends(auth)])
 
     @router.get("/v1/models")
@@ -65,6 +68,8 @@ def models_router(host: ModelHost, auth) -> APIRouter:
         entry = host.lookup(body.model)
         changes = body.model_dump(exclude={"model", "draft", "ttl"}, exclude_none=True)
         draft = body.draft if "draft" in body.model_fields_set else PAIRED
+        if draft not in (None, PAIRED) and draft not in host.entries:
+            draft = _draft_source(draft, models_dir)
         ttl = body.ttl or math.inf  # loaded on purpose: no idle TTL unless asked, as LM Studio's explicit loads
         try:
             options = replace_options(host.defaults, **changes, draft=draft, ttl=ttl)
@@ -79,3 +84,12 @@ def models_router(host: ModelHost, auth) -> APIRouter:
         return host.describe(entry)
 
     return router
+
+
+def _draft_source(draft: str, models_dir: Path | None) -> str:
+    """A catalog name, or a path inside ``models_dir`` (403 otherwise), for the ``draft`` field."""
+    try:
+        return resolve_draft(draft, models_dir)
+    except APIError as exc:
+        message = exc.message.removeprefix("model: ")
+        raise APIError(exc.status, f"draft: {message}", param="draft", type=exc.type) from None
