@@ -40,7 +40,7 @@ from ..runtime import worker
 from ..speculative.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
 from ..structured import GrammarConstraint
 from ..tools import ToolCallStream
-from .plan import build_drafter
+from .drafters import build_drafter
 from .sampling import Sampler, build_logits_processors, build_sampler
 from .stop_strings import TextStream
 from .validate import Request
@@ -218,6 +218,7 @@ def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
         stats.cache_entries = len(kit.prompt_cache.entries)
         todo = prompt[stats.cached_tokens : -1]
         decoding = req.plan.for_cache(entry, len(todo))
+        stats.decoding_mode, stats.mode_reason = decoding.mode_name, decoding.reason
         t_setup = time.perf_counter()
         drafter, draft_drafter = build_drafter(kit, decoding, prompt, stats, req.request_id)
         stats.setup_time = time.perf_counter() - t_setup
