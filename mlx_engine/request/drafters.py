@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ..draft.drafter import DraftModelDrafter
 from ..kits.text import ModelKit
-from ..results import GenerationStats
 from ..speculative import costs
 from ..speculative.loop import Drafter
 from ..speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
@@ -31,7 +30,7 @@ def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
 
 
 def build_drafter(
-    kit: ModelKit, plan: DecodingPlan, prompt: list[int], stats: GenerationStats, request_id: str | None = None
+    kit: ModelKit, plan: DecodingPlan, prompt: list[int], request_id: str | None = None
 ) -> tuple[Drafter | None, DraftModelDrafter | None]:
     """The drafter the plan names, and the draft-model drafter inside it (whose
     prompt must be prefilled) if any. May measure the kit's costs once. With the
@@ -61,5 +60,5 @@ def build_drafter(
         )
     if plan.kind == "draft_model":
         return draft_drafter, draft_drafter
-    router = AutoRouter(prompt, kit.forward_costs(), stats, lookup, draft_drafter, batch=batch)
+    router = AutoRouter(prompt, kit.forward_costs(), lookup, draft_drafter, batch=batch)
     return router, draft_drafter
