@@ -210,7 +210,7 @@ def results(
             return
         token = Token(tok, kit.tokenizer.decode([tok]), step.logprob, step.from_draft)
         tops = [_top_logprobs(kit, step.logprobs, req.params.top_logprobs)] if req.params.top_logprobs else None
-        last = n >= req.max_tokens
+        last = step.at_limit  # the loop counts max_tokens; this stage only ends the text there
         event = stream.push(tok, final=last or step.completes_grammar)
         if event.stop_string is not None:
             stop = GenerationStopCondition("stop_string", event.stop_string, event.stop_tokens)

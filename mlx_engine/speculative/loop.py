@@ -42,6 +42,7 @@ class Step(NamedTuple):
     logprobs: mx.array  # (vocab,) that distribution, for top-logprobs
     from_draft: bool
     completes_grammar: bool = False  # the request's grammar allows nothing after this token
+    at_limit: bool = False  # the loop's last token: ``max_new`` reached
     outcome: RoundOutcome | None = None
     fallback: str | None = None
 
@@ -269,8 +270,12 @@ class _Loop:
             for i, tok in enumerate(emitted):
                 first = i == 0
                 fallback, self.fallback = (self.fallback, None) if first else (None, self.fallback)
-                last = complete and i == len(emitted) - 1
-                yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n, last, outcome if first else None, fallback)
+                final = i == len(emitted) - 1
+                at_limit = final and self.produced >= self.max_new
+                outcome_here = outcome if first else None
+                yield Step(
+                    tok, sampled_lp[i], rnd.logprobs[i], i < n, complete and final, at_limit, outcome_here, fallback
+                )
             if self.produced >= self.max_new or complete:
                 return
             rnd = pending
