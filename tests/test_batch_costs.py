@@ -1,6 +1,5 @@
 """Speculation priced for the batch it runs in (costs.batch_round_table, rows=)."""
 
-from mlx_engine.results import GenerationStats
 from mlx_engine.speculative.costs import CostModel, batch_round_table, pass_seconds
 from mlx_engine.speculative.drafting_rows import DraftingRows
 from mlx_engine.speculative.prompt_lookup import BatchPricing, NGramIndex, PromptLookupDrafter
@@ -57,9 +56,7 @@ def test_fixed_lookup_cuts_its_drafts_to_what_pays_for_the_batch():
 
 def test_router_prices_lookup_rounds_for_the_batch():
     rows = [1]
-    router = AutoRouter(
-        list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32), batch=alone_in(lambda: rows[0])
-    )
+    router = AutoRouter(list(range(50)) * 8, WIDTH_COSTS, PromptLookupDrafter(32), batch=alone_in(lambda: rows[0]))
     history = list(range(50)) * 8
     while router.mode == "probe":
         drafts = router.propose(history, 64)
@@ -80,16 +77,12 @@ def test_router_prices_lookup_rounds_for_the_batch():
 
 
 def test_router_probe_in_a_big_batch_drafts_only_what_pays():
-    router = AutoRouter(
-        list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32), batch=alone_in(lambda: 8)
-    )
+    router = AutoRouter(list(range(50)) * 8, WIDTH_COSTS, PromptLookupDrafter(32), batch=alone_in(lambda: 8))
     assert router.mode == "probe"
     history = list(range(50)) * 8
     assert router.propose(history, 64) == []
     assert router.plain_ahead(history)
-    cheap = AutoRouter(
-        list(range(50)) * 8, FLAT_COSTS, GenerationStats(), PromptLookupDrafter(32), batch=alone_in(lambda: 8)
-    )
+    cheap = AutoRouter(list(range(50)) * 8, FLAT_COSTS, PromptLookupDrafter(32), batch=alone_in(lambda: 8))
     assert 0 < len(cheap.propose(list(range(50)) * 8, 64)) <= 4
 
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..draft.drafter import DraftModelDrafter
-from ..results import GenerationStats
 from . import costs
 from .loop import Drafts
 from .prompt_lookup import COPYING, BatchPricing, PromptLookupDrafter, density_score, strength_acceptance
@@ -84,7 +83,6 @@ class AutoRouter:
         self,
         prompt: list[int],
         verify_costs: costs.CostModel,
-        stats: GenerationStats,
         lookup: PromptLookupDrafter,
         draft_drafter: DraftModelDrafter | None = None,
         settings: RouterSettings = RouterSettings(),
@@ -95,7 +93,11 @@ class AutoRouter:
         # The batch this request decodes in: its rows now, and the board of what
         # its lookup rows can draft (None: alone).
         self.batch = batch
-        self.stats = stats
+        # The router's report, for the request's stats: the mode it is in, why it
+        # entered the first one, and every switch since ("previous -> mode: why").
+        self.decoding_mode = "auto"
+        self.mode_reason = ""
+        self.mode_switches: list[str] = []
         self.lookup = lookup
         self.draft_drafter = draft_drafter
         self.s = settings
@@ -154,11 +156,11 @@ class AutoRouter:
         self.mode = mode
         self._reset_evidence()
         label = "prompt_lookup" if mode == "probe" else mode
-        self.stats.decoding_mode = f"auto:{label}"
+        self.decoding_mode = f"auto:{label}"
         if previous is None:
-            self.stats.mode_reason = why
+            self.mode_reason = why
         else:
-            self.stats.mode_switches.append(f"{previous} -> {mode}: {why}")
+            self.mode_switches.append(f"{previous} -> {mode}: {why}")
         logger.debug("router: %s (%s)", mode, why)
 
     # -- drafter interface -------------------------------------------------
