@@ -535,3 +535,16 @@ def test_load_with_a_draft_model(tmp_path, llama_path, draft_path):
         assert info["draft"] == "drafty" and info["memory_bytes"] > plain["memory_bytes"]
         r = chat(url, "alpha", mlx_engine={"decoding": "draft"})
         assert r.status_code == 200 and r.json()["usage"]["mlx_engine"]["decoding_mode"] == "draft_model"
+
+
+def test_a_kit_added_by_id_replaces_the_same_model_found_in_the_folder(host_dir, llama_path):
+    host = make_host(host_dir)
+    create_app(host, api_key=KEY)  # attaches the host
+    kit = me.load_model(llama_path)
+    try:
+        host.add_kit("main", kit, managed=True)
+        assert "alpha" not in host.entries  # alpha is the same folder: served once, as "main"
+        host.rescan()
+        assert "alpha" not in host.entries and host.entries["main"].state == "loaded"
+    finally:
+        me.unload(kit)

@@ -53,6 +53,13 @@ class KnownModel:
     kind: str
     size_bytes: int = 0  # weights on disk: the memory estimate before a load
 
+    @property
+    def path(self) -> str:
+        """The real path of the model's files: one model found twice is served once."""
+        if self.kind == "catalog":
+            return str(catalog.lookup(self.source).resolve())
+        return self.source
+
 
 @dataclass(frozen=True)
 class LoadOptions:
@@ -260,12 +267,12 @@ class ModelHost:
         found = (catalog_models() if self.use_catalog else []) + [
             m for d in self.models_dirs for m in scan_models_dir(d)
         ]
-        sources = {e.model.source for e in self.entries.values()}
+        paths = {e.model.path for e in self.entries.values()}
         for model in found:
-            if model.id in self.entries or model.source in sources:
+            if model.id in self.entries or model.path in paths:
                 continue
             self.entries[model.id] = ModelEntry(model, self.defaults)
-            sources.add(model.source)
+            paths.add(model.path)
 
     def add_kit(
         self,
@@ -283,7 +290,7 @@ class ModelHost:
         if self.make_service is None:
             raise RuntimeError("add_kit needs the app: call create_app with this host first")
         source = str(Path(kit.model_path).resolve())
-        for other in [e for e in self.entries.values() if e.model.source == source and e.state == NOT_LOADED]:
+        for other in [e for e in self.entries.values() if e.model.path == source and e.state == NOT_LOADED]:
             del self.entries[other.model.id]  # the same model found by a scan: one entry, this id
         entry = ModelEntry(KnownModel(model_id, source, "kit"), options or self.defaults, managed=managed)
         entry.service, entry.state = self.make_service(kit, model_id, draft), LOADED
