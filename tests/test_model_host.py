@@ -11,7 +11,11 @@ from mlx_engine.server.host import HostLimits, LoadOptions, ModelHost, kit_memor
 
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -388,6 +392,10 @@ def test_load_and_unload_over_http(host_dir):
         gone = post("unload", {"model": "alpha"})
         assert gone.status_code == 200 and gone.json()["state"] == "not_loaded"
         assert httpx.post(f"{url}/v1/mlx_engine/models/unload", json={"model": "alpha"}).status_code == 401
+        assert chat(url, "beta").status_code == 200  # loaded on demand with the server's options
+        again = post("load", {"model": "beta", "ttl": 100})  # the same options but the TTL: no reload
+        assert again.status_code == 200 and again.json()["mlx_engine"]["ttl"] == 100
+        assert metric(scrape(url), "mlx_engine_model_loads_total", model="beta") == 1
 
 
 def test_unload_writes_the_prompt_cache_disk_tier(host_dir, tmp_path):
@@ -548,3 +556,42 @@ def test_a_kit_added_by_id_replaces_the_same_model_found_in_the_folder(host_dir,
         assert "alpha" not in host.entries and host.entries["main"].state == "loaded"
     finally:
         me.unload(kit)
+
+
+def test_command_line_without_model_serves_the_folder(host_dir, tmp_path):
+    """``python -m mlx_engine.server --models-dir DIR`` (no --model): models by name,
+    TTL unloads, metrics, and the prompt cache's disk tier written at unload."""
+    port = free_port()
+    cache = tmp_path / "pcache"
+    argv = ["--models-dir", str(host_dir), "--no-catalog", "--port", str(port), "--ttl", "0.5"]
+    argv += ["--prompt-cache-dir", str(cache), "--api-key", KEY, "--log-level", "warning"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_engine.server", *argv],
+        cwd=Path(__file__).resolve().parents[1],
+        env=dict(os.environ),
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(lambda: up() or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None
+        assert httpx.get(f"{url}/health").json()["model"] is None
+        listed = httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]
+        assert sorted(m["id"] for m in listed) == ["alpha", "beta", "gamma", "lab/delta"]
+        assert chat(url, "alpha", text="a prompt the cache keeps " * 8).status_code == 200
+        wait_until(lambda: state(url, "alpha") == "not_loaded")  # --ttl
+        assert list(cache.rglob("*.safetensors"))  # written when the TTL unloaded it
+        assert chat(url, "beta").status_code == 200
+        samples = scrape(url)
+        assert metric(samples, "mlx_engine_model_unloads_total", model="alpha", reason="ttl") == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

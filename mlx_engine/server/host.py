@@ -418,8 +418,14 @@ class ModelHost:
             raise APIError(409, f"model {model!r} is managed by the embedding host", param="model", code="not_managed")
         if entry.state in (LOADING, UNLOADING):
             await self._wait(entry, None)
-        if entry.state == LOADED and options is not None and options != entry.options:
+        if (
+            entry.state == LOADED
+            and options is not None
+            and replace(options, ttl=None) != replace(entry.options, ttl=None)
+        ):
             await self.unload(model, reason="reload")
+        elif entry.state == LOADED and options is not None:  # only the TTL changes: no reload
+            entry.options, entry.ttl = options, None
         if entry.state == NOT_LOADED:
             self._start_load(entry, options or entry.options)
             await self._wait(entry, None)
@@ -448,7 +454,10 @@ class ModelHost:
         seconds = time.monotonic() - started
         self.events("load", entry.model.id, ok=True, seconds=seconds)
         logger.info("loaded %s in %.2f s (%.1f MiB)", entry.model.id, seconds, entry.memory_bytes / 2**20)
-        await self._make_room(entry, 0)  # the estimate was the file's size: the measured bytes decide
+        try:  # the estimate was the file's size: the measured bytes decide
+            await self._make_room(entry, 0)
+        except APIError as exc:  # this model is in and serving; the others are unloaded when they can be
+            logger.warning("after loading %s: %s", entry.model.id, exc.message)
 
     async def _make_room(self, entry: ModelEntry, incoming: int) -> None:
         """Unload least recently used idle models until ``entry`` (``incoming``
