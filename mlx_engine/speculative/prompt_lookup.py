@@ -242,12 +242,13 @@ class PromptLookupDrafter:
         max_ngram: int = 3,
         num_candidates: int = 4,
         memory: list[list[int]] | None = None,
+        batch_pricing: BatchPricing | None = None,
     ):
         self.num_tokens = num_tokens
         self.num_candidates = num_candidates
-        # Set for a fixed-length request on a batching kit: drafts are cut to what
-        # pays for the batch (the router prices its own lengths).
-        self.batch_pricing: BatchPricing | None = None
+        # Given for a fixed-length request on a batching kit: drafts are cut to
+        # what pays for the batch (the router prices its own lengths).
+        self.batch_pricing = batch_pricing
         self.index = NGramIndex(min_ngram, max_ngram)
         self.strength = 0  # the last peek's match strength (NGramIndex.strength)
         self.memory = None

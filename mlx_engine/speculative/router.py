@@ -211,7 +211,6 @@ class AutoRouter:
             drafts = self._lookup_round(history, limit)
             return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
         if self.mode == "probe":
-            self.lookup.num_tokens = self.max_lookup
             drafts = self.lookup.propose(history, limit)
             drafts = drafts[: self._probe_length(len(drafts))]
             self._round_weak = self._is_weak(drafts)

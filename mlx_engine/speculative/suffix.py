@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import NamedTuple
 
-from .prompt_lookup import PromptLookupDrafter
+from .prompt_lookup import BatchPricing, PromptLookupDrafter
 
 #: Default bound on the tokens a kit's suffix memory holds (about 100 bytes of
 #: Python objects per token: a few MB).
@@ -284,8 +284,9 @@ class SuffixDrafter(PromptLookupDrafter):
         min_ngram: int = 1,
         max_ngram: int = 3,
         num_candidates: int = 4,
+        batch_pricing: BatchPricing | None = None,
     ):
-        super().__init__(num_tokens, min_ngram, max_ngram, num_candidates)
+        super().__init__(num_tokens, min_ngram, max_ngram, num_candidates, batch_pricing=batch_pricing)
         self.suffix_memory = memory
         self.request_name = request_name
         self.last_match = NO_MATCH  # the memory's answer to the last peek
