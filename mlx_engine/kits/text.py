@@ -20,7 +20,7 @@ from ..draft.model import DraftModel  # re-exported: tests import it from here
 from ..loading import model as loading
 from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
 from ..speculative import costs
-from ..speculative.drafting_rows import DraftingRows
+from ..speculative.batch_pricing import DraftingRows
 from ..speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 from .registry import Activity
 

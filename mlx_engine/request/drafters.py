@@ -9,8 +9,9 @@ from __future__ import annotations
 from ..draft.drafter import DraftModelDrafter
 from ..kits.text import ModelKit
 from ..speculative import costs
+from ..speculative.batch_pricing import BatchPricing
 from ..speculative.loop import Drafter
-from ..speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
+from ..speculative.prompt_lookup import PromptLookupDrafter
 from ..speculative.router import AutoRouter
 from ..speculative.suffix import SuffixDrafter
 from .plan import DecodingPlan

@@ -37,7 +37,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import NamedTuple
 
-from .prompt_lookup import BatchPricing, PromptLookupDrafter
+from .batch_pricing import BatchPricing
+from .prompt_lookup import PromptLookupDrafter
 
 #: Default bound on the tokens a kit's suffix memory holds (about 100 bytes of
 #: Python objects per token: a few MB).
