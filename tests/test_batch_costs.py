@@ -1,8 +1,8 @@
 """Speculation priced for the batch it runs in (costs.batch_round_table, rows=)."""
 
+from mlx_engine.speculative.batch_pricing import BatchPricing, DraftingRows
 from mlx_engine.speculative.costs import CostModel, batch_round_table, pass_seconds
-from mlx_engine.speculative.drafting_rows import DraftingRows
-from mlx_engine.speculative.prompt_lookup import BatchPricing, NGramIndex, PromptLookupDrafter
+from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter
 from mlx_engine.speculative.router import AutoRouter
 from mlx_engine.speculative.speedup import best_draft_length
 from mlx_engine.speculative.suffix import SuffixMemory
@@ -44,13 +44,12 @@ def test_bigger_batches_choose_shorter_drafts_or_none():
 def test_fixed_lookup_cuts_its_drafts_to_what_pays_for_the_batch():
     history = list(range(40)) * 3  # a strong match: the cycle continues
     rows = [1]
-    drafter = PromptLookupDrafter(8)
-    drafter.batch_pricing = BatchPricing(lambda: WIDTH_COSTS, lambda: rows[0])
+    drafter = PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: WIDTH_COSTS, lambda: rows[0]))
     assert len(drafter.propose(history, 64)) == 8 and not drafter.plain_ahead(history)
     rows[0] = 8
     assert drafter.propose(history, 64) == []
     assert drafter.plain_ahead(history)  # nothing would pay: the loop queues plain rounds ahead
-    drafter.batch_pricing = BatchPricing(lambda: FLAT_COSTS, lambda: rows[0])
+    drafter = PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: FLAT_COSTS, lambda: rows[0]))
     assert len(drafter.propose(history, 64)) == 8
 
 
@@ -102,9 +101,7 @@ def test_fixed_lookup_rows_post_what_they_can_draft_and_draft_together():
     history = list(range(40)) * 3  # every row copies: its next round can match strongly
     drafters = []
     for row in range(8):
-        d = PromptLookupDrafter(8)
-        d.batch_pricing = BatchPricing(lambda: WIDTH_COSTS, lambda: 8, board, row)
-        drafters.append(d)
+        drafters.append(PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: WIDTH_COSTS, lambda: 8, board, row)))
     # The only row posting: alone in 8 rows nothing pays, so its rounds are queued ahead.
     assert drafters[0].plain_ahead(history) and drafters[0].propose(history, 64) == []
     for d in drafters[1:]:

@@ -209,10 +209,10 @@ def test_unstarted_generator_does_not_leak_its_request_id(kit):
     del gen
     gc.collect()
     assert not me.stop_generation(kit, "r1")
-    assert "r1" not in kit._activity.known
+    assert "r1" not in kit.activity.known
     gen = me.create_generator(kit, prompt, max_tokens=2, request_id="r1")  # the id is free again
     gen.close()
-    assert "r1" not in kit._activity.known
+    assert "r1" not in kit.activity.known
     assert len(generate_ids(kit, prompt, max_tokens=2, request_id="r1")[0]) == 2
 
 

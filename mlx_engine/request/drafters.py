@@ -9,8 +9,9 @@ from __future__ import annotations
 from ..draft.drafter import DraftModelDrafter
 from ..kits.text import ModelKit
 from ..speculative import costs
+from ..speculative.batch_pricing import BatchPricing
 from ..speculative.loop import Drafter
-from ..speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
+from ..speculative.prompt_lookup import PromptLookupDrafter
 from ..speculative.router import AutoRouter
 from ..speculative.suffix import SuffixDrafter
 from .plan import DecodingPlan
@@ -39,15 +40,17 @@ def build_drafter(
     if plan.kind == "plain":
         return None, None
     name = request_id if request_id is not None else object()
-    if kit.suffix_memory is not None:
-        lookup = SuffixDrafter(plan.lookup_k, kit.suffix_memory, name, *plan.ngrams)
-    else:
-        lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
     batch = None
     if kit.max_parallel > 1:
         batch = BatchPricing(kit.forward_costs, lambda: kit.open_generations, kit.drafting_rows, name)
+    # A fixed-length lookup request cuts its drafts to what pays in the batch; the router prices its own.
+    fixed = batch if plan.kind == "prompt_lookup" else None
+    if kit.suffix_memory is not None:
+        lookup = SuffixDrafter(plan.lookup_k, kit.suffix_memory, name, *plan.ngrams, batch_pricing=fixed)
+    else:
+        memory = lookup_memory(kit, prompt)
+        lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=memory, batch_pricing=fixed)
     if plan.kind == "prompt_lookup":
-        lookup.batch_pricing = batch
         return lookup, None
     draft_drafter = None
     if plan.use_draft:
