@@ -10,6 +10,7 @@ from mlx_engine.server import create_app
 from mlx_engine.server.host import HostLimits, LoadOptions, ModelHost, kit_memory, scan_models_dir
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
@@ -595,3 +597,24 @@ def test_command_line_without_model_serves_the_folder(host_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_memory_is_back_after_load_and_unload_cycles(host_dir):
+    host = make_host(host_dir)
+    with serve(create_app(host, api_key=KEY)) as url:
+
+        def cycle():
+            assert chat(url, "alpha").status_code == 200
+            r = httpx.post(f"{url}/v1/mlx_engine/models/unload", json={"model": "alpha"}, headers=AUTH)
+            assert r.status_code == 200
+
+        cycle()  # first-use allocations (if any) happen here, not between the measurements
+        gc.collect()
+        before = mx.get_active_memory()
+        gc.disable()  # what an unload frees must not wait for Python's own collections
+        try:
+            for _ in range(5):
+                cycle()
+            assert mx.get_active_memory() == before  # every unload freed its arrays when it returned
+        finally:
+            gc.enable()

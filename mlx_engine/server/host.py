@@ -17,6 +17,7 @@ from mlx_engine.loading.gguf import reader as gguf
 from mlx_engine.loading.memory import physical_memory
 
 import asyncio
+import gc
 import logging
 import math
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 import anyio
+import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .errors import APIError
@@ -166,6 +168,16 @@ def kit_memory(kit: me.ModelKit) -> int:
         except RuntimeError:  # the engine thread changed the entries while they were summed; skip them
             pass
     return total
+
+
+def free_kit(kit: me.ModelKit) -> None:
+    """``unload`` (which writes the prompt cache's disk tier), then collect the
+    reference cycles that ended generations leave (frames, tracebacks): they can
+    hold the model's arrays until Python's next full collection, and the memory
+    should be back when the unload returns."""
+    me.unload(kit)
+    gc.collect()
+    mx.clear_cache()
 
 
 # -- the host ------------------------------------------------------------------------------
@@ -512,7 +524,7 @@ class ModelHost:
     async def _unload(self, entry: ModelEntry, service, reason: str) -> None:
         try:
             service.drain()
-            await anyio.to_thread.run_sync(me.unload, service.kit)
+            await anyio.to_thread.run_sync(free_kit, service.kit)
         except me.GenerationInProgressError:  # a generation still ending: keep the kit, with open admission
             entry.service, entry.state = self.make_service(service.kit, entry.model.id, service.draft_name), LOADED
             raise APIError(409, f"model {entry.model.id!r} is generating", code="busy") from None
@@ -598,7 +610,7 @@ class ModelHost:
                 await asyncio.gather(entry.task, return_exceptions=True)
         for entry in [e for e in self.loaded() if e.managed]:
             try:
-                await anyio.to_thread.run_sync(me.unload, entry.service.kit)
+                await anyio.to_thread.run_sync(free_kit, entry.service.kit)
                 self.events("unload", entry.model.id, reason="shutdown")
             except me.GenerationInProgressError:
                 logger.warning("a generation of %s was still ending at exit; not unloaded", entry.model.id)
