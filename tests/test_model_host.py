@@ -190,6 +190,9 @@ def test_load_options_are_checked():
         HostLimits(ttl=-1)
     with pytest.raises(ValueError, match="memory_bytes"):
         HostLimits(memory_bytes=0)
+    for bad in ({}, {"a": "not a kit"}, ["a list"]):
+        with pytest.raises(ValueError, match="kit must be"):
+            create_app(bad)
 
 
 # -- serving several models ------------------------------------------------------------------

@@ -107,20 +107,7 @@ def create_app(
     path. ``cors_origins``: allowed browser origins (none: CORS off).
     ``decoding``: the default mode (auto, plain, prompt_lookup, draft).
     ``metrics``: serve ``GET /metrics`` (Prometheus)."""
-    if isinstance(kit, me.ModelKit):
-        rows = kit.max_parallel if max_parallel is None else max_parallel
-        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
-            raise ValueError(
-                f"max_parallel must be an integer from 1 to the kit's max_parallel ({kit.max_parallel}), got {max_parallel!r}"
-            )
-    elif max_parallel is not None and (
-        isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1
-    ):
-        raise ValueError(f"max_parallel must be a positive integer or None, got {max_parallel!r}")
-    if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
-        raise ValueError(f"queue_size must be a non-negative integer, got {queue_size!r}")
-    if decoding not in ("auto", "plain", "prompt_lookup", "draft"):
-        raise ValueError(f"decoding must be auto, plain, prompt_lookup or draft, got {decoding!r}")
+    _check_arguments(kit, max_parallel, queue_size, decoding)
     host = kit if isinstance(kit, ModelHost) else ModelHost(catalog=False)
     app_metrics = Metrics(host) if metrics else None
 
@@ -137,8 +124,6 @@ def create_app(
     if isinstance(kit, me.ModelKit):
         service = host.add_kit(model_id or Path(kit.model_path).name, kit)
     elif not isinstance(kit, ModelHost):
-        if not isinstance(kit, Mapping) or not kit or not all(isinstance(k, me.ModelKit) for k in kit.values()):
-            raise ValueError("kit must be a ModelKit, a non-empty mapping of model ids to ModelKits, or a ModelHost")
         for mid, k in kit.items():
             host.add_kit(str(mid), k)
 
@@ -173,6 +158,28 @@ def create_app(
             return Response(app_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _check_arguments(kit, max_parallel, queue_size, decoding) -> None:
+    """``ValueError`` naming the first bad argument of ``create_app``."""
+    if isinstance(kit, me.ModelKit):
+        rows = kit.max_parallel if max_parallel is None else max_parallel
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
+            raise ValueError(
+                f"max_parallel must be an integer from 1 to the kit's max_parallel ({kit.max_parallel}), got {max_parallel!r}"
+            )
+    elif not isinstance(kit, ModelHost) and (
+        not isinstance(kit, Mapping) or not kit or not all(isinstance(k, me.ModelKit) for k in kit.values())
+    ):
+        raise ValueError("kit must be a ModelKit, a non-empty mapping of model ids to ModelKits, or a ModelHost")
+    elif max_parallel is not None and (
+        isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1
+    ):
+        raise ValueError(f"max_parallel must be a positive integer or None, got {max_parallel!r}")
+    if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
+        raise ValueError(f"queue_size must be a non-negative integer, got {queue_size!r}")
+    if decoding not in ("auto", "plain", "prompt_lookup", "draft"):
+        raise ValueError(f"decoding must be auto, plain, prompt_lookup or draft, got {decoding!r}")
 
 
 def _auth_dependency(api_key: str | None):
