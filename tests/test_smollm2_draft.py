@@ -21,12 +21,12 @@ requires_draft = pytest.mark.skipif(not (DRAFT_DIR / "model.safetensors").exists
 
 
 @requires_draft
-def test_draft_is_a_small_float16_catalog_model():
+def test_draft_is_a_small_quantized_catalog_model():
     assert catalog.lookup("smollm2-135m-draft") == DRAFT_DIR
     assert catalog.draft_for(me.DEFAULT_MODEL) == "smollm2-135m-draft"
     cfg = json.loads((DRAFT_DIR / "config.json").read_text())
-    assert cfg["torch_dtype"] == "float16" and cfg["vocab_size"] == 49152
-    assert (DRAFT_DIR / "model.safetensors").stat().st_size <= 25 * 2**20
+    assert cfg["quantization"]["bits"] == 4 and cfg["vocab_size"] == 49152
+    assert (DRAFT_DIR / "model.safetensors").stat().st_size <= 8 * 2**20
     assert (DRAFT_DIR / "README.md").exists() and (DRAFT_DIR / "eval.json").exists()
 
 
