@@ -61,6 +61,7 @@ def test_demo_draft_flag_picks_the_catalog_draft():
         demo.parse_args(["--draft", "--draft-model", "d"])
 
 
+@pytest.mark.training
 def test_training_batches_score_answers_and_copy_windows():
     from training.train_smollm2_draft import make_batch, pca_embedding
 
