@@ -196,6 +196,7 @@ def test_load_options_are_checked():
 
 
 # -- serving several models ------------------------------------------------------------------
+@pytest.mark.slow
 def test_two_models_served_by_one_server(host_dir, llama_path, qwen_path):
     host = make_host(host_dir)
     with serve(create_app(host, api_key=KEY)) as url:
@@ -324,6 +325,7 @@ def test_ttl_unloads_an_idle_model(host_dir):
         assert chat(url, "alpha").status_code == 200  # and loads again on demand
 
 
+@pytest.mark.slow
 def test_ttl_never_unloads_a_streaming_model(host_dir):
     host = make_host(host_dir, ttl=0.2)
     with serve(create_app(host, api_key=KEY)) as url:
@@ -336,6 +338,7 @@ def test_ttl_never_unloads_a_streaming_model(host_dir):
         wait_until(lambda: state(url, "alpha") == "not_loaded")  # idle once it ended
 
 
+@pytest.mark.slow
 def test_lru_eviction_within_a_budget_never_evicts_a_busy_model(host_dir, llama_path, qwen_path):
     sizes = []
     for path in (llama_path, qwen_path):
@@ -372,6 +375,7 @@ def test_max_loaded_counts_models(host_dir):
 
 
 # -- management over HTTP --------------------------------------------------------------------
+@pytest.mark.slow
 def test_load_and_unload_over_http(host_dir):
     host = make_host(host_dir)
     with serve(create_app(host, api_key=KEY)) as url:
@@ -563,6 +567,7 @@ def test_a_kit_added_by_id_replaces_the_same_model_found_in_the_folder(host_dir,
         me.unload(kit)
 
 
+@pytest.mark.slow
 def test_command_line_without_model_serves_the_folder(host_dir, tmp_path):
     """``python -m mlx_engine.server --models-dir DIR`` (no --model): models by name,
     TTL unloads, metrics, and the prompt cache's disk tier written at unload."""
@@ -602,6 +607,7 @@ def test_command_line_without_model_serves_the_folder(host_dir, tmp_path):
             proc.kill()
 
 
+@pytest.mark.slow
 def test_memory_is_back_after_load_and_unload_cycles(host_dir):
     host = make_host(host_dir)
     with serve(create_app(host, api_key=KEY)) as url:
