@@ -13,6 +13,7 @@ from .errors import (  # noqa: E402
     DistributedConfigError,
     GenerationInProgressError,
     IncompatibleDraftModelError,
+    InvalidArgument,
     ModelLoadError,
     ShardedKitError,
 )  # noqa: E402
@@ -55,6 +56,7 @@ __all__ = [
     "GenerationStats",
     "GenerationStopCondition",
     "IncompatibleDraftModelError",
+    "InvalidArgument",
     "ModelKit",
     "ModelLoadError",
     "ShardedKitError",

@@ -20,6 +20,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .errors import InvalidArgument
+
 logger = logging.getLogger(__name__)
 
 CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")
@@ -34,8 +36,9 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
 
     given = [(n, v) for n, v in zip(CONSTRAINT_ARGS, (json_schema, regex, grammar)) if v is not None]
     if len(given) > 1:
-        raise ValueError(
-            f"{' and '.join(n for n, _ in given)} were both given; pass at most one of {', '.join(CONSTRAINT_ARGS)}"
+        raise InvalidArgument(
+            f"{' and '.join(n for n, _ in given)} were both given; pass at most one of {', '.join(CONSTRAINT_ARGS)}",
+            given[0][0],
         )
     if not given:
         return None
@@ -56,7 +59,7 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
             return name, llguidance.LLMatcher.grammar_from_regex(value)
         return name, llguidance.LLMatcher.grammar_from_lark(value)
     except (ValueError, TypeError, RuntimeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{name} is not valid: {exc}") from exc
+        raise InvalidArgument(f"{name} is not valid: {exc}", name) from exc
 
 
 # llguidance's view of each kit's tokenizer, kept here (weakly, so it goes with
@@ -111,7 +114,7 @@ def check_grammar(kit, name: str, grammar: str) -> None:
     except BaseException as exc:  # llguidance reports Rust panics as pyo3's PanicException (a BaseException)
         error = f"{type(exc).__name__}: {exc}"
     if error:
-        raise ValueError(f"{name} cannot be used: {_describe(error)}")
+        raise InvalidArgument(f"{name} cannot be used: {_describe(error)}", name)
 
 
 def _describe(error: str) -> str:

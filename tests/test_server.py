@@ -487,6 +487,122 @@ def test_bad_requests_are_openai_errors(server, body, status, param):
         assert error["param"] == param
 
 
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    "body, path, param, absent",
+    [
+        # The engine's own checks, said in the request's terms (not create_generator's).
+        (hello(mlx_engine={"decoding": "draft"}), None, "mlx_engine.decoding", "load_draft_model"),
+        (hello(stop=[""]), None, "stop", "stop_strings"),
+        (hello(mlx_engine={"num_draft_tokens": 3}), None, "mlx_engine.num_draft_tokens", "create_generator"),
+        (hello(mlx_engine={"regex": "("}), None, "mlx_engine.regex", "create_generator"),
+        ({"model": MODEL, "prompt": [1, 10**6], "max_tokens": 2}, "/v1/completions", "prompt", "prompt_tokens"),
+        # Break-it probe: 500s for bad input.
+        (
+            hello(tools=TOOLS, tool_choice={"type": "function", "function": {"name": ["get_weather"]}}),
+            None,
+            "tool_choice",
+            None,
+        ),
+        (
+            hello(tools=TOOLS, tool_choice={"type": "function", "function": {"name": {"a": 1}}}),
+            None,
+            "tool_choice",
+            None,
+        ),
+        ({"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}, "/v1/completions", "prompt", None),
+        (hello(stop=["x"] * 17), None, "stop", None),
+        (hello(stop="y" * 5000), None, "stop", None),
+        (
+            hello(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(100_000)}}]),
+            None,
+            "tools.0.function.parameters",
+            None,
+        ),
+        (
+            hello(tools=[{"type": "function", "function": {"name": "f", "parameters": json.loads(nested(500))}}]),
+            None,
+            "tools.0.function.parameters",
+            None,
+        ),
+        (
+            hello(
+                messages=[
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested(100_000)}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "1"},
+                ]
+            ),
+            None,
+            "messages.1.tool_calls.0.function.arguments",
+            None,
+        ),
+    ],
+)
+def test_errors_speak_the_requests_terms_and_bad_input_is_never_a_500(server, body, path, param, absent):
+    # As JSON text with escapes: a lone surrogate is JSON that Python's encoder must not see raw.
+    r = post(server, content=json.dumps(body).encode(), path=path or "/v1/chat/completions")
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    if absent:
+        assert absent not in error["message"], error
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_a_model_by_id(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    got = httpx.get(f"{server}/v1/models/{MODEL}", headers=auth)
+    assert got.status_code == 200 and got.json() == {
+        "id": MODEL,
+        "object": "model",
+        "created": 0,
+        "owned_by": "mlx-engine",
+    }
+    missing = httpx.get(f"{server}/v1/models/gpt-4o", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{server}/v1/models/{MODEL}").status_code == 401
+
+
+def test_draft_names_and_paths_get_clear_errors(tkit, tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+
+    def check(url, name):
+        return httpx.post(f"{url}/v1/mlx_engine/draft/check", json={"model": name}, timeout=30)
+
+    with serve(create_app(tkit, model_id=MODEL, models_dir=tmp_path)) as url:
+        for name, status in (
+            ("no-such-draft", 404),
+            ("sub/no-such-draft", 404),
+            ("bad\x00name", 400),
+            ("x" * 5000, 400),
+            ("/".join(["d"] * 3000), 400),
+            ("loop", 400),
+            ("a", 400),
+            ("loop/inner", 400),
+        ):
+            for r in (check(url, name), httpx.post(f"{url}/v1/mlx_engine/draft", json={"model": name}, timeout=30)):
+                assert r.status_code == status, (name, r.text)
+                assert r.json()["error"]["param"] == "model"
+        missing = check(url, "no-such-draft").json()["error"]
+        assert "not found" in missing["message"] and missing["code"] == "model_not_found"
+    with serve(create_app(tkit, model_id=MODEL)) as url:
+        r = check(url, "no-such-draft")  # a name, not a path: unknown, not forbidden
+        assert r.status_code == 404 and "catalog" in r.json()["error"]["message"]
+        assert check(url, "/tmp").status_code == 403
+
+
 def test_empty_tools_are_no_tools(server, tkit):
     """Some clients always send ``tools``; an empty list renders and answers as none."""
     r = post(server, hello(tools=[], tool_choice="auto", temperature=0, max_tokens=6))
@@ -657,8 +773,9 @@ def test_an_image_part_on_a_vision_kit(tmp_path_factory):
             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"no").decode()}},
             parts[1],
         ]
-        with pytest.raises(openai.BadRequestError, match="images_b64"):
+        with pytest.raises(openai.BadRequestError, match="image 1 of the request") as err:
             c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": broken}], max_tokens=2)
+        assert err.value.body["param"] == "messages" and "images_b64" not in err.value.body["message"]
     me.unload(kit)
 
 

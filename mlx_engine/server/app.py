@@ -197,12 +197,17 @@ def _add_routes(app: FastAPI, service: Service, auth) -> None:
             **{k: service.outcomes[k] for k in ("completed", "cancelled", "failed")},
         }
 
+    def model_object() -> dict:
+        return {"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine"}
+
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine"}],
-        }
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
+    async def model(model_id: str):
+        service.check_model(model_id)
+        return model_object()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -255,10 +260,7 @@ async def _admit(
     try:
         await run.start(prompt.tokens, kwargs)
     except ValueError as exc:
-        err = from_engine(exc)
-        if err.param == "messages":
-            err.param = prompt_field
-        raise err from exc
+        raise from_engine(exc, prompt_field) from exc
     return run
 
 
