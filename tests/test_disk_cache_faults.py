@@ -4,7 +4,8 @@ entries, special files. Every request must answer exactly as a kit without a
 disk tier does, and the kit must stay usable (more requests, then ``unload``)."""
 
 import mlx_engine as me
-from mlx_engine import disk_cache, loading
+from mlx_engine.caches import disk as disk_cache
+from mlx_engine.loading import model as loading
 
 import errno
 import hashlib

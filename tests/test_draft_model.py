@@ -1,9 +1,9 @@
 import mlx_engine as me
-from mlx_engine.cache import UNKNOWN, SequenceCache
-from mlx_engine.model_kit import DraftModel
+from mlx_engine.caches.sequence import UNKNOWN, SequenceCache
+from mlx_engine.draft.drafter import DraftModelDrafter
+from mlx_engine.kits.text import DraftModel
+from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
-from mlx_engine.speculative.draft_model import DraftModelDrafter
 from mlx_engine.speculative.loop import decode as _decode
 
 import json

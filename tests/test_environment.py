@@ -1,5 +1,5 @@
 import mlx_engine as me
-from mlx_engine import _blas
+from mlx_engine.loading import blas as _blas
 
 import os
 import socket

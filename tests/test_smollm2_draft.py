@@ -2,7 +2,7 @@
 the script that trains it (training/train_smollm2_draft.py)."""
 
 import mlx_engine as me
-from mlx_engine import catalog
+from mlx_engine.loading import catalog
 
 import argparse
 import json

@@ -19,8 +19,8 @@ def decode(*args, **kwargs):
     return run_alone(_decode(*args, **kwargs))
 
 
+from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.structured import GrammarConstraint, compile_constraint
 
 SMALL_SCHEMA = {

@@ -197,7 +197,7 @@ def test_process_exit_after_threaded_work_does_not_abort(half_path):
 def test_an_interrupted_wait_does_not_lose_the_step():
     """A KeyboardInterrupt while the host waits for a step (Ctrl-C) leaves the
     step running; the next next() returns its result, none is lost."""
-    from mlx_engine import streams, worker
+    from mlx_engine.runtime import streams, worker
 
     import _thread
     import signal

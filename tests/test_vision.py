@@ -6,7 +6,7 @@ without a cache): every greedy token the engine produces must be the
 reference's argmax at that position, up to near-ties."""
 
 import mlx_engine as me
-from mlx_engine.images import decode_images
+from mlx_engine.kits.images import decode_images
 
 import base64
 import struct

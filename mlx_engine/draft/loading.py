@@ -14,10 +14,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import loading
-from ..draft_pool import DraftModel
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..model_kit import ModelKit
+from ..kits.text import ModelKit
+from ..loading import model as loading
+from .model import DraftModel
 
 logger = logging.getLogger(__name__)
 

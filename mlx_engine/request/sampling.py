@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # MLX seeds with an unsigned 64-bit integer
