@@ -62,6 +62,21 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
         raise InvalidArgument(f"{name} is not valid: {exc}", name) from exc
 
 
+def validate_constraint(json_schema: Any = None, regex: Any = None, grammar: Any = None) -> None:
+    """Check a constraint without a tokenizer (before any model is loaded):
+    ``InvalidArgument`` naming the argument for one llguidance cannot compile.
+    ``check_grammar`` (with the kit) still runs when the request is made."""
+    import llguidance
+
+    compiled = compile_constraint(json_schema, regex, grammar)
+    if compiled is None:
+        return
+    name, text = compiled
+    error = llguidance.LLMatcher.validate_grammar(text, None)
+    if error:
+        raise InvalidArgument(f"{name} cannot be used: {_describe(error)}", name)
+
+
 # llguidance's view of each kit's tokenizer, kept here (weakly, so it goes with
 # the kit) rather than on the kit: validation writes nothing on the kit.
 _TOKENIZERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -120,7 +135,15 @@ def check_grammar(kit, name: str, grammar: str) -> None:
 def _describe(error: str) -> str:
     """The first line of llguidance's error (the rest is its parser state), with
     its internal assertions said in words."""
-    first = error.strip().splitlines()[0] if error.strip() else "unknown llguidance error"
+    lines = error.strip().splitlines()
+    first = lines[0] if lines else "unknown llguidance error"
+    if first.endswith(":"):  # a parser's report follows on its own lines (a regex's "unclosed group")
+        detail = []
+        for ln in lines[1:]:
+            if " | " in ln and ln.split(" | ")[0].strip().isdigit():
+                break  # llguidance's echo of the grammar's line
+            detail += [ln.strip()] if ln.strip() else []
+        first = " ".join([first, *detail])
     if "panic" in first or "assertion" in first:
         return f"it is too large or complex for llguidance ({first})"
     if "too many" in first.lower():

@@ -5,6 +5,9 @@ in a subprocess to stop it with SIGTERM under load)."""
 
 import mlx_engine as me
 from mlx_engine.server import create_app
+from mlx_engine.server.__main__ import build_parser
+from mlx_engine.server.connections import connection_limits
+from mlx_engine.server.hosts import LOOPBACK_NAMES
 from mlx_engine.server.queue import AdmissionQueue, QueueFullError, ShuttingDownError
 
 import asyncio
@@ -37,9 +40,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(app):
+def serve(app, **config):
     """``app`` on a free port of 127.0.0.1 (uvicorn in a thread); yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -814,9 +817,110 @@ def test_paths_are_refused_without_models_dir(tkit):
         assert r.status_code == 403
 
 
+# -- connections and hosts -------------------------------------------------------------------
+def test_stalled_sockets_cannot_lock_clients_out(tkit):
+    """Sockets that connect and send half a request (or nothing) are closed when
+    a cap of 8 is passed (the longest-waiting first) or when their deadline
+    ends; /health and requests still get through."""
+    with serve(create_app(tkit, model_id=MODEL), **connection_limits(max_connections=8, idle_timeout=1.0)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        stalled = []
+        try:
+            for i in range(64):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" if i % 2 else b"")
+                stalled.append(sock)
+            for _ in range(3):
+                assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+            assert post(url, hello(), key=None).status_code == 200
+            last = stalled[-1]  # spared by the cap, closed by its deadline
+            last.settimeout(30)
+            assert last.recv(1) == b""
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+def test_host_header_is_checked_against_dns_rebinding(tkit):
+    with serve(create_app(tkit, model_id=MODEL, allowed_hosts=list(LOOPBACK_NAMES))) as url:
+        port = url.rsplit(":", 1)[1]
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]:80", "LOCALHOST"):
+            assert httpx.get(f"{url}/health", headers={"Host": host}).status_code == 200, host
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", ""):
+            r = httpx.post(f"{url}/v1/chat/completions", json=hello(), headers={"Host": host})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
+    with serve(create_app(tkit, model_id=MODEL, allowed_hosts=[*LOOPBACK_NAMES, "box.lan"])) as url:
+        assert httpx.get(f"{url}/health", headers={"Host": "box.lan:8080"}).status_code == 200
+
+
+# -- start-up ----------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def start_server(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_engine.server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "MLX_ENGINE_API_KEY": ""},
+    )
+
+
+def test_server_help_says_every_default():
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.dest
+            assert "default" in action.help or action.required, action.dest
+    text = parser.format_help()
+    for default in ("(default: 8080)", "(default: 4)", "(default: 64)"):
+        assert default in text
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--model", "nope"], "--model: 'nope' was not found"),
+        (["--model", "nope", "--port", "99999"], "--port: must be from 1 to 65535, got 99999"),
+        (["--model", "nope", "--max-parallel", "0"], "--max-parallel: must be at least 1"),
+        (["--model", "nope", "--shutdown-grace", "nan"], "--shutdown-grace"),
+        (["--model", "nope", "--context", "lots"], "--context"),
+        (["--model", "nope", "--decoding", "draft"], "--decoding draft needs a draft model"),
+        (["--model", "nope", "--models-dir", "/no/such/dir"], "--models-dir"),
+        (["--port", "8080"], "--model"),
+    ],
+)
+def test_server_start_up_mistakes_are_one_line_and_exit_2(args, says):
+    out = start_server(*args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m mlx_engine.server: error: "), out.stderr
+    assert says in lines[0]
+
+
+def test_server_port_in_use_and_bad_models_are_found_before_loading(tmp_path, llama_path):
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # The port is checked first: a model that would fail to load is never reached.
+        out = start_server("--model", str(not_a_model), "--port", str(port))
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"--port {port}" in out.stderr and "in use" in out.stderr
+    out = start_server("--model", str(not_a_model), "--port", str(free_port()))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "no config.json" in out.stderr and "Traceback" not in out.stderr
+    out = start_server("--model", str(llama_path), "--draft", str(tmp_path / "no-draft"), "--port", str(free_port()))
+    assert out.returncode == 2 and "--draft" in out.stderr and "not found" in out.stderr, out.stderr
+
+
 # -- stopping --------------------------------------------------------------------------------
 @requires_default_model
-def test_sigterm_under_load_cancels_and_exits_0():
+def test_sigterm_under_load_ends_every_answer_cleanly_and_exits_0():
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -838,8 +942,10 @@ def test_sigterm_under_load_cancels_and_exits_0():
             "--log-level",
             "warning",
         ],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
         env={**os.environ, "MLX_ENGINE_API_KEY": ""},
+        stderr=subprocess.PIPE,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -847,35 +953,44 @@ def test_sigterm_under_load_cancels_and_exits_0():
         assert proc.poll() is None
         outcomes = {}
 
-        def client(name, max_tokens):
+        def streamed(name, max_tokens):
             body = hello(max_tokens=max_tokens, stream=True, mlx_engine={"decoding": "plain"})
-            try:
-                with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
-                    lines = [ln for ln in r.iter_lines() if ln]
-                    outcomes[name] = (r.status_code, lines)
-            except httpx.HTTPError:  # cut off when the grace period ended
-                outcomes[name] = ("cut", [])
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+                outcomes[name] = (r.status_code, [ln for ln in r.iter_lines() if ln])
 
-        threads = [threading.Thread(target=client, args=(name, n)) for name, n in (("a", 2000), ("b", 2000))]
+        def whole(name, max_tokens):
+            body = hello(max_tokens=max_tokens, mlx_engine={"decoding": "plain"})
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            outcomes[name] = (r.status_code, r.json())
+
+        threads = [
+            threading.Thread(target=streamed, args=("a", 4000)),
+            threading.Thread(target=whole, args=("b", 4000)),
+        ]
         for t in threads:
             t.start()
         wait_until(lambda: _health(url)["running"] == 2)
-        threads.append(threading.Thread(target=client, args=("queued", 3)))
+        threads.append(threading.Thread(target=whole, args=("queued", 3)))
         threads[-1].start()
         wait_until(lambda: _health(url)["waiting"] == 1)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads)
         assert outcomes["queued"][0] == 503  # admitted nothing more
-        for name in ("a", "b"):
-            # 2000 tokens take far longer than the 1 s grace: cancelled, so either cut
-            # off or (if its last chunk got out before the close) ended early, never
-            # run to its length.
-            lines = outcomes[name][1]
-            assert not any('"finish_reason":"length"' in ln.replace(" ", "") for ln in lines)
-            assert len(lines) < 2000
+        # 4000 tokens take far longer than the 1 s grace: cut, and each answer still ends properly.
+        status, lines = outcomes["a"]
+        events = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]]
+        assert finishes == ["stop"]
+        assert events[-1]["error"]["code"] == "shutting_down"
+        status, answer = outcomes["b"]
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "stop"
+        assert answer["usage"]["completion_tokens"] < 4000
+        assert "Traceback" not in stderr and "ERROR" not in stderr, stderr
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health")
     finally:

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import params
 from .drafts import draft_router
 from .errors import APIError, bad_request, from_engine, from_validation
+from .hosts import AllowedHosts
 from .limits import BodySizeLimit
 from .queue import AdmissionQueue, QueueFullError, ShuttingDownError
 from .responses import Choice, Envelope
@@ -42,6 +43,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URI images
 DEFAULT_QUEUE = 64
 _DISCONNECT_POLL_S = 0.2
+
+
+SHUTDOWN_CUT = APIError(
+    503, "the server is shutting down: the generation was cut short", type="server_error", code="shutting_down"
+)
 
 
 class ClientGone(Exception):
@@ -78,11 +84,23 @@ class Service:
     async def stop(self, wait_s: float = 10.0) -> None:
         """Drain, cancel what still runs and wait (bounded) for its rows."""
         self.drain()
-        for run in list(self.runs):
-            run.cancel()
+        self.cut_running()
         with anyio.move_on_after(wait_s):
             while self.runs:
                 await asyncio.sleep(0.02)
+
+    def cut_running(self) -> None:
+        """Cancel every running request because the server stops: each ends with
+        its final chunk (and an error event saying it was cut), not a dropped connection."""
+        for run in list(self.runs):
+            run.cancel(shutting_down=True)
+
+    async def cut_after(self, grace_s: float) -> None:
+        """Let running requests finish for ``grace_s`` seconds, then cut the rest."""
+        await asyncio.sleep(grace_s)
+        if self.runs:
+            logger.warning("shutdown grace period over: cancelling %d running request(s)", len(self.runs))
+        self.cut_running()
 
 
 def create_app(
@@ -96,6 +114,7 @@ def create_app(
     cors_origins: list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     decoding: str = "auto",
+    allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``kit`` (docs/server.md).
 
@@ -105,7 +124,9 @@ def create_app(
     ``queue_size``: requests that may wait for rows before 429s.
     ``models_dir``: where draft models may be loaded from by path.
     ``cors_origins``: allowed browser origins (none: CORS off).
-    ``decoding``: the default mode (auto, plain, prompt_lookup, draft)."""
+    ``decoding``: the default mode (auto, plain, prompt_lookup, draft).
+    ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
+    hosts.py on DNS rebinding)."""
     rows = kit.max_parallel if max_parallel is None else max_parallel
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
         raise ValueError(
@@ -133,6 +154,8 @@ def create_app(
     app.state.service = service
     _install_errors(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(AllowedHosts, names=list(allowed_hosts))
     if cors_origins:  # added last, so outermost: its headers reach every answer, a 413 included
         app.add_middleware(
             CORSMiddleware,
@@ -335,6 +358,8 @@ async def _events(
                 offsets[c.index] += len(r.text)
         if include_usage:
             yield _sse(env.usage_chunk(choices, prompt_len))
+        if run.cut_by_shutdown:
+            yield _sse(SHUTDOWN_CUT.body())
         yield "data: [DONE]\n\n"
     finally:
         run.cancel()
