@@ -836,6 +836,11 @@ def test_stalled_sockets_cannot_lock_clients_out(tkit):
             last = stalled[-1]  # spared by the cap, closed by its deadline
             last.settimeout(30)
             assert last.recv(1) == b""
+            body = socket.create_connection(("127.0.0.1", port))  # a body that stops coming
+            stalled.append(body)
+            body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+            body.settimeout(30)
+            assert body.recv(65536).startswith(b"HTTP/1.1 400") or body.recv(1) == b""
         finally:
             for sock in stalled:
                 sock.close()

@@ -144,14 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=_bounded(int, 2),
         default=DEFAULT_MAX_CONNECTIONS,
-        help="open connections at most; past it the longest-idle ones are closed (default: %(default)s)",
+        help="open connections at most; one more closes the one that has waited longest for its client "
+        "(default: %(default)s: half the open-file limit, at most 512)",
     )
     p.add_argument(
         "--idle-timeout",
         type=_bounded(float, 0.1),
         default=DEFAULT_IDLE_TIMEOUT_S,
-        help="seconds a connection may wait for a request to arrive in full, or idle between requests, "
-        "before it is closed (default: %(default)s)",
+        help="seconds a connection may take to send a request's headers, pause inside its body, or idle "
+        "between requests before it is closed (default: %(default)s)",
     )
     p.add_argument(
         "--log-level",

@@ -6,8 +6,9 @@ connections: a few thousand sockets that connect and send nothing (or half a
 request) exhaust the open-file limit, and every client, ``/health`` included,
 is locked out. ``GuardedH11Protocol`` adds the two missing bounds:
 
-- a request must arrive in full (its headers; its body keeps coming) within
-  ``idle_timeout`` seconds of the connection opening or of the previous response;
+- a request's headers must arrive within ``idle_timeout`` seconds of the
+  connection opening or of the previous response, and its body may pause at
+  most ``idle_timeout`` seconds between bytes;
 - at most ``max_connections`` are open: one more closes the connection that has
   waited longest for its client to send a request (never one whose request runs),
   or, when every connection has a request running, the new one.
@@ -45,9 +46,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._waiting_since = self.loop.time()
+        self._waiting_since = self._last_data = self.loop.time()
         self._deadline = None
-        self._arm()
+        self._arm(self.idle_timeout)
         if len(self.connections) > self.max_connections:
             self._make_room()
 
@@ -55,18 +56,29 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        self._last_data = self.loop.time()
+        super().data_received(data)
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._waiting_since = self.loop.time()
-        self._arm()
+        self._arm(self.idle_timeout)
 
-    def waiting_for_client(self) -> bool:
-        """No request of this connection is running: it waits for the client to send one."""
-        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+    def stalled_since(self) -> float | None:
+        """Since when this connection has waited on its client: for a request
+        (headers not in full, none running) since it opened or the last response
+        ended; for the rest of a request's body, since the last bytes came. None
+        while a request runs."""
+        if self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
+            return self._waiting_since
+        if self.conn.their_state is h11.SEND_BODY:
+            return self._last_data
+        return None
 
-    def _arm(self) -> None:
+    def _arm(self, delay: float) -> None:
         self._disarm()
-        self._deadline = self.loop.call_later(self.idle_timeout, self._check_deadline)
+        self._deadline = self.loop.call_later(delay, self._check_deadline)
 
     def _disarm(self) -> None:
         if getattr(self, "_deadline", None) is not None:
@@ -75,12 +87,19 @@ class GuardedH11Protocol(H11Protocol):
 
     def _check_deadline(self) -> None:
         self._deadline = None
-        if self.waiting_for_client() and not self.transport.is_closing():
-            self.transport.close()  # no request arrived in time (a stalled or half-open socket)
+        since = self.stalled_since()
+        if since is None or self.transport.is_closing():
+            return  # a request runs: on_response_complete arms the next deadline
+        left = since + self.idle_timeout - self.loop.time()
+        if left <= 0:
+            self.transport.close()  # stalled or half-open: nothing came in time
+        else:
+            self._arm(left)
 
     def _make_room(self) -> None:
-        idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.waiting_for_client()]
-        victim = min(idle, key=lambda c: c._waiting_since) if idle else self
+        waiting = [(c.stalled_since(), c) for c in self.connections if isinstance(c, GuardedH11Protocol)]
+        waiting = [(since, c) for since, c in waiting if since is not None]
+        victim = min(waiting, key=lambda w: w[0])[1] if waiting else self
         logger.debug("connection cap (%d) reached: closing the longest-waiting connection", self.max_connections)
         victim.transport.close()
 
