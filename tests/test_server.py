@@ -14,6 +14,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -494,6 +495,10 @@ def nested(depth: int) -> str:
     return "[" * depth + "]" * depth
 
 
+def nested_object(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
 @pytest.mark.parametrize(
     "body, path, param, absent",
     [
@@ -529,6 +534,12 @@ def nested(depth: int) -> str:
             hello(tools=[{"type": "function", "function": {"name": "f", "parameters": json.loads(nested(500))}}]),
             None,
             "tools.0.function.parameters",
+            None,
+        ),
+        (
+            hello(response_format={"type": "json_schema", "json_schema": {"schema": json.loads(nested_object(900))}}),
+            None,
+            "response_format",
             None,
         ),
         (
@@ -728,7 +739,8 @@ def test_rows_a_host_holds_make_requests_wait_not_fail(server, tkit):
     wait_until(lambda: tkit.open_generations == 0)
 
 
-def test_a_client_leaving_mid_stream_frees_its_row(slow_kit):
+def test_a_client_leaving_mid_stream_frees_its_row(slow_kit, caplog):
+    caplog.set_level(logging.INFO, logger="mlx_engine.server.runs")
     body = hello(max_tokens=4000, stream=True, logit_bias=no_eos(slow_kit), mlx_engine={"decoding": "plain"})
     with serve(create_app(slow_kit, model_id=MODEL)) as url, httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -739,6 +751,10 @@ def test_a_client_leaving_mid_stream_frees_its_row(slow_kit):
         wait_until(lambda: slow_kit.open_generations == 0)
         health = http.get(f"{url}/health").json()
         assert health["running"] == 0 and health["cancelled"] == 1
+    # One line says so (a host's log shows why a request ended early), no traceback.
+    lines = [r for r in caplog.records if r.name == "mlx_engine.server.runs"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO and "cancelled" in lines[0].getMessage()
+    assert lines[0].exc_info is None
 
 
 # -- vision --------------------------------------------------------------------------------

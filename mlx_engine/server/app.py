@@ -197,6 +197,11 @@ def _install_errors(app: FastAPI) -> None:
     async def invalid_body(request, exc: RequestValidationError):
         return from_validation(list(exc.errors())).response()
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request, exc: RecursionError):
+        # Past the nesting limits params.py checks: still the client's input, never a 500.
+        return bad_request("the request nests too deeply to be processed").response()
+
     @app.exception_handler(ClientGone)
     async def client_gone(request, exc: ClientGone):
         return JSONResponse(
