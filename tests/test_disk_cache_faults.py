@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 A = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"

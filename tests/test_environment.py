@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import struct
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import generate_ids, requires_default_model
+from helpers import generate_ids, requires_default_model
 
 from fixtures.tiny_models import make_gguf
 

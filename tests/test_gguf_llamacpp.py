@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 REFS = json.loads((FIXTURES / "refs.json").read_text())

@@ -8,7 +8,7 @@ import json
 import logging
 
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 A = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
 B = "for i in range(10):\n    print(i, i * i)\n\nThe quick brown fox jumps over the lazy dog. "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, requires_default_model
+from helpers import assert_same_or_near_tie, generate_ids, requires_default_model
 
 import demo
 
