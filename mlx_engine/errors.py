@@ -6,7 +6,7 @@ from typing import Iterator
 
 
 class InvalidArgument(ValueError):
-    """A ``create_generator`` (or ``apply_chat_template``) argument is bad.
+    """A ``create_generator`` argument is bad.
 
     ``param`` names it as the caller passed it: the argument (``temp``), or an
     item inside it (``tools[1].function.name``), so a host can map it to its

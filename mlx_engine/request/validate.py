@@ -80,8 +80,8 @@ class GenerationOptions:
             if name not in names:
                 close = difflib.get_close_matches(name, names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(
-                    f"create_generator got an unknown argument {name!r}{hint}; it takes: {', '.join(names)}"
+                raise InvalidArgument(
+                    f"create_generator got an unknown argument {name!r}{hint}; it takes: {', '.join(names)}", name
                 )
         return cls(**kwargs)
 
@@ -195,7 +195,7 @@ def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:
 
 def validate_request_id(request_id) -> None:
     if request_id is not None and not isinstance(request_id, str):
-        raise ValueError(f"request_id must be a string or None, got {request_id!r}")
+        raise InvalidArgument(f"request_id must be a string or None, got {request_id!r}", "request_id")
 
 
 def require_model(kit: ModelKit) -> None:
