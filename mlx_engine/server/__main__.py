@@ -289,6 +289,8 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit, sock: socket.socket) -> i
         **connection_limits(args.max_connections, args.idle_timeout),
     )
     server = _Server(config, app.state.service, args.shutdown_grace)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    logger.info("serving %r on http://%s:%d", app.state.service.model_id, host, sock.getsockname()[1])
     # uvicorn re-raises the signal it caught once it has stopped; these handlers
     # make that a no-op, so a requested stop exits 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
