@@ -308,6 +308,7 @@ def test_tool_calls_whole_streamed_and_per_choice(client):
     assert calls[0][1:] == (first.function.name, json.loads(first.function.arguments))
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_tool_call_round_trip_on_the_default_model(smollm):
     """A required call validates, a named one calls that tool, and the next request
@@ -940,6 +941,7 @@ def test_server_port_in_use_and_bad_models_are_found_before_loading(tmp_path, ll
 
 
 # -- stopping --------------------------------------------------------------------------------
+@pytest.mark.slow
 @requires_default_model
 def test_sigterm_under_load_ends_every_answer_cleanly_and_exits_0():
     port = free_port()
