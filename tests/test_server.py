@@ -909,6 +909,7 @@ def test_server_help_says_every_default():
         (["--model", "nope", "--port", "99999"], "--port: must be from 1 to 65535, got 99999"),
         (["--model", "nope", "--max-parallel", "0"], "--max-parallel: must be at least 1"),
         (["--model", "nope", "--shutdown-grace", "nan"], "--shutdown-grace"),
+        (["--model", "nope", "--shutdown-grace", "inf"], "--shutdown-grace: must be a finite number, got inf"),
         (["--model", "nope", "--context", "lots"], "--context"),
         (["--model", "nope", "--decoding", "draft"], "--decoding draft needs a draft model"),
         (["--model", "nope", "--models-dir", "/no/such/dir"], "--models-dir"),

@@ -18,6 +18,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import errno  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
@@ -56,7 +57,9 @@ def _bounded(kind, lo, hi=None):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-        if value != value or value < lo or (hi is not None and value > hi):  # value != value: NaN
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < lo or (hi is not None and value > hi):
             allowed = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
         return value
