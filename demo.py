@@ -86,14 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"system message for the chat template (default: {DEFAULT_SYSTEM!r}; '' for none)",
     )
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: off)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="e.g. 1.2; small models loop without one")
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--stop-strings", nargs="*", default=None)
-    p.add_argument("--top-logprobs", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-kv-size", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=200, help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--stop-strings", nargs="*", default=None, help="stop at any of these strings (default: none)")
+    p.add_argument(
+        "--top-logprobs", type=int, default=None, help="print this many alternatives per token, 0-20 (default: none)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
+    p.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="a rotating KV window of this many tokens (default: the model's context)",
+    )
     p.add_argument("--print-prompt-progress", action="store_true", help="show a prompt-processing progress bar")
     p.add_argument(
         "--draft-model", default=None, help="draft model for speculative decoding (a path or a catalog name)"

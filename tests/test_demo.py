@@ -146,6 +146,14 @@ def test_missing_draft_is_not_found_rather_than_incompatible(llama_path, tmp_pat
     assert out.returncode == 2 and "not compatible" not in out.stderr and "no config.json" in out.stderr, out.stderr
 
 
+def test_help_explains_every_option():
+    for action in demo.build_parser()._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.dest
+            if action.default not in (None, False, []):
+                assert "default" in action.help, action.dest
+
+
 def test_missing_model_names_the_folders_searched():
     out = run_demo(["--model", "no-such-model-name", "--max-tokens", "2"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
