@@ -5,7 +5,7 @@ in a subprocess to stop it with SIGTERM under load)."""
 
 import mlx_engine as me
 from mlx_engine.server import create_app
-from mlx_engine.server.__main__ import build_parser
+from mlx_engine.server.__main__ import GracefulServer, build_parser
 from mlx_engine.server.__main__ import main as server_main
 from mlx_engine.server.connections import connection_limits
 from mlx_engine.server.hosts import LOOPBACK_NAMES
@@ -945,6 +945,40 @@ def test_server_port_in_use_and_bad_models_are_found_before_loading(tmp_path, ll
 
 
 # -- stopping --------------------------------------------------------------------------------
+def test_stopping_cuts_running_answers_with_a_final_chunk_after_the_grace(slow_kit):
+    """In process, as the command line stops: past the grace period a stream
+    ends with its finish chunk, an error event saying it was cut, and [DONE];
+    a whole answer is a 200."""
+    app = create_app(slow_kit, model_id=MODEL)
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", timeout_graceful_shutdown=30)
+    server = GracefulServer(config, app.state.service, grace_s=0.5)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started)
+    url = f"http://127.0.0.1:{config.port}"
+    body = hello(max_tokens=4000, logit_bias=no_eos(slow_kit), mlx_engine={"decoding": "plain"})
+    got = {}
+
+    def whole():
+        got["whole"] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+
+    waiter = threading.Thread(target=whole)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        waiter.start()
+        wait_until(lambda: slow_kit.open_generations == 2)
+        server.should_exit = True
+        lines = [ln for ln in r.iter_lines() if ln]
+    waiter.join(60)
+    thread.join(60)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
+    assert [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]] == ["stop"]
+    assert events[-1]["error"]["code"] == "shutting_down"
+    answer = got["whole"]
+    assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "stop"
+    assert slow_kit.open_generations == 0
+
+
 @pytest.mark.slow
 @requires_default_model
 def test_sigterm_under_load_ends_every_answer_cleanly_and_exits_0():

@@ -214,7 +214,7 @@ def allowed_hosts(host: str, extra: list[str]) -> list[str] | None:
     return list(extra) or None
 
 
-class _Server(uvicorn.Server):
+class GracefulServer(uvicorn.Server):
     """uvicorn's server that stops admitting at once when asked to stop, lets
     running requests go on for the grace period, then cuts them (each ends with
     its final chunk) before uvicorn's own, later, deadline."""
@@ -291,7 +291,7 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit, sock: socket.socket) -> i
         timeout_graceful_shutdown=args.shutdown_grace + _CLOSE_MARGIN_S,
         **connection_limits(args.max_connections, args.idle_timeout),
     )
-    server = _Server(config, app.state.service, args.shutdown_grace)
+    server = GracefulServer(config, app.state.service, args.shutdown_grace)
     host = f"[{args.host}]" if ":" in args.host else args.host
     logger.info("serving %r on http://%s:%d", app.state.service.model_id, host, sock.getsockname()[1])
     # uvicorn re-raises the signal it caught once it has stopped; these handlers
