@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from ..cache import flat_layers
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
     cache = make_prompt_cache(model)
     rng = mx.random.randint(0, vocab_size, (context + max(_SIZES),), key=mx.random.key(0))
     mx.eval(model(rng[:context][None], cache=cache))
+    layers = flat_layers(cache)
+    start = {id(c): tuple(c.cache) for c in layers if isinstance(c, ArraysCache)}
     samples: dict[int, list[float]] = {n: [] for n in _SIZES}
     # One untimed pass over every width first (the first calls of a shape are
     # slower), then the widths interleaved so drift in machine load hits all alike.
@@ -59,8 +63,11 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
             mx.eval(out[:, -1])
             if rep:
                 samples[n].append(time.perf_counter() - t0)
-            for c in cache:
-                c.trim(n)
+            for c in layers:
+                if isinstance(c, ArraysCache):
+                    c.cache = list(start[id(c)])  # recurrent state: back to before the pass
+                else:
+                    c.trim(n)
     timings = {n: sorted(xs)[len(xs) // 2] for n, xs in samples.items()}
     seconds = _interpolate(timings, MAX_DRAFT + 1)
     # Cost is non-decreasing in width; timing noise should not say otherwise.

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..batch_cache import release_row
-from ..cache import PREFILL_CHUNK, SequenceCache
+from ..cache import PREFILL_CHUNK, SequenceCache, common_prefix_length
 from ..draft_pool import DraftModel
 from . import costs, speedup
 from .loop import DrafterUnavailable, PendingDrafts
@@ -43,6 +43,9 @@ class DraftModelDrafter:
         self.draft = draft
         self.batched = batched  # drafts with the other requests' (DraftJob) on a kit serving several
         self.cache = cache if cache is not None or draft is None else draft.first_cache  # this request's draft cache
+        if self.cache is not None:
+            # A recurrent draft rewinds to the state after any accepted draft step.
+            self.cache.keep_rewind_points(costs.MAX_MODEL_DRAFT + 2)
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         if draft is not None:
             prior_acceptance = draft.acceptance_prior(prior_acceptance)
@@ -94,10 +97,10 @@ class DraftModelDrafter:
         if k <= 0:
             return []
         cache = self.cache
-        keep = min(cache.sync_to(history), len(history) - 1)
+        # Back to the accepted history (a recurrent draft to the state after
+        # its last accepted step: one is kept per step), then feed the rest.
+        keep = cache.rewind_to(min(common_prefix_length(cache.tokens, history), len(history) - 1))
         self._catch_up = len(history) - keep
-        if not cache.rewind_to(keep):
-            raise DrafterUnavailable("the draft model's cache cannot be rewound")
         if reason := cache.rewind_limit_reason(len(history) - keep + k):
             raise DrafterUnavailable(f"draft model: {reason}")
         if self.batched:
