@@ -7,12 +7,12 @@ Deterministic: Markov models (logits from the last token alone) stand in for the
 target and the draft, and the router is never shown a round's time, so it prices
 rounds with the given costs only."""
 
-from mlx_engine.cache import SequenceCache
-from mlx_engine.model_kit import DraftModel
+from mlx_engine.caches.sequence import SequenceCache
+from mlx_engine.draft.drafter import DraftModelDrafter
+from mlx_engine.kits.text import DraftModel
+from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.costs import CostModel, RoundCosts
-from mlx_engine.speculative.draft_model import DraftModelDrafter
 from mlx_engine.speculative.loop import decode as _decode
 from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
 from mlx_engine.speculative.router import AutoRouter
@@ -20,7 +20,7 @@ from mlx_engine.speculative.router import AutoRouter
 from itertools import pairwise
 
 import mlx.core as mx
-from conftest import run_alone
+from helpers import run_alone
 
 from fixtures.tiny_models import MarkovLM
 

@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import requires_default_model
+from helpers import requires_default_model
 
 import demo
 

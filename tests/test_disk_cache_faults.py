@@ -4,7 +4,8 @@ entries, special files. Every request must answer exactly as a kit without a
 disk tier does, and the kit must stay usable (more requests, then ``unload``)."""
 
 import mlx_engine as me
-from mlx_engine import disk_cache, loading
+from mlx_engine.caches import disk as disk_cache
+from mlx_engine.loading import model as loading
 
 import errno
 import hashlib
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 A = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"

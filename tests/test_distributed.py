@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from helpers import assert_same_or_near_tie, generate_ids
 
 from fixtures.tiny_models import make_model
 

@@ -1,9 +1,9 @@
 import mlx_engine as me
-from mlx_engine.cache import UNKNOWN, SequenceCache
-from mlx_engine.model_kit import DraftModel
+from mlx_engine.caches.sequence import UNKNOWN, SequenceCache
+from mlx_engine.draft.drafter import DraftModelDrafter
+from mlx_engine.kits.text import DraftModel
+from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
-from mlx_engine.speculative.draft_model import DraftModelDrafter
 from mlx_engine.speculative.loop import decode as _decode
 
 import json
@@ -11,7 +11,7 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, run_alone
+from helpers import assert_same_or_near_tie, generate_ids, run_alone
 
 from fixtures.tiny_models import MarkovLM, make_model, successor_table
 

@@ -1,5 +1,5 @@
 import mlx_engine as me
-from mlx_engine import _blas
+from mlx_engine.loading import blas as _blas
 
 import os
 import socket
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 

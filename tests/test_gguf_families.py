@@ -11,7 +11,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from helpers import assert_same_or_near_tie, generate_ids
 
 from fixtures.gguf_families import (
     FAMILIES,

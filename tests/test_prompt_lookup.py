@@ -6,7 +6,7 @@ from mlx_engine.speculative.router import AutoRouter, RouterSettings
 from mlx_engine.speculative.speedup import AcceptanceModel, best_draft_length, expected_tokens
 
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, markov_kit
+from helpers import assert_same_or_near_tie, generate_ids, markov_kit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -443,7 +443,7 @@ def test_lookup_memory_keeps_output_exact(kit):
     first conversation and the output stays plain greedy output."""
     import mlx_engine as me
 
-    from conftest import generate_ids
+    from helpers import generate_ids
 
     question = me.tokenize(kit, "def add(a, b):\n")
     plain, _ = generate_ids(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from helpers import assert_same_or_near_tie, generate_ids
 
 pytestmark = pytest.mark.soak
 FULL = os.environ.get("MLX_ENGINE_SOAK") == "1"
@@ -486,8 +486,8 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
 
 # -- property-based fuzzing -----------------------------------------------------
 
+from mlx_engine.request.stop_strings import StopStringMatcher  # noqa: E402
 from mlx_engine.speculative.prompt_lookup import NGramIndex  # noqa: E402
-from mlx_engine.stop_strings import StopStringMatcher  # noqa: E402
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -701,7 +701,7 @@ def _png_claiming(width: int, height: int) -> bytes:
 def test_fuzz_image_bytes(fmt, w, h, cut, flips, bomb):
     """Truncated, corrupted, zero-size and bomb images end in a ValueError naming
     images_b64[0], or decode to an image within the pixel limit."""
-    from mlx_engine.images import decode_images
+    from mlx_engine.kits.images import decode_images
 
     import base64
 

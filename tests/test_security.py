@@ -131,7 +131,7 @@ def _with_template(src, dst, template: str):
 
 @pytest.mark.parametrize("name", HOSTILE_TEMPLATES)
 def test_hostile_chat_templates_fail_with_a_named_limit(tmp_path, llama_path, name, monkeypatch):
-    from mlx_engine import chat_template
+    from mlx_engine.loading import chat_template
 
     monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)  # keeps the looping ones short
     kit = me.load_model(_with_template(llama_path, tmp_path / "m", HOSTILE_TEMPLATES[name]), vocab_only=True)

@@ -3,12 +3,12 @@ text in every decoding mode, and the sampler is an exact categorical sample with
 mlx-lm's filtering."""
 
 import mlx_engine as me
-from mlx_engine.model_kit import DraftModel
-from mlx_engine.sampling import SamplingParams, build_sampler, draw_seed, position_keys, sampling_filters
+from mlx_engine.kits.text import DraftModel
+from mlx_engine.request.sampling import SamplingParams, build_sampler, draw_seed, position_keys, sampling_filters
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, markov_kit
+from helpers import generate_ids, markov_kit
 from mlx_lm.sample_utils import make_sampler
 
 from fixtures.tiny_models import MarkovLM, successor_table

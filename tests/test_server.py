@@ -24,7 +24,7 @@ import jsonschema
 import openai
 import pytest
 import uvicorn
-from conftest import requires_default_model
+from helpers import requires_default_model
 
 KEY = "test-key"
 MODEL = "tiny"

@@ -2,7 +2,7 @@
 the script that trains it (training/train_smollm2_draft.py)."""
 
 import mlx_engine as me
-from mlx_engine import catalog
+from mlx_engine.loading import catalog
 
 import argparse
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, requires_default_model
+from helpers import assert_same_or_near_tie, generate_ids, requires_default_model
 
 import demo
 

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, requires_default_model, run_alone
+from helpers import generate_ids, requires_default_model, run_alone
 
 from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
@@ -19,8 +19,8 @@ def decode(*args, **kwargs):
     return run_alone(_decode(*args, **kwargs))
 
 
+from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.structured import GrammarConstraint, compile_constraint
 
 SMALL_SCHEMA = {

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 from fixtures.tiny_models import make_model
 
@@ -197,7 +197,7 @@ def test_process_exit_after_threaded_work_does_not_abort(half_path):
 def test_an_interrupted_wait_does_not_lose_the_step():
     """A KeyboardInterrupt while the host waits for a step (Ctrl-C) leaves the
     step running; the next next() returns its result, none is lost."""
-    from mlx_engine import streams, worker
+    from mlx_engine.runtime import streams, worker
 
     import _thread
     import signal

@@ -12,7 +12,7 @@ import shutil
 
 import jsonschema
 import pytest
-from conftest import generate_ids, requires_default_model
+from helpers import generate_ids, requires_default_model
 
 WEATHER = {
     "type": "function",
@@ -513,7 +513,7 @@ def test_auto_opens_a_call_mid_answer_in_every_mode(tmp_path):
     released, and from the opening on the grammar holds, identically in every
     decoding mode."""
     import mlx.core as mx
-    from conftest import markov_kit
+    from helpers import markov_kit
 
     from fixtures.tiny_models import make_model, successor_table
 

@@ -2,18 +2,18 @@
 verify loop, stop-string matching, decoding plans and request bookkeeping."""
 
 import mlx_engine as me
-from mlx_engine.cache import UNKNOWN, CacheOptions, SequenceCache, common_prefix_length
-from mlx_engine.plan import DecodingPlan, choose_plan
+from mlx_engine.caches.sequence import UNKNOWN, CacheOptions, SequenceCache, common_prefix_length
+from mlx_engine.request.plan import DecodingPlan, choose_plan
+from mlx_engine.request.sampling import SamplingParams, build_sampler
+from mlx_engine.request.stop_strings import StopStringMatcher
 from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.loop import decode
-from mlx_engine.stop_strings import StopStringMatcher
 
 import gc
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, run_alone
+from helpers import generate_ids, run_alone
 
 from fixtures.tiny_models import MarkovLM, successor_table
 
@@ -221,7 +221,7 @@ def test_create_generator_options_are_declared_once_and_unknown_names_are_refuse
     """The keyword arguments come from GenerationOptions (signature included);
     an unknown one is a ValueError naming it, raised before anything runs."""
     import mlx_engine as me
-    from mlx_engine.request import GenerationOptions
+    from mlx_engine.request.validate import GenerationOptions
 
     import dataclasses
     import inspect

@@ -6,7 +6,7 @@ without a cache): every greedy token the engine produces must be the
 reference's argmax at that position, up to near-ties."""
 
 import mlx_engine as me
-from mlx_engine.images import decode_images
+from mlx_engine.kits.images import decode_images
 
 import base64
 import struct
@@ -14,7 +14,7 @@ import zlib
 
 import mlx.core as mx
 import pytest
-from conftest import NEAR_TIE_TOLERANCE, first_divergence, generate_ids
+from helpers import NEAR_TIE_TOLERANCE, first_divergence, generate_ids
 
 from fixtures.tiny_vlm import image_b64, make_gemma3, make_llava, make_qwen2_vl, make_text_draft
 

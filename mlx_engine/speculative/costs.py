@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from ..cache import flat_layers
+from ..caches.sequence import flat_layers
 
 logger = logging.getLogger(__name__)
 

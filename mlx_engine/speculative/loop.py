@@ -20,9 +20,9 @@ from typing import Callable, Generator, NamedTuple, Protocol
 
 import mlx.core as mx
 
-from ..cache import SequenceCache
+from ..caches.sequence import SequenceCache
+from ..request.sampling import LogitsProcessor, Sampler
 from ..results import GenerationStats
-from ..sampling import LogitsProcessor, Sampler
 from ..structured import GrammarConstraint, apply_mask
 from .costs import MAX_DRAFT
 

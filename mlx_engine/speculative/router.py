@@ -26,9 +26,9 @@ import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..draft.drafter import DraftModelDrafter
 from ..results import GenerationStats
 from . import costs
-from .draft_model import DraftModelDrafter
 from .loop import Drafts
 from .prompt_lookup import COPYING, BatchPricing, PromptLookupDrafter, density_score, strength_acceptance
 from .speedup import AcceptanceModel, best_draft_length

@@ -1,4 +1,6 @@
-"""Fitting the context to memory: ``max_kv_size="auto"`` and the prefill chunk.
+"""Memory facts in one place: physical and available memory, the prompt cache's
+default budget, and fitting the context (``max_kv_size="auto"``) and the prefill
+chunk to memory.
 
 A full-attention KV cache costs the same bytes for every token it holds, so the
 longest context that fits is the memory left for caches divided by the bytes per
@@ -12,17 +14,30 @@ quarter of the available memory.
 from __future__ import annotations
 
 import logging
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import PREFILL_CHUNK
-
 logger = logging.getLogger(__name__)
 
+PREFILL_CHUNK = 512  # prompt tokens per forward pass, before fitting to memory
 MIN_PREFILL_CHUNK = 32
 CONTEXT_MEMORY_SHARE = 0.5
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory (16 GiB where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 * 2**30
+
+
+def default_memory_budget() -> int:
+    """The prompt cache's default byte budget: an eighth of physical memory, at most 4 GiB."""
+    return min(4 * 2**30, physical_memory() // 8)
 
 
 def available_memory() -> int:
@@ -34,8 +49,6 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    from .loading import physical_memory
-
     return physical_memory()
 
 

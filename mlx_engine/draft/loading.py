@@ -13,11 +13,11 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .. import loading
-from ..cache import layer_rewind_reason
-from ..draft_pool import DraftModel
+from ..caches.sequence import layer_rewind_reason
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..model_kit import ModelKit
+from ..kits.text import ModelKit
+from ..loading import model as loading
+from .model import DraftModel
 
 logger = logging.getLogger(__name__)
 

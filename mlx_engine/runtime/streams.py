@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Iterator, TypeVar
 
-from .results import GenerationResult
+from ..results import GenerationResult
 from .scheduler import END, LiveRequest, Scheduler
 from .worker import MLXWorker, ProcessExiting, Task, shutting_down
 

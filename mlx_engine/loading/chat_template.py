@@ -26,7 +26,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import ChatTemplateLimitError
+from ..errors import ChatTemplateLimitError
 
 RENDER_SECONDS = 5.0  # real templates render a long conversation in milliseconds
 MAX_CHARS = 1 << 24  # 16M characters: longer than any model's context as text

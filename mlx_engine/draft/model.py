@@ -8,9 +8,9 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from .batch_cache import RaggedBatch, can_batch, release_row
-from .cache import SequenceCache, common_prefix_length
-from .speculative import costs
+from ..caches.ragged import RaggedBatch, can_batch, release_row
+from ..caches.sequence import SequenceCache, common_prefix_length
+from ..speculative import costs
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Draft-model speculative decoding: the drafter (``DraftModelDrafter``) and its
-batched draft jobs. Checking and loading a draft model is draft_loading.py."""
+batched draft jobs. Checking and loading a draft model is loading.py."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from ..batch_cache import release_row
-from ..cache import PREFILL_CHUNK, SequenceCache, common_prefix_length
-from ..draft_pool import DraftModel
-from . import costs, speedup
-from .loop import DrafterUnavailable, PendingDrafts
-from .policy import DraftLengthPolicy
+from ..caches.ragged import release_row
+from ..caches.sequence import SequenceCache, common_prefix_length
+from ..loading.memory import PREFILL_CHUNK
+from ..speculative import costs, speedup
+from ..speculative.loop import DrafterUnavailable, PendingDrafts
+from ..speculative.policy import DraftLengthPolicy
+from .model import DraftModel
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import catalog, gguf, gguf_models, gguf_tokenizer
-from .errors import ModelLoadError
-from .model_checks import check_config_fields, check_model_files, check_weights_match_config
+from ..errors import ModelLoadError
+from . import catalog
+from .checks import check_config_fields, check_model_files, check_weights_match_config
+from .gguf import families as gguf_models
+from .gguf import reader as gguf
+from .gguf import tokenizer as gguf_tokenizer
+from .memory import physical_memory
 
 logger = logging.getLogger(__name__)
 
@@ -296,13 +300,6 @@ def smoke_test(model: nn.Module, path: Path) -> None:
         raise ModelLoadError(
             f"the model in {str(path)!r} computes NaN or infinite logits: its weights hold NaN/inf values"
         )
-
-
-def physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 * 2**30
 
 
 def eos_token_ids(tokenizer) -> set[int]:

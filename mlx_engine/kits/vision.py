@@ -32,12 +32,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from . import loading
-from .cache import PREFILL_CHUNK
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
+from ..loading import model as loading
+from ..loading.checks import check_weights_match_config
+from ..loading.memory import PREFILL_CHUNK
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
-from .model_checks import check_weights_match_config
-from .model_kit import ExpandedPrompt, KitOptions, ModelKit
+from .text import ExpandedPrompt, KitOptions, ModelKit
 
 logger = logging.getLogger(__name__)
 

@@ -33,20 +33,13 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .cache import UNKNOWN, SequenceCache, common_prefix_length, flat_layers
-from .disk_cache import DiskCache, prepare_root
+from .disk import DiskCache, prepare_root
+from .sequence import UNKNOWN, SequenceCache, common_prefix_length, flat_layers
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ENTRIES = 16
 DEFAULT_DISK_BYTES = 8 * 2**30
-
-
-def default_memory_budget() -> int:
-    """An eighth of physical memory, at most 4 GiB."""
-    from .loading import physical_memory
-
-    return min(4 * 2**30, physical_memory() // 8)
 
 
 @dataclass(frozen=True)

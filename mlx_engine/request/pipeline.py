@@ -20,15 +20,13 @@ from typing import Callable, Iterator, NamedTuple
 
 import mlx.core as mx
 
-from . import worker
-from .batch_cache import release_row
-from .cache import SequenceCache, common_prefix_length
-from .context import prefill_chunk
-from .errors import CallbackError
-from .model_kit import ExpandedPrompt, ModelKit
-from .plan import build_drafter
-from .request import Request
-from .results import (
+from ..caches.ragged import release_row
+from ..caches.sequence import SequenceCache, common_prefix_length
+from ..draft.drafter import DraftModelDrafter
+from ..errors import CallbackError
+from ..kits.text import ExpandedPrompt, ModelKit
+from ..loading.memory import prefill_chunk
+from ..results import (
     GenerationResult,
     GenerationStats,
     GenerationStopCondition,
@@ -38,12 +36,14 @@ from .results import (
     ToolCallDelta,
     TopLogprob,
 )
+from ..runtime import worker
+from ..speculative.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
+from ..structured import GrammarConstraint
+from ..tools import ToolCallStream
+from .plan import build_drafter
 from .sampling import Sampler, build_logits_processors, build_sampler
-from .speculative.draft_model import DraftModelDrafter
-from .speculative.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
 from .stop_strings import TextStream
-from .structured import GrammarConstraint
-from .tools import ToolCallStream
+from .validate import Request
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .cache import SequenceCache
-from .model_kit import ModelKit
-from .results import GenerationStats
-from .speculative import costs
-from .speculative.draft_model import DraftModelDrafter
-from .speculative.loop import Drafter
-from .speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
-from .speculative.router import AutoRouter
-from .speculative.suffix import SuffixDrafter
+from ..caches.sequence import SequenceCache
+from ..draft.drafter import DraftModelDrafter
+from ..kits.text import ModelKit
+from ..results import GenerationStats
+from ..speculative import costs
+from ..speculative.loop import Drafter
+from ..speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
+from ..speculative.router import AutoRouter
+from ..speculative.suffix import SuffixDrafter
 
 DEFAULT_PROMPT_LOOKUP_TOKENS = 8
 MAX_DRAFT_TOKENS = costs.MAX_MODEL_DRAFT

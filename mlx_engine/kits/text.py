@@ -12,17 +12,17 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import loading
-from .activity import Activity
-from .batch_cache import RaggedBatch, can_batch
-from .cache import PREFILL_CHUNK, CacheOptions, SequenceCache
-from .context import fit_context
-from .disk_cache import DiskCache, model_identity
-from .draft_pool import DraftModel  # re-exported: tests import it from here
-from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
-from .speculative import costs
-from .speculative.drafting_rows import DraftingRows
-from .speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
+from ..caches.disk import DiskCache, model_identity
+from ..caches.prompt import PromptCache, PromptCacheOptions
+from ..caches.ragged import RaggedBatch, can_batch
+from ..caches.sequence import CacheOptions, SequenceCache
+from ..draft.model import DraftModel  # re-exported: tests import it from here
+from ..loading import model as loading
+from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
+from ..speculative import costs
+from ..speculative.drafting_rows import DraftingRows
+from ..speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
+from .registry import Activity
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import logging
 
 import numpy as np
 
-from .errors import ModelLoadError
-from .gguf import GGUFHeader, bad_field, meta_flag, meta_int, meta_str
+from ...errors import ModelLoadError
+from .reader import GGUFHeader, bad_field, meta_flag, meta_int, meta_str
 
 logger = logging.getLogger(__name__)
 

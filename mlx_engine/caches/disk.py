@@ -35,8 +35,8 @@ from typing import BinaryIO, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-from .cache import KVLayout, SequenceCache, common_prefix_length
-from .model_checks import read_safetensors_header
+from ..loading.checks import read_safetensors_header
+from .sequence import KVLayout, SequenceCache, common_prefix_length
 
 logger = logging.getLogger(__name__)
 

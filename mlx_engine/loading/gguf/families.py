@@ -20,17 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import ModelLoadError
-from .gguf import (
-    GGUFHeader,
-    all_mlx_native,
-    bad_field,
-    meta_float,
-    meta_int,
-    meta_str,
-    read_decoded,
-    read_native,
-)
+from ...errors import ModelLoadError
+from .reader import GGUFHeader, all_mlx_native, bad_field, meta_float, meta_int, meta_str, read_decoded, read_native
 
 logger = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from .errors import GenerationInProgressError
-from .model_kit import ModelKit
+from ..errors import GenerationInProgressError
+from ..kits.text import ModelKit
+from ..results import GenerationStats
+from ..structured import check_grammar, compile_constraint
+from ..tools import ToolSpec, tool_constraint
 from .plan import DecodingPlan, choose_plan
-from .results import GenerationStats
 from .sampling import SamplingParams, validate_sampling
 from .stop_strings import StopStringMatcher
-from .structured import check_grammar, compile_constraint
-from .tools import ToolSpec, tool_constraint
 
 DEFAULT_MAX_TOKENS = 256
 

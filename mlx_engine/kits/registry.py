@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .errors import GenerationInProgressError
+from ..errors import GenerationInProgressError
 
 
 @dataclass

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .cache import UNKNOWN, SequenceCache
+from .sequence import UNKNOWN, SequenceCache
 
 STEP = 256  # buffer growth, in positions (as mlx-lm's KVCache)
 

@@ -11,28 +11,23 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from . import loading, worker
 from . import tools as tools_module
-from .cache import CacheOptions
-from .chat_template import check_render
+from .caches.prompt import PromptCacheOptions
+from .caches.sequence import CacheOptions
+from .draft.loading import check_draft_model, load_draft, unload_draft
 from .errors import ChatTemplateLimitError
-from .images import validate_max_image_pixels
-from .model_kit import KitOptions, ModelKit, validate_max_parallel, validate_suffix_memory
-from .pipeline import Generation
-from .prompt_cache import PromptCacheOptions
-from .request import (
-    GenerationOptions,
-    WhenIdle,
-    require_model,
-    validate_request,
-    validate_request_id,
-)
+from .kits.images import validate_max_image_pixels
+from .kits.text import KitOptions, ModelKit, validate_max_parallel, validate_suffix_memory
+from .kits.vision import VisionModelKit
+from .loading import model as loading
+from .loading.chat_template import check_render
+from .request.pipeline import Generation
+from .request.sampling import validate_seed
+from .request.validate import GenerationOptions, WhenIdle, require_model, validate_request, validate_request_id
 from .results import GenerationResult
-from .sampling import validate_seed
-from .scheduler import Scheduler
-from .speculative.draft_loading import check_draft_model, load_draft, unload_draft
-from .streams import RequestStream, WorkerIterator
-from .vision_model_kit import VisionModelKit
+from .runtime import worker
+from .runtime.scheduler import Scheduler
+from .runtime.streams import RequestStream, WorkerIterator
 
 logger = logging.getLogger(__name__)
 

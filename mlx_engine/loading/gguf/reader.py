@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import ModelLoadError
+from ...errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 _MODEL_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 # Size fields read by the architecture code: a positive integer each (a list of

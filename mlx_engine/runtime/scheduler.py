@@ -29,8 +29,8 @@ from typing import Callable, Generator
 
 import mlx.core as mx
 
-from .batch_cache import RaggedBatch, can_batch
-from .speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending
+from ..caches.ragged import RaggedBatch, can_batch
+from ..speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending
 
 logger = logging.getLogger(__name__)
 

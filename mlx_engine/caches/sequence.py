@@ -33,9 +33,10 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from ..loading.memory import PREFILL_CHUNK
+
 logger = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 512
 #: Recorded for a token fed to the model before its id is known (a lazily
 #: computed draft or sampled token). It matches no real id, so a cache left
 #: holding one (a round abandoned mid-flight) is trimmed there at the next sync.
