@@ -200,7 +200,9 @@ class PromptCache:
                 return loaded, "disk"
         if shared == _known_length(best.tokens):
             return best, "memory"  # the prompt extends this entry
-        if shared and can_branch(best) and best.restorable(shared):
+        if shared and can_branch(best):
+            if not best.restorable(shared):
+                return self.make(), "none"  # no recurrent state kept that early: keep the entry whole
             return branch(best, shared, self.make), "branch"
         if not shared and best.tokens:
             return self.make(), "none"  # a new sequence: keep the others

@@ -208,9 +208,15 @@ class SequenceCache:
     def checkpoint(self) -> None:
         """Keep the recurrent state at the current length, for a later request
         branching here (the end of a prompt or an answer). A no-op without
-        recurrent layers or while the tail holds ids not read yet."""
-        n = len(self.tokens)
-        if not self.recurrent or not n or UNKNOWN in self.tokens[-MAX_UNKNOWN_TAIL:]:
+        recurrent layers. A round abandoned mid-flight (ids not read yet at the
+        end) is rewound first, so the checkpoint holds known tokens only."""
+        if not self.recurrent:
+            return
+        known = len(self.tokens)
+        while known and self.tokens[known - 1] == UNKNOWN:
+            known -= 1
+        n = self.rewind_to(known)
+        if not n or UNKNOWN in self.tokens[-MAX_UNKNOWN_TAIL:]:
             return
         self.checkpoints = [(p, s) for p, s in self.checkpoints if p != n] + [(n, self.snapshot())]
         self.checkpoints.sort(key=lambda ps: ps[0])
