@@ -257,3 +257,38 @@ def test_parallel_hybrid_requests_give_their_solo_outputs(hybrid_paths):
         assert [out[i] for i in range(3)] == solo
     finally:
         mlx_engine.unload(kit)
+
+
+def test_checkpoints_through_the_disk_tier(hybrid_paths, tmp_path):
+    """An evicted hybrid entry is written with its recurrent state and read
+    back for a prompt extending it; a corrupt one is refused, not used."""
+    path = hybrid_paths["falcon_h1"]  # CacheList layers: a Mamba and an attention cache per block
+    kit = mlx_engine.load_model(path, prompt_cache_dir=tmp_path)
+    prompt = mlx_engine.tokenize(kit, PROMPT)
+    answer, _ = generate_ids(kit, prompt, max_tokens=8, temp=0.0)
+    mlx_engine.unload(kit)  # writes the entry
+    entries = list(tmp_path.rglob("*.safetensors"))
+    assert len(entries) == 1
+    follow = prompt + answer + mlx_engine.tokenize(kit, " ok")
+    cold = mlx_engine.load_model(path)
+    want, _ = generate_ids(cold, follow, max_tokens=8, temp=0.0)
+    mlx_engine.unload(cold)
+    kit = mlx_engine.load_model(path, prompt_cache_dir=tmp_path)
+    try:
+        ids, last = generate_ids(kit, follow, max_tokens=8, temp=0.0)
+        assert last.stats.cache_source == "disk"
+        assert last.stats.cached_tokens >= len(prompt) + len(answer) - 1
+        assert ids == want
+    finally:
+        mlx_engine.unload(kit)
+    for entry in tmp_path.rglob("*.safetensors"):
+        data = bytearray(entry.read_bytes())
+        data[-5] ^= 0xFF  # inside the last tensor: only the checksum can tell
+        entry.write_bytes(bytes(data))
+    kit = mlx_engine.load_model(path, prompt_cache_dir=tmp_path)
+    try:
+        ids, last = generate_ids(kit, follow, max_tokens=8, temp=0.0)
+        assert last.stats.cache_source == "none"  # refused (and deleted), not used
+        assert ids == want
+    finally:
+        mlx_engine.unload(kit)

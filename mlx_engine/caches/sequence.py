@@ -130,6 +130,14 @@ class KVLayout(NamedTuple):
     dtype: mx.Dtype
 
 
+class StateLayout(NamedTuple):
+    """What one recurrent layer holds for a model: its arrays' shapes and
+    dtypes (the same at any length)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[mx.Dtype, ...]
+
+
 class SequenceCache:
     """KV cache layers of one model plus the tokens whose keys/values they hold."""
 
@@ -159,19 +167,22 @@ class SequenceCache:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def kv_layout(self) -> list[KVLayout | None]:
-        """Per layer, the layout of its keys and values for this model (None for
-        layers that are not plain KV caches), from one token run through a
-        fresh cache without evaluating it: shapes and dtypes only, nothing is
-        computed."""
+    def kv_layout(self) -> list[KVLayout | StateLayout | None]:
+        """Per layer (``CacheList`` opened up, as ``flat_layers``), the layout of
+        its keys and values for this model, or of its recurrent state (None for
+        other kinds of layer), from one token run through a fresh cache without
+        evaluating it: shapes and dtypes only, nothing is computed."""
         layers = make_prompt_cache(self.model)
         self.model(mx.array([[0]], dtype=mx.uint32), cache=layers)
-        return [
-            KVLayout(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype)
-            if type(c) is KVCache and c.keys is not None
-            else None
-            for c in layers
-        ]
+        out: list[KVLayout | StateLayout | None] = []
+        for c in flat_layers(layers):
+            if type(c) is KVCache and c.keys is not None:
+                out.append(KVLayout(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype))
+            elif _is_recurrent(c) and all(a is not None for a in c.cache):
+                out.append(StateLayout(tuple(tuple(a.shape) for a in c.cache), tuple(a.dtype for a in c.cache)))
+            else:
+                out.append(None)
+        return out
 
     @property
     def recurrent(self) -> list:
