@@ -7,10 +7,11 @@ plus the llama fixture as the attention-only control; all share one tokenizer.""
 
 import mlx_engine
 from mlx_engine.caches.prompt import branch, cache_bytes
+from mlx_engine.caches.ragged import BATCHED_RECURRENT, RaggedBatch, can_batch
 from mlx_engine.caches.sequence import SequenceCache, layer_rewind_reason
 from mlx_engine.request.sampling import greedy_sampler
 from mlx_engine.results import GenerationStats
-from mlx_engine.speculative.loop import decode
+from mlx_engine.speculative.loop import Launch, decode, lazy_ids
 
 import threading
 
@@ -122,6 +123,88 @@ def test_rewinds_of_every_length(kits, family):
     out = [s.token for s in run_alone(steps)]
     assert out == answer
     assert {a for d, a in drafter.accepted if d == k} == set(range(k + 1))
+
+
+def run_batched(batch: RaggedBatch, loops: list) -> list[list[int]]:
+    """Drive several ``decode`` loops as the scheduler does: each step, every
+    loop's launch is one row of a single batched forward pass."""
+    outs: list[list[int]] = [[] for _ in loops]
+    sent: list = [None] * len(loops)
+    live = set(range(len(loops)))
+    while live:
+        launches = {}
+        for i in sorted(live):
+            while True:
+                try:
+                    item = loops[i].send(sent[i])
+                except StopIteration:
+                    live.discard(i)
+                    break
+                sent[i] = None
+                if isinstance(item, Launch):
+                    launches[i] = item
+                    break
+                outs[i].append(item.token)
+        for i, launch in launches.items():
+            if launch.cache not in batch:
+                batch.join(launch.cache)
+        ids = [lazy_ids(launch) for launch in launches.values()]
+        out = batch.feed([(l.cache, l.known, x) for l, x in zip(launches.values(), ids)])
+        for (i, launch), (logits, start), x in zip(launches.items(), out, ids):
+            sent[i] = launch.finish(logits, start, x)
+    return outs
+
+
+@pytest.mark.parametrize("family", sorted(BATCHED_RECURRENT))
+def test_padded_rows_keep_their_state_exact(kits, family):
+    """A row padded in one pass (3 tokens beside 1, then a row riding along on
+    nothing) continues exactly as alone: padding never enters its recurrent
+    state. (mlx-lm's nemotron_h and jamba fail this: their rows run alone.)"""
+    kit = kits(family)
+    rows = [SequenceCache(kit.model) for _ in range(3)]
+    alone = [SequenceCache(kit.model) for _ in range(3)]
+    starts = ([5, 6, 7, 8], [9, 10, 11], [12, 13])
+    for cache, start in zip(rows + alone, starts + starts):
+        cache.prefill(start)
+    batch = RaggedBatch(kit.model, rows[0].layers)
+    for cache in rows:
+        batch.join(cache)
+    passes = ([[20, 21, 22], [30], None], [[23], [31], [40]])
+    for feeds in passes:
+        out = batch.feed([(c, f, None) for c, f in zip(rows, feeds) if f is not None])
+        want = [c.feed(f) for c, f in zip(alone, feeds) if f is not None]
+        for (logits, _), w in zip(out, want):
+            assert mx.allclose(logits, w, atol=1e-4).item()
+    for cache in rows:
+        batch.leave(cache)
+    for cache, solo in zip(rows, alone):
+        assert mx.allclose(cache.feed([50])[-1], solo.feed([50])[-1], atol=1e-4).item()
+
+
+def test_families_that_pad_wrongly_run_alone(kits):
+    for family in ("nemotron_h", "jamba"):
+        assert not can_batch(SequenceCache(kits(family).model))
+    assert can_batch(SequenceCache(kits("qwen3_next").model))
+
+
+@pytest.mark.parametrize("family", sorted(BATCHED_RECURRENT))
+def test_rewinds_of_every_length_inside_a_batch(kits, family):
+    """Rows drafting 3 and 4 tokens (so the narrower is padded), each rewound
+    by every length in turn inside the shared passes, give mlx-lm's output."""
+    kit = kits(family)
+    prompts = [mlx_engine.tokenize(kit, PROMPT), mlx_engine.tokenize(kit, "Hello world! Bonjour")]
+    drafters, loops = [], []
+    for prompt, k in zip(prompts, (3, 4)):
+        answer = mlx_lm_greedy(kit.model, prompt, 2 * N)
+        drafters.append((ScriptedDrafter(len(prompt), answer, k, kit.vocab_size), answer, k))
+        cache = SequenceCache(kit.model)
+        cache.prefill(prompt[:-1])
+        loops.append(decode(cache, list(prompt), 2 * N, greedy_sampler, [], 4096, drafters[-1][0], GenerationStats()))
+    batch = RaggedBatch(kit.model, SequenceCache(kit.model).layers)
+    outs = run_batched(batch, loops)
+    for out, (drafter, answer, k) in zip(outs, drafters):
+        assert out == answer
+        assert {a for d, a in drafter.accepted if d == k} == set(range(k + 1))
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "mamba2", "falcon_h1"])
@@ -239,22 +322,45 @@ def test_structured_output_forced_spans_on_a_hybrid(kits):
     assert generate_ids(kit, prompt, structured_drafting=False, **kw)[0] == drafted
 
 
-def test_parallel_hybrid_requests_give_their_solo_outputs(hybrid_paths):
-    kit = mlx_engine.load_model(hybrid_paths["lfm2"], max_parallel=3)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parallel_rows_with_speculation_equal_each_row_alone(hybrid_paths, family):
+    """Three requests at once, prompt lookup drafting each one's known answer
+    from the suffix memory, rows of different widths: each gives its solo
+    output. The families whose recurrent layers honour per-row lengths run as
+    one batch; nemotron_h and jamba run their rows alone."""
+    kit = mlx_engine.load_model(hybrid_paths[family], max_parallel=3)
     try:
-        prompts = [mlx_engine.tokenize(kit, p) for p in (PROMPT, "Hello world!", "for i in range(10):")]
-        solo = [generate_ids(kit, p, max_tokens=12, temp=0.0)[0] for p in prompts]
+        texts = (PROMPT, "Hello world! Bonjour le monde.", "for i in range(10):\n    print(i")
+        prompts = [mlx_engine.tokenize(kit, p) for p in texts]
+        solo = [generate_ids(kit, p, max_tokens=N, temp=0.0)[0] for p in prompts]
+        batched = family in BATCHED_RECURRENT
+        assert (kit.batch is not None) == batched
+        widest = []
+        if batched:
+            feed = kit.batch.feed
+
+            def spy(inputs):
+                widest.append(len(kit.batch.rows))
+                return feed(inputs)
+
+            kit.batch.feed = spy
         out: dict[int, list[int]] = {}
+        ready = threading.Barrier(3)
 
-        def run(i):
-            out[i] = generate_ids(kit, prompts[i], max_tokens=12, temp=0.0, prompt_lookup_num_tokens=4)[0]
+        def run(i, kw):
+            gen = mlx_engine.create_generator(kit, prompts[i], max_tokens=N, temp=0.0, **kw)
+            ready.wait()
+            out[i] = [t.id for r in gen for t in r.tokens]
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        modes = ({"prompt_lookup_num_tokens": 8}, {"auto_speculative": True}, {})
+        threads = [threading.Thread(target=run, args=(i, modes[i])) for i in range(3)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         assert [out[i] for i in range(3)] == solo
+        if batched:
+            assert max(widest) > 1  # the rows shared forward passes
     finally:
         mlx_engine.unload(kit)
 

@@ -208,6 +208,13 @@ class SequenceCache:
         (a draft model's cache keeps one per chained draft step)."""
         self.rewind_points = max(1, n)
 
+    def add_point(self, state: State) -> None:
+        """Keep ``state`` (the recurrent state at the current length, before a
+        pass; a batch gives its row's) as a rewind point, keeping the last few."""
+        n = len(self.tokens)
+        keep = [(p, s) for p, s in self.points if p < n]
+        self.points = (keep[-(self.rewind_points - 1) :] if self.rewind_points > 1 else []) + [(n, state)]
+
     def snapshot(self) -> State:
         """The recurrent layers' current state (references, nothing is copied)."""
         return tuple(tuple(c.cache) for c in self.recurrent)
@@ -318,11 +325,7 @@ class SequenceCache:
         if self.recurrent:
             # The state before this pass: a rejected draft or a pass abandoned
             # mid-flight rewinds here (rewind_to), then feeds the accepted tokens.
-            n = len(self.tokens)
-            self.points = (
-                [(p, s) for p, s in self.points if p < n][-(self.rewind_points - 1) :] if self.rewind_points > 1 else []
-            )
-            self.points.append((n, self.snapshot()))
+            self.add_point(self.snapshot())
         logits = self.model(inputs, cache=self.layers, **model_inputs)
         o = self.options
         if o.kv_bits is not None:
