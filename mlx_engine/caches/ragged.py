@@ -123,10 +123,13 @@ class _Layer:
 class RaggedBatch:
     """The rows decoding together on one model: one forward pass per step."""
 
-    def __init__(self, model: nn.Module, template: list):
-        """``template``: a cache of this model (its layers' kinds and nesting)."""
+    def __init__(self, model: nn.Module, template: list | int):
+        """``template``: a cache of this model (its layers' kinds and nesting),
+        or the number of its layers when they are all plain KV layers."""
         self.model = model
-        self.layers = _batch_layers(self, template)
+        self.layers = _batch_layers(
+            self, [KVCache() for _ in range(template)] if isinstance(template, int) else template
+        )
         self.flat = flat_layers(self.layers)
         self.rows: list[SequenceCache] = []
         self.starts: list[int] = []
