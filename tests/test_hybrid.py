@@ -398,3 +398,15 @@ def test_checkpoints_through_the_disk_tier(hybrid_paths, tmp_path):
         assert ids == want
     finally:
         mlx_engine.unload(kit)
+
+
+def test_a_cache_keeping_no_state_cannot_rewind_recurrent_layers(kits):
+    """A sharded kit's caches keep no recurrent state (its followers only trim):
+    speculation falls back and a rewind recomputes from the start."""
+    kit = kits("lfm2")
+    cache = SequenceCache(kit.model)
+    cache.keep_rewind_points(0)
+    assert "keep no earlier state" in cache.rewind_limit_reason()
+    cache.feed([5, 6, 7])
+    cache.checkpoint()
+    assert cache.rewind_to(2) == 0 and cache.tokens == []

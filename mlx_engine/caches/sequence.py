@@ -201,16 +201,24 @@ class SequenceCache:
                     )
             elif reason := layer_rewind_reason(c):
                 return reason
+            elif _is_recurrent(c) and not self.rewind_points:
+                return f"{type(c).__name__} layers (recurrent state) keep no earlier state on this kit"
         return None
 
     def keep_rewind_points(self, n: int) -> None:
         """Keep the recurrent state before each of the last ``n`` forward passes
-        (a draft model's cache keeps one per chained draft step)."""
-        self.rewind_points = max(1, n)
+        (a draft model's cache keeps one per chained draft step); 0 keeps no
+        state at all, so recurrent layers cannot be rewound (a sharded kit,
+        whose followers can only trim)."""
+        self.rewind_points = max(0, n)
+        if not n:
+            self.points, self.checkpoints = [], []
 
     def add_point(self, state: State) -> None:
         """Keep ``state`` (the recurrent state at the current length, before a
         pass; a batch gives its row's) as a rewind point, keeping the last few."""
+        if not self.rewind_points:
+            return
         n = len(self.tokens)
         keep = [(p, s) for p, s in self.points if p < n]
         self.points = (keep[-(self.rewind_points - 1) :] if self.rewind_points > 1 else []) + [(n, state)]
@@ -228,7 +236,7 @@ class SequenceCache:
         branching here (the end of a prompt or an answer). A no-op without
         recurrent layers. A round abandoned mid-flight (ids not read yet at the
         end) is rewound first, so the checkpoint holds known tokens only."""
-        if not self.recurrent:
+        if not self.recurrent or not self.rewind_points:
             return
         known = len(self.tokens)
         while known and self.tokens[known - 1] == UNKNOWN:
