@@ -262,5 +262,5 @@ def _scheduler_of(kit: ModelKit, thread: worker.MLXWorker) -> Scheduler:
     """The kit's scheduler, stepped by its engine thread (scheduler.py)."""
     if kit.scheduler is None:
         kit.attach_scheduler(Scheduler(kit))
-        thread.job = kit.scheduler
+        thread.serve(kit.scheduler)
     return kit.scheduler

@@ -3,6 +3,8 @@ generation to its ids, the near-tie rule for speculative exactness, a kit with a
 Markov model, the default model's presence, the loop run without a scheduler."""
 
 import mlx_engine  # first: loads OpenBLAS before mlx.core
+from mlx_engine.request.output import SpeculationTally  # noqa: E402
+from mlx_engine.results import GenerationStats  # noqa: E402
 from mlx_engine.speculative.loop import TURN, Launch, forward_alone  # noqa: E402
 
 import pytest  # noqa: E402
@@ -92,3 +94,8 @@ def run_alone(items):
             sent = forward_alone(item)
         elif item is not TURN:
             yield item
+
+
+def loop_stats(steps) -> GenerationStats:
+    """The speculation stats of a loop's steps, as the output stage builds them."""
+    return GenerationStats(**SpeculationTally.of(steps).fields())

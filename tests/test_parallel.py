@@ -198,7 +198,7 @@ def test_a_failing_or_cancelled_request_leaves_the_others_alone(pkit, llama_path
         drain(bad_stats)
     for i, (h, g) in enumerate(zip(heads, good)):
         assert_same_or_near_tie(pkit, prompts[i], want[i], h + drain(g)[0])
-    assert not pkit._activity.known and not pkit._activity.active
+    assert not pkit.activity.known and not pkit.activity.active
     assert not pkit.batch.rows
     assert_same_or_near_tie(pkit, prompts[2], want[2], solo(pkit, prompts[2], max_tokens=14))
 
@@ -245,12 +245,12 @@ def test_draft_model_rows_draft_in_one_batch(pkit, llama_path, draft_path):
     gens = [me.create_generator(pkit, p, max_tokens=20, num_draft_tokens=3) for p in prompts]
     heads = [[t.id for t in next(g).tokens] for g in gens]
     heads = [h + [t.id for t in next(g).tokens] for h, g in zip(heads, gens)]
-    rows = pkit._worker.call(lambda: len(pkit.draft.batch.rows))
+    rows = pkit.worker.call(lambda: len(pkit.draft.batch.rows))
     assert rows == 3  # every request's draft cache is a row of the draft model's batch
     outs = [h + drain(g)[0] for h, g in zip(heads, gens)]
     for p, w, ids in zip(prompts, want, outs):
         assert_same_or_near_tie(pkit, p, w, ids)
-    assert not pkit._worker.call(lambda: pkit.draft.batch.rows)
+    assert not pkit.worker.call(lambda: pkit.draft.batch.rows)
 
 
 def test_a_dropped_kit_is_collected_and_its_engine_thread_reused(llama_path):
@@ -261,7 +261,7 @@ def test_a_dropped_kit_is_collected_and_its_engine_thread_reused(llama_path):
 
     kit = me.load_model(llama_path)
     drain(me.create_generator(kit, me.tokenize(kit, TEXTS[0]), max_tokens=3))  # the scheduler is attached
-    thread, ref = kit._worker, weakref.ref(kit)
+    thread, ref = kit.worker, weakref.ref(kit)
     del kit
     gc.collect()
     assert ref() is None
@@ -373,7 +373,7 @@ def test_a_request_failing_at_run_time_fails_alone(pkit, llama_path, draft_path,
         ids, final = drain(g)
         assert final.stop_condition.stop_reason == "token_limit"
         assert_same_or_near_tie(pkit, p, w, h + ids)
-    assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)
+    assert not pkit.activity.known and not pkit.worker.call(lambda: pkit.batch.rows)
     monkeypatch.setattr(GrammarConstraint, "masks", masks)
     assert solo(pkit, jobs[0][0], max_tokens=16) == solo(one, jobs[0][0], max_tokens=16)
 
@@ -407,7 +407,7 @@ def test_a_failed_shared_pass_is_retried_row_by_row(pkit, llama_path, draft_path
         assert final.stop_condition.stop_reason == "token_limit"
         assert_same_or_near_tie(pkit, p, w, h + ids)
     assert failures[0] == 2
-    assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)
+    assert not pkit.activity.known and not pkit.worker.call(lambda: pkit.batch.rows)
 
 
 def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, monkeypatch):
@@ -432,7 +432,7 @@ def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, mon
         heads = [[t.id for t in next(g).tokens] for g in gens]
         for j, h, g in zip((i, i + 1), heads, gens):
             assert h + drain(g)[0] == want[j]  # the failure is logged, not the request's
-    assert not kit._activity.known
+    assert not kit.activity.known
     gens = [me.create_generator(kit, p, max_tokens=6) for p in prompts[:2]]  # both slots
     heads = [[t.id for t in next(g).tokens] for g in gens]
     assert [h + drain(g)[0] for h, g in zip(heads, gens)] == want[:2]
@@ -469,7 +469,7 @@ def test_a_batch_that_cannot_release_its_rows_fails_them_and_recovers(pkit, llam
         with pytest.raises(RuntimeError, match="injected"):
             drain(g)
     assert not broken[0]
-    assert not pkit._activity.known
+    assert not pkit.activity.known
     gens = [me.create_generator(pkit, p, max_tokens=8) for p in prompts]
     heads = [[t.id for t in next(g).tokens] for g in gens]
     for p, w, h, g in zip(prompts, want, heads, gens):
@@ -565,7 +565,7 @@ def _draft_request_admitted_while_one_decodes(pkit, log, short, long, at_chunk=N
                 pending = None
         return ids["a"], ids["b"], error
 
-    return pkit._worker.call(run)
+    return pkit.worker.call(run)
 
 
 def _solo_kit(llama_path, draft_path):

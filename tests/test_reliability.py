@@ -114,7 +114,7 @@ def test_cancellations_at_random_points_leave_output_equal_to_a_fresh_kit(llama_
         which = rng.randrange(len(prompts))
         point = rng.randrange(4) if route in ("progress_false", "callback_interrupt") else rng.randrange(12)
         cancel_once(kit, prompts[which], MODES[mode], route, point, rng)
-        assert not kit.worker.call(lambda: kit._activity.active)  # after any close queued by a dropped iterator
+        assert not kit.worker.call(lambda: kit.activity.active)  # after any close queued by a dropped iterator
         ids, final = generate_ids(kit, prompts[which], max_tokens=12, **MODES[mode])
         assert len(ids) == 12 and final.stop_condition.stop_reason == "token_limit"
         assert_same_or_near_tie(fresh, prompts[which], refs[which], ids)
@@ -584,7 +584,7 @@ def test_fuzz_every_create_generator_argument(fuzz_kit, prompt, kwargs):
         pass
     finally:
         gen.close()
-    assert not fuzz_kit._activity.active and not fuzz_kit._activity.known
+    assert not fuzz_kit.activity.active and not fuzz_kit.activity.known
 
 
 @CHEAP_SETTINGS

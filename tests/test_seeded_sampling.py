@@ -116,7 +116,7 @@ def _markov_with_draft(llama_path):
     kit = markov_kit(llama_path, successor_table(me.load_model(llama_path, vocab_only=True).vocab_size, 6.0))
     draft_model = MarkovLM(successor_table(kit.vocab_size, sharpness=12.0, seed=5))
     mx.eval(draft_model.parameters())
-    kit.draft = DraftModel(None, draft_model, kit.new_cache(draft_model), 1)
+    kit.set_draft(DraftModel(None, draft_model, kit.new_cache(draft_model), 1))
     return kit
 
 

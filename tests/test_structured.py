@@ -10,7 +10,7 @@ import json
 import jsonschema
 import mlx.core as mx
 import pytest
-from helpers import generate_ids, requires_default_model, run_alone
+from helpers import generate_ids, loop_stats, requires_default_model, run_alone
 
 from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
@@ -20,7 +20,6 @@ def decode(*args, **kwargs):
 
 
 from mlx_engine.request.sampling import SamplingParams, build_sampler
-from mlx_engine.results import GenerationStats
 from mlx_engine.structured import GrammarConstraint, compile_constraint
 
 SMALL_SCHEMA = {
@@ -116,13 +115,12 @@ def test_forbidden_drafts_are_cut_before_the_verify_pass(kit):
         kit.cache.reset()
         kit.cache.sync_to(prompt[:-1])
         kit.cache.prefill(prompt[:-1])
-        stats = GenerationStats()
         constraint = GrammarConstraint(kit, grammar, draft_forced=False)
-        steps = decode(
-            kit.cache, list(prompt), 12, build_sampler(SamplingParams()), [], 20, drafter, stats, constraint=constraint
+        steps = list(
+            decode(kit.cache, list(prompt), 12, build_sampler(SamplingParams()), [], 20, drafter, constraint=constraint)
         )
         outputs.append([s.token for s in steps])
-        assert stats.drafted_tokens == 0
+        assert loop_stats(steps).drafted_tokens == 0
     assert outputs[0] == outputs[1]
     assert kit.tokenizer.decode(outputs[0]).isdigit()
 

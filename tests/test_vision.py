@@ -254,7 +254,7 @@ def test_bad_images_are_refused_before_model_work(qwen_vl_path, images, match):
     prompt = user(kit, "What colour is this?")
     with pytest.raises(ValueError, match=match):
         me.create_generator(kit, prompt, images_b64=images)
-    assert kit.cache.tokens == [] and not kit._activity.active
+    assert kit.cache.tokens == [] and not kit.activity.active
     ids, final = run(kit, prompt, [RED], max_tokens=3)
     assert final.stats.generated_tokens == 3 or final.stop_condition.stop_reason == "eos_token"
 
@@ -356,7 +356,7 @@ def test_cancellation_then_correct_generation(qwen_vl_path):
     next(gen)
     next(gen)
     gen.close()
-    assert not kit._activity.active
+    assert not kit.activity.active
     rid = "vision-cancel"
     results = []
     for r in me.create_generator(kit, prompt, images_b64=[BLUE], max_tokens=20, request_id=rid):

@@ -71,8 +71,8 @@ class DraftModelDrafter:
 
     def plain_ahead(self, history: list[int]) -> bool:
         """True while the adaptive length drafts nothing: the loop then queues
-        each round before the previous one is read, as plain decoding does (an
-        idle draft model's rounds cost 2-3% more otherwise). Never right after a
+        each round before the previous one is read, as plain decoding does (so
+        an idle draft model's rounds cost what plain ones do). Never right after a
         drafted round: the next one starts where its accepted drafts end."""
         return not self._last_drafted and self.policy.idle_next()
 

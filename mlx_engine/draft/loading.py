@@ -9,15 +9,18 @@ import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..caches.sequence import layer_rewind_reason
 from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..kits.text import ModelKit
 from ..loading import model as loading
 from .model import DraftModel
+
+if TYPE_CHECKING:  # annotations only: the kit holds the draft, this module only fills its slot
+    from ..kits.text import ModelKit
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
     loading.smoke_test(model, draft_path)
     new = DraftModel(draft_path, model, kit.new_cache(model), loading.float_param_count(model))
     unload_draft(kit)
-    kit.draft = new
+    kit.set_draft(new)
     logger.info("loaded draft model %s (%.1fM parameters)", draft_path, kit.draft.num_params / 1e6)
 
 
@@ -147,7 +150,7 @@ def unload_draft(kit: ModelKit) -> None:
     """Drop the draft model and its cache; the main cache is kept."""
     if kit.draft is None:
         return
-    kit.draft = None
+    kit.set_draft(None)
     gc.collect()
     mx.clear_cache()
     logger.info("draft model unloaded")

@@ -66,6 +66,13 @@ class DraftModel:
             self.batch = RaggedBatch(self.model, self.first_cache.layers)
         return self.batch
 
+    def discard_batch(self) -> None:
+        """Drop a broken draft batch: its rows' caches restart empty."""
+        if self.batch is not None:
+            for cache in self.batch.rows:
+                cache.reset()
+        self.batch = None
+
     def give_back(self, cache: SequenceCache) -> None:
         release_row(self.batch, cache)
         self.lent = [c for c in self.lent if c is not cache]

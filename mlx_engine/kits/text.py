@@ -20,7 +20,7 @@ from ..draft.model import DraftModel  # re-exported: tests import it from here
 from ..loading import model as loading
 from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
 from ..speculative import costs
-from ..speculative.drafting_rows import DraftingRows
+from ..speculative.batch_pricing import DraftingRows
 from ..speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 from .registry import Activity
 
@@ -159,9 +159,17 @@ class ModelKit:
         self._batch = RaggedBatch(self.model, cache.layers) if batchable else None
         return self._batch
 
-    @batch.setter
-    def batch(self, value: RaggedBatch | None) -> None:
-        self._batch = value
+    def discard_batch(self) -> None:
+        """Drop a broken batch: its rows' caches restart empty, and the next
+        ``batch`` is a new, empty one (the scheduler's recovery)."""
+        if self._batch is not None:
+            for cache in self._batch.rows:
+                cache.reset()
+        self._batch = None
+
+    def set_draft(self, draft: DraftModel | None) -> None:
+        """Install a loaded draft model (or none); draft/loading.py checks and loads it."""
+        self.draft = draft
 
     def _init_files(self, path: Path, options: KitOptions) -> None:
         """What every kit starts from: config, tokenizer and empty slots (one

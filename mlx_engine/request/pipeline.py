@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator
+from functools import partial
 from itertools import zip_longest
 from typing import Callable, Iterator, NamedTuple
 
@@ -28,21 +29,14 @@ from ..kits.text import ExpandedPrompt, ModelKit
 from ..loading.memory import prefill_chunk
 from ..results import (
     GenerationResult,
-    GenerationStats,
-    GenerationStopCondition,
-    StopReason,
-    Token,
-    ToolCall,
-    ToolCallDelta,
-    TopLogprob,
 )
 from ..runtime import worker
 from ..speculative.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
+from ..speculative.router import AutoRouter
 from ..structured import GrammarConstraint
-from ..tools import ToolCallStream
-from .plan import build_drafter
+from .drafters import build_drafter
+from .output import PromptFacts, SpeculationTally, build_stats, final_result, results
 from .sampling import Sampler, build_logits_processors, build_sampler
-from .stop_strings import TextStream
 from .validate import Request
 
 logger = logging.getLogger(__name__)
@@ -135,6 +129,7 @@ class _Prepared(NamedTuple):
     todo: list[int]  # the part of the prompt that cache lacks (all but the last token)
     drafter: Drafter | None
     draft_drafter: DraftModelDrafter | None  # the draft model inside ``drafter``, to prefill
+    facts: PromptFacts  # what this stage found, for the stats
 
 
 class _Cancelled(Exception):
@@ -148,23 +143,24 @@ def run(kit: ModelKit, req: Request) -> Driver:
     model_work = False  # whether the caches may hold a half-recorded forward pass
     try:
         act.begin(req.request_id)
-        stats = GenerationStats(prompt_tokens=len(req.prompt))
         t_start = time.perf_counter()
         if len(act.active) == 1:
             mx.reset_peak_memory()  # not under another running request's feet
         # The sampler carries its own key (sampling.build_sampler): the request's
         # seed, or one drawn from MLX's global stream here, once per request.
         sampler = build_sampler(req.params)
-        prepared = _prepare(kit, req, stats)
+        prepared = _prepare(kit, req)
         model_work = True
+        stop_requested = partial(_stop_requested, kit, req.request_id)
         try:
-            yield from _process_prompt(kit, prepared, req.progress_cb, lambda: _stop_requested(kit, req.request_id))
+            yield from _process_prompt(kit, prepared, req.progress_cb, stop_requested)
         except _Cancelled:
-            stats.total_time = time.perf_counter() - t_start
-            yield _final(GenerationResult("", []), "user_cancelled", stats, req.stats_cb)
+            nothing = SpeculationTally(prepared.facts.decoding_mode, prepared.facts.mode_reason)
+            stats = build_stats(prepared.facts, nothing, 0, t_start, None)
+            yield final_result("", [], None, "user_cancelled", stats, req.stats_cb)
             return
-        steps = _decode(kit, req, prepared, stats, sampler)
-        yield from _results(kit, req, steps, stats, t_start, len(prepared.todo))
+        steps = _decode(kit, req, prepared, sampler)
+        yield from results(kit, req, steps, prepared.facts, _router_of(prepared), t_start, stop_requested)
     except CallbackError:
         raise  # raised between prompt chunks or at the end: caches are consistent
     except Exception:
@@ -207,26 +203,32 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
         kit.activity.end(request_id)
 
 
-def _prepare(kit: ModelKit, req: Request, stats: GenerationStats) -> _Prepared:
+def _prepare(kit: ModelKit, req: Request) -> _Prepared:
     """Expand the prompt, reuse the cached prefix, plan against the cache and
     build the drafter (timing the one-off cost measurement apart)."""
     expanded = kit.expand_prompt(req.prompt, req.images)  # a vision kit expands its images here
     prompt = expanded.ids
-    stats.prompt_tokens = len(prompt)
     entry, hit = kit.prompt_cache.select(expanded.keys[:-1])  # the cached sequence sharing the longest prefix
     try:
-        stats.cached_tokens = entry.sync_to(expanded.keys[:-1])
-        stats.cache_source = hit.source if stats.cached_tokens else "none"
-        stats.cache_entries = len(kit.prompt_cache.entries)
-        todo = prompt[stats.cached_tokens : -1]
+        cached = entry.sync_to(expanded.keys[:-1])
+        todo = prompt[cached:-1]
         decoding = req.plan.for_cache(entry, len(todo))
         t_setup = time.perf_counter()
-        drafter, draft_drafter = build_drafter(kit, decoding, prompt, stats, req.request_id)
-        stats.setup_time = time.perf_counter() - t_setup
+        drafter, draft_drafter = build_drafter(kit, decoding, prompt, req.request_id)
+        setup = time.perf_counter() - t_setup
     except BaseException:
         kit.prompt_cache.release(entry)
         raise
-    return _Prepared(expanded, prompt, entry, todo, drafter, draft_drafter)
+    source = hit.source if cached else "none"
+    facts = PromptFacts(
+        len(prompt), cached, source, len(kit.prompt_cache.entries), setup, decoding.mode_name, decoding.reason
+    )
+    return _Prepared(expanded, prompt, entry, todo, drafter, draft_drafter, facts)
+
+
+def _router_of(prepared: _Prepared) -> AutoRouter | None:
+    """The request's auto router, whose report names its mode in the stats."""
+    return prepared.drafter if isinstance(prepared.drafter, AutoRouter) else None
 
 
 def _process_prompt(
@@ -284,13 +286,8 @@ def _process_prompt(
     report(100.0)
 
 
-def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationStats, sampler: Sampler) -> Decoding:
+def _decode(kit: ModelKit, req: Request, prepared: _Prepared, sampler: Sampler) -> Decoding:
     """The one verify/accept/rewind loop for this request."""
-
-    def on_fallback(reason: str) -> None:
-        stats.mode_switches.append(f"{stats.decoding_mode} -> plain: {reason}")
-        stats.decoding_mode = "plain"
-
     constraint = None
     if req.grammar is not None:
         constraint = GrammarConstraint(kit, req.grammar, draft_forced=req.structured_drafting)
@@ -302,81 +299,8 @@ def _decode(kit: ModelKit, req: Request, prepared: _Prepared, stats: GenerationS
         build_logits_processors(req.params),
         req.params.repetition_context_size,
         prepared.drafter,
-        stats,
-        on_fallback,
         constraint,
     )
-
-
-def _results(kit, req: Request, steps: Decoding, stats: GenerationStats, t_start: float, processed: int) -> Driver:
-    """Streamed results for the loop's tokens, ending with exactly one final
-    result: an end token, a stop string, a complete grammar, the token limit or
-    cancellation. The loop's launches pass through (their rounds back in)."""
-    stream = TextStream(kit.tokenizer.detokenizer, req.stop_strings)
-    calls = _ToolCalls(req)
-    t_first, n = None, 0
-
-    def finish(text: str, tokens: list[Token], tops, stop) -> GenerationResult:
-        stats.generated_tokens = n
-        text, made, deltas = calls.split(text, final=True)
-        result = GenerationResult(text, tokens, tops, tool_calls=made, tool_call_deltas=deltas)
-        return _finish(result, stop, stats, req.stats_cb, t_start, t_first, processed)
-
-    rnd = None
-    while True:
-        try:
-            step = steps.send(rnd)
-        except StopIteration:
-            return
-        rnd = None
-        if isinstance(step, Launch):
-            rnd = yield step  # a forward pass, for the scheduler; its round goes back to the loop
-            continue
-        t_first = t_first or time.perf_counter()
-        if _stop_requested(kit, req.request_id):
-            yield finish(stream.finish().text, [], None, "user_cancelled")
-            return
-        n += 1
-        tok = step.token
-        if tok in kit.eos_token_ids:
-            tail = stream.finish()
-            reason = "stop_string" if tail.stop_string else "eos_token"
-            yield finish(tail.text, [], None, GenerationStopCondition(reason, tail.stop_string, [tok]))
-            return
-        token = Token(tok, kit.tokenizer.decode([tok]), step.logprob, step.from_draft)
-        tops = [_top_logprobs(kit, step.logprobs, req.params.top_logprobs)] if req.params.top_logprobs else None
-        last = n >= req.max_tokens
-        event = stream.push(tok, final=last or step.completes_grammar)
-        if event.stop_string is not None:
-            stop = GenerationStopCondition("stop_string", event.stop_string, event.stop_tokens)
-            yield finish(event.text, [token], tops, stop)
-            return
-        if step.completes_grammar or last:
-            yield finish(event.text, [token], tops, "grammar_complete" if step.completes_grammar else "token_limit")
-            return
-        text, made, deltas = calls.split(event.text)
-        yield GenerationResult(text, [token], tops, tool_calls=made, tool_call_deltas=deltas)
-
-
-class _ToolCalls:
-    """Tool calls parsed out of a request's text (when it has tools and may
-    call them: then the tools' grammar holds every call, so calls stream)."""
-
-    def __init__(self, req: Request):
-        spec = req.tools
-        self.stream = None
-        if spec is not None and spec.choice != "none":
-            self.stream = ToolCallStream(spec.format, spec.names, streamed=True)
-
-    def split(self, text: str, final: bool = False) -> tuple[str, list[ToolCall], list[ToolCallDelta]]:
-        """``(text to show, calls completed, call deltas)``; ``final`` ends the text."""
-        if self.stream is None:
-            return text, [], []
-        out = self.stream.feed(text)
-        if not final:
-            return out
-        end = self.stream.finish()
-        return out.text + end.text, out.calls + end.calls, out.deltas + end.deltas
 
 
 def _stop_requested(kit: ModelKit, request_id: str) -> bool:
@@ -398,35 +322,3 @@ def _reset_caches(kit: ModelKit, prepared: _Prepared | None) -> None:
         except Exception:
             logger.exception("a failed request's row could not leave its batch")
         cache.reset()
-
-
-def _top_logprobs(kit: ModelKit, logprobs: mx.array, n: int) -> list[TopLogprob]:
-    idx = mx.argpartition(-logprobs, kth=n - 1)[:n]
-    vals = logprobs[idx]
-    order = mx.argsort(-vals)
-    ids, lps = idx[order].tolist(), vals[order].tolist()
-    return [TopLogprob(i, kit.tokenizer.decode([i]), lp) for i, lp in zip(ids, lps)]
-
-
-def _finish(result, stop, stats, stats_cb, t_start, t_first, processed_prompt) -> GenerationResult:
-    now = time.perf_counter()
-    t_first = t_first or now
-    stats.time_to_first_token = t_first - t_start
-    prompt_time = stats.time_to_first_token - stats.setup_time
-    stats.prompt_tps = processed_prompt / prompt_time if prompt_time > 0 else 0.0
-    if stats.generated_tokens > 1 and now > t_first:
-        stats.generation_tps = (stats.generated_tokens - 1) / (now - t_first)
-    stats.total_time = now - t_start
-    return _final(result, stop, stats, stats_cb)
-
-
-def _final(result: GenerationResult, stop: StopReason | GenerationStopCondition, stats, stats_cb) -> GenerationResult:
-    stats.peak_memory = int(mx.get_peak_memory())
-    result.stop_condition = stop if isinstance(stop, GenerationStopCondition) else GenerationStopCondition(stop)
-    result.stats = stats
-    if stats_cb is not None:
-        try:
-            stats_cb(stats)
-        except Exception as exc:
-            raise CallbackError(f"stats_callback raised {type(exc).__name__}: {exc}") from exc
-    return result

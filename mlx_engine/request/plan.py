@@ -3,24 +3,20 @@
 ``choose_plan`` turns the decoding arguments into a frozen ``DecodingPlan``
 (the rules are in docs/decoding.md); ``DecodingPlan.for_cache`` falls back to
 plain decoding when the kit's cache cannot be rewound, before any draft work
-(a draft model's prompt would otherwise be prefilled for nothing);
-``build_drafter`` makes the drafter the plan names.
+(a draft model's prompt would otherwise be prefilled for nothing). A pure
+decision: nothing here builds a drafter or touches a cache (``drafters.py`` does).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from ..caches.sequence import SequenceCache
-from ..draft.drafter import DraftModelDrafter
 from ..kits.text import ModelKit
-from ..results import GenerationStats
+
+if TYPE_CHECKING:
+    from ..caches.sequence import SequenceCache
 from ..speculative import costs
-from ..speculative.loop import Drafter
-from ..speculative.prompt_lookup import BatchPricing, PromptLookupDrafter
-from ..speculative.router import AutoRouter
-from ..speculative.suffix import SuffixDrafter
 
 DEFAULT_PROMPT_LOOKUP_TOKENS = 8
 MAX_DRAFT_TOKENS = costs.MAX_MODEL_DRAFT
@@ -112,52 +108,3 @@ def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngram
         )
         return DecodingPlan("draft_model", True, num_draft_tokens, reason=f"draft model loaded; {length}")
     return DecodingPlan("plain")
-
-
-def draft_step_cost(kit: ModelKit) -> float:
-    """A draft-model step, as the drafter chains them, in main-model steps."""
-    return kit.draft.chained_step_seconds(kit.vocab_size) / kit.forward_costs().step()
-
-
-def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
-    """The kit's other cached conversations, which prompt lookup drafts from
-    when the request's own history has no match. Sequences that hold this whole
-    prompt (earlier answers to it) are left out, so regenerating with a seed
-    samples the same tokens again."""
-    return [] if kit.prompt_cache is None else kit.prompt_cache.idle_sequences(other_than_prefix_of=prompt)
-
-
-def build_drafter(
-    kit: ModelKit, plan: DecodingPlan, prompt: list[int], stats: GenerationStats, request_id: str | None = None
-) -> tuple[Drafter | None, DraftModelDrafter | None]:
-    """The drafter the plan names, and the draft-model drafter inside it (whose
-    prompt must be prefilled) if any. May measure the kit's costs once. With the
-    kit's suffix memory on, prompt lookup drafts from it (recording the request
-    under ``request_id``) instead of from the other cached conversations."""
-    stats.decoding_mode, stats.mode_reason = plan.mode_name, plan.reason
-    if plan.kind == "plain":
-        return None, None
-    name = request_id if request_id is not None else object()
-    if kit.suffix_memory is not None:
-        lookup = SuffixDrafter(plan.lookup_k, kit.suffix_memory, name, *plan.ngrams)
-    else:
-        lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt))
-    batch = None
-    if kit.max_parallel > 1:
-        batch = BatchPricing(kit.forward_costs, lambda: kit.open_generations, kit.drafting_rows, name)
-    if plan.kind == "prompt_lookup":
-        lookup.batch_pricing = batch
-        return lookup, None
-    draft_drafter = None
-    if plan.use_draft:
-        # Round costs drive the adaptive length, and the router's choice of mode.
-        needs_costs = plan.draft_k is None or plan.kind == "auto"
-        round_costs = costs.RoundCosts(kit.forward_costs(), draft_step_cost(kit)) if needs_costs else None
-        cache = kit.draft.lend(prompt, lambda: kit.new_cache(kit.draft.model))
-        draft_drafter = DraftModelDrafter(
-            kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size, cache=cache, batched=kit.max_parallel > 1
-        )
-    if plan.kind == "draft_model":
-        return draft_drafter, draft_drafter
-    router = AutoRouter(prompt, kit.forward_costs(), stats, lookup, draft_drafter, batch=batch)
-    return router, draft_drafter

@@ -208,11 +208,8 @@ class Scheduler:
             return [(live, launch, i) for (live, launch), i in zip(launches, ids)]
         except Exception:
             logger.exception("a batched draft pass failed; drafting each request alone")
-        draft = self.kit.draft
-        if draft is not None and draft.batch is not None:
-            for cache in draft.batch.rows:
-                cache.reset()
-            draft.batch = None
+        if self.kit.draft is not None:
+            self.kit.draft.discard_batch()
         resolved: list[_Resolved] = []
         for live, launch in launches:
             self._attempt(live, _draft_alone, live, launch, resolved)
@@ -251,14 +248,9 @@ class Scheduler:
         (the draft model's too) restart empty, and it is rebuilt empty."""
         batch = self.kit.batch
         rows = {id(c) for c in batch.rows} if batch is not None else set()
-        for cache in batch.rows if batch is not None else []:
-            cache.reset()
-        self.kit.batch = None
-        draft = self.kit.draft
-        if draft is not None and draft.batch is not None:
-            for cache in draft.batch.rows:
-                cache.reset()
-            draft.batch = None
+        self.kit.discard_batch()
+        if self.kit.draft is not None:
+            self.kit.draft.discard_batch()
         for live in list(self.live):
             if id(live.cache) in rows:
                 self._fail(live, exc)

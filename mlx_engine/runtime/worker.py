@@ -124,7 +124,7 @@ class MLXWorker:
         self._tasks: queue.SimpleQueue[Task] = queue.SimpleQueue()
         # The kit's scheduler (scheduler.py): stepped whenever it is busy, with
         # the calls handed to the worker run between its steps.
-        self.job = None
+        self.job = None  # set through serve()
         self._thread = threading.Thread(target=self._loop, name="mlx-engine-worker", daemon=True)
         self._thread.start()
 
@@ -145,6 +145,11 @@ class MLXWorker:
                 job.step()
             except BaseException:  # pragma: no cover - a step reports to its requests itself
                 logger.exception("a scheduler step failed")
+
+    def serve(self, job) -> None:
+        """Step ``job`` (a kit's scheduler: ``busy``, ``step()``) whenever it is
+        busy, between the calls handed over; None: only calls."""
+        self.job = job
 
     @property
     def is_current(self) -> bool:
@@ -180,7 +185,7 @@ def acquire() -> MLXWorker:
 def release(worker: MLXWorker) -> None:
     """Return a worker whose kit is gone to the pool (never ends its thread)."""
     with _pool_lock:
-        worker.job = None
+        worker.serve(None)
         if worker not in _idle:
             _idle.append(worker)
 
