@@ -10,7 +10,6 @@ from mlx_engine.caches.prompt import branch, cache_bytes
 from mlx_engine.caches.ragged import BATCHED_RECURRENT, RaggedBatch, can_batch
 from mlx_engine.caches.sequence import SequenceCache, layer_rewind_reason
 from mlx_engine.request.sampling import greedy_sampler
-from mlx_engine.results import GenerationStats
 from mlx_engine.speculative.loop import Launch, decode, lazy_ids
 
 import threading
@@ -119,7 +118,7 @@ def test_rewinds_of_every_length(kits, family):
     drafter = ScriptedDrafter(len(prompt), answer, k, kit.vocab_size)
     cache = SequenceCache(kit.model)
     cache.prefill(prompt[:-1])
-    steps = decode(cache, list(prompt), 2 * N, greedy_sampler, [], 4096, drafter, GenerationStats())
+    steps = decode(cache, list(prompt), 2 * N, greedy_sampler, [], 4096, drafter)
     out = [s.token for s in run_alone(steps)]
     assert out == answer
     assert {a for d, a in drafter.accepted if d == k} == set(range(k + 1))
@@ -199,7 +198,7 @@ def test_rewinds_of_every_length_inside_a_batch(kits, family):
         drafters.append((ScriptedDrafter(len(prompt), answer, k, kit.vocab_size), answer, k))
         cache = SequenceCache(kit.model)
         cache.prefill(prompt[:-1])
-        loops.append(decode(cache, list(prompt), 2 * N, greedy_sampler, [], 4096, drafters[-1][0], GenerationStats()))
+        loops.append(decode(cache, list(prompt), 2 * N, greedy_sampler, [], 4096, drafters[-1][0]))
     batch = RaggedBatch(kit.model, SequenceCache(kit.model).layers)
     outs = run_batched(batch, loops)
     for out, (drafter, answer, k) in zip(outs, drafters):
