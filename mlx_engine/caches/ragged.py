@@ -60,9 +60,6 @@ class _StateLayer(ArraysCache):
     """One recurrent layer's state for every row (row b at index b), with the
     rows' real input counts of the current pass as mlx-lm's ``lengths``."""
 
-    def __init__(self, size: int):
-        super().__init__(size)
-
 
 def _batch_layers(batch: RaggedBatch, template: list) -> list:
     """The batch's layers, shaped as a cache of this model (``template``)."""
@@ -192,7 +189,7 @@ class RaggedBatch:
         for b, row in enumerate(self.rows):
             for layer, own in zip(self.flat, flat_layers(row.layers)):
                 if isinstance(layer, _StateLayer) and any(a is not None for a in own.cache):
-                    layer.cache = [_put_row(a, b, r) for a, r in zip(layer.cache, own.cache)]
+                    layer.cache = [_put_row(a, b, r, len(self.rows)) for a, r in zip(layer.cache, own.cache)]
                     own.cache = [None] * len(own.cache)
 
     def _prepare_states(self, fed: list[SequenceCache], lengths: list[int], width: int) -> None:
@@ -338,11 +335,14 @@ def _stack_state(layer: _StateLayer, rows: int, own: list) -> list:
     return out
 
 
-def _put_row(a: mx.array | None, b: int, row: mx.array | None) -> mx.array | None:
-    """``a`` with row ``b`` replaced by ``row`` (a new array: kept states that
-    are slices of the old one stay as they were)."""
+def _put_row(a: mx.array | None, b: int, row: mx.array | None, rows: int) -> mx.array | None:
+    """``a`` (``rows`` rows; None: all zeros) with row ``b`` replaced by
+    ``row`` (a new array: kept states that are slices of the old one stay as
+    they were)."""
     if row is None:
         return a
-    if a is None or a.shape[0] == 1:
+    if rows == 1:
         return row
+    if a is None:
+        a = mx.zeros((rows,) + row.shape[1:], row.dtype)
     return mx.concatenate([a[:b], row, a[b + 1 :]], axis=0)

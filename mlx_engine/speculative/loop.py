@@ -343,14 +343,14 @@ class _Loop:
                     feed,
                     drafts,
                     lambda logits, start, ids: _queue(
-                        ids, start, *sample_rows(logits[skip:], [], [], sample, [], 0, position=position)
+                        ids, start, *sample_rows(_after(logits, skip), [], [], sample, [], 0, position=position)
                     ),
                 )
             drafts = drafts.tolist()  # processors need each position's exact context
 
         def finish(logits: mx.array, start: int, ids: None) -> Round:
             rows = sample_rows(
-                logits[skip:], history, drafts, sample, self.processors, self.context_window, position=position
+                _after(logits, skip), history, drafts, sample, self.processors, self.context_window, position=position
             )
             return _queue(drafts, start, *rows)
 
@@ -429,13 +429,18 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
     skip = len(feed) - 1
 
     def finish(logits: mx.array, start: int, ids: None) -> Round:
-        logits = logits[skip:]
+        logits = _after(logits, skip)
         mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
         masks = constraint.masks(drafts)
         rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks, position=position)
         return _queue(drafts, start, *rows, forced=bool(forced))
 
     return Launch(cache, feed + drafts, None, finish)
+
+
+def _after(logits: mx.array, skip: int) -> mx.array:
+    """The logits rows past the ``skip`` re-fed tokens (no slice when there are none)."""
+    return logits[skip:] if skip else logits
 
 
 def _unfed(cache: SequenceCache, history: list[int]) -> list[int]:
