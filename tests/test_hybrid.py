@@ -409,3 +409,32 @@ def test_a_cache_keeping_no_state_cannot_rewind_recurrent_layers(kits):
     cache.feed([5, 6, 7])
     cache.checkpoint()
     assert cache.rewind_to(2) == 0 and cache.tokens == []
+
+
+def test_a_batch_of_draft_lookup_and_plain_hybrid_rows(hybrid_paths, hybrid_draft):
+    """A hybrid target and its hybrid draft, three rows at once (the draft
+    model, prompt lookup, plain): both models batch their rows, each row gives
+    its solo output."""
+    kit = mlx_engine.load_model(hybrid_paths["qwen3_5"], max_parallel=3)
+    try:
+        mlx_engine.load_draft_model(kit, hybrid_draft)
+        prompts = [mlx_engine.tokenize(kit, p) for p in (PROMPT, "Hello world! Bonjour le monde.", "for i in range")]
+        solo = [generate_ids(kit, p, max_tokens=N, temp=0.0, speculative_decoding_toggle=False)[0] for p in prompts]
+        out: dict[int, list[int]] = {}
+        ready = threading.Barrier(3)
+        modes = ({"num_draft_tokens": 4}, {"prompt_lookup_num_tokens": 8}, {"speculative_decoding_toggle": False})
+
+        def run(i):
+            gen = mlx_engine.create_generator(kit, prompts[i], max_tokens=N, temp=0.0, **modes[i])
+            ready.wait()
+            out[i] = [t.id for r in gen for t in r.tokens]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [out[i] for i in range(3)] == solo
+        assert kit.batch is not None and kit.draft.batch is not None  # both models batched their rows
+    finally:
+        mlx_engine.unload(kit)
