@@ -90,6 +90,7 @@ class DraftModelDrafter:
         for i in range(0, len(todo), chunk_size):
             cache.prefill(todo[i : i + chunk_size], on_chunk, chunk_size)
             yield
+        cache.checkpoint()  # a hybrid draft: a regenerated answer resumes here
 
     def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
         self._resolve()
