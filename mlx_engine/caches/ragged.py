@@ -128,6 +128,7 @@ class RaggedBatch:
             self, [KVCache() for _ in range(template)] if isinstance(template, int) else template
         )
         self.flat = flat_layers(self.layers)
+        self.states = [l for l in self.flat if isinstance(l, _StateLayer)]  # recurrent layers (a hybrid model's)
         self.rows: list[SequenceCache] = []
         self.starts: list[int] = []
         self.end = 0
@@ -195,7 +196,7 @@ class RaggedBatch:
     def _prepare_states(self, fed: list[SequenceCache], lengths: list[int], width: int) -> None:
         """Before a pass: each fed row keeps its state as a rewind point, and
         the recurrent layers learn every row's real input count."""
-        states = [l for l in self.flat if isinstance(l, _StateLayer)]
+        states = self.states
         if not states:
             return
         self._write_restored()
@@ -227,9 +228,8 @@ class RaggedBatch:
         self.offset = self.starts[0] if len(self.rows) == 1 else mx.array(self.starts)
         self._prepare_states([c for c, _, _ in inputs], lengths, width)
         logits = self.model(mx.stack(rows), cache=self.layers)
-        for l in self.flat:
-            if isinstance(l, _StateLayer):
-                l.lengths = None
+        for l in self.states:
+            l.lengths = None
         index = {id(c): b for b, c in enumerate(self.rows)}
         out = []
         for cache, known, lazy in inputs:
