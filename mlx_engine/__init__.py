@@ -29,6 +29,7 @@ from .errors import (  # noqa: E402
 )  # noqa: E402
 from .kits.text import ModelKit  # noqa: E402
 from .kits.vision import VisionModelKit  # noqa: E402
+from .loading import catalog  # noqa: E402  (models known by name: lookup, draft_for)
 from .loading.catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
 from .results import (  # noqa: E402
     GenerationResult,
@@ -42,6 +43,7 @@ from .results import (  # noqa: E402
 
 __all__ = [
     "CATALOG",
+    "catalog",
     "DEFAULT_MODEL",
     "apply_chat_template",
     "BlasStatus",

@@ -7,6 +7,9 @@ from helpers import requires_default_model
 
 import demo
 
+pytestmark = pytest.mark.slow  # subprocesses: every test starts Python (and MLX) anew
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

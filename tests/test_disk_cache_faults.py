@@ -183,6 +183,7 @@ def run_child(llama_path, cache_dir, prompts, **limits):
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="no file-size limit on this OS")
 def test_a_full_disk(llama_path, tmp_path, fresh):
     """A real failing write: the process may not write files past 2 KiB."""
@@ -346,6 +347,7 @@ def _dev_zero(path: Path) -> None:
     path.symlink_to("/dev/zero")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["record", "data"])
 @pytest.mark.parametrize("special", [_fifo, _dev_zero], ids=["fifo", "link-to-dev-zero"])
 def test_special_files_are_never_read(llama_path, tmp_path, fresh, which, special):

@@ -183,6 +183,7 @@ def test_cancel_mid_round_then_generation_is_correct(llama_path, draft_path, whe
     assert_same_or_near_tie(fresh, follow, generate_ids(fresh, follow, max_tokens=20)[0], ids)
 
 
+@pytest.mark.slow
 def test_progress_covers_draft_prefill_and_cancel_there(llama_path, draft_path):
     kit = me.load_model(llama_path)
     me.load_draft_model(kit, llama_path)  # same size: draft prefill is half the work

@@ -20,6 +20,7 @@ def _status_in_fresh_process(env_extra: dict) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not any(os.path.exists(p) for p in _blas.CANDIDATES), reason="no system OpenBLAS installed")
 def test_openblas_fast_path_taken_when_present():
     out = _status_in_fresh_process({})
@@ -30,6 +31,7 @@ def test_openblas_fast_path_taken_when_present():
     assert res.stdout.strip() == "True"
 
 
+@pytest.mark.slow
 def test_openblas_can_be_disabled():
     assert _status_in_fresh_process({_blas.DISABLE_ENV: "1"}).startswith("bundled")
 

@@ -341,6 +341,7 @@ def test_empty_or_unknown_name(tmp_path):
 # -- the real default model ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_smollm2_answers_under_chat_template(smollm):
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -439,6 +440,7 @@ def test_smollm2_tokenizes_as_before(smollm):
     assert smollm.tokenizer.decode(_SMOLLM2_IDS) == _SMOLLM2_TEXT
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_smollm2_native_keeps_quantized_weights():
     kit = me.load_model(me.DEFAULT_MODEL, compute_dtype="native")

@@ -42,6 +42,7 @@ def family_files(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_computes_what_its_source_model_computes(family_files, family):
     """Names, q/k permutation (llama), gemma's 1 + w norms, Llama 3 rope_freqs,

@@ -100,6 +100,7 @@ def cancel_once(kit, prompt, mode_kwargs, route, point, rng) -> None:
         del gen  # dropping an open iterator closes it on the kit's thread
 
 
+@pytest.mark.slow
 def test_cancellations_at_random_points_leave_output_equal_to_a_fresh_kit(llama_path, draft_path):
     kit = me.load_model(llama_path)
     me.load_draft_model(kit, draft_path)
@@ -145,6 +146,7 @@ def test_cancellations_on_a_vision_kit(tmp_path_factory):
 
 
 # -- memory and speed over many generations -------------------------------------
+@pytest.mark.slow
 def test_memory_is_flat_over_many_generations_and_draft_cycles(llama_path, draft_path):
     """Deterministic modes only (plain, fixed-length draft, prompt lookup), so that
     runs of the same kind have the same shape and any growth is a leak; the
@@ -229,6 +231,7 @@ def test_host_threads_share_a_kit_in_every_mode(llama_path, draft_path):
     )
 
 
+@pytest.mark.slow
 def test_process_exit_after_threaded_work_never_aborts(tmp_path_factory, llama_path):
     from test_threads import run_exit_script
 
@@ -373,6 +376,7 @@ class ChatUser:
         self.messages.append({"role": "assistant", "content": "".join(text)})
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no finalizer may fail
 def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
     """4-8 users hold multi-turn chats sharing a system prompt on one kit
@@ -562,6 +566,7 @@ def fuzz_kit(llama_path, draft_path):
     return kit
 
 
+@pytest.mark.slow
 @FUZZ_SETTINGS
 @given(
     prompt=st.one_of(st.lists(st.integers(0, 400), min_size=1, max_size=24), JUNK),

@@ -163,7 +163,11 @@ def test_stop_string_inside_constrained_output(kit):
             {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
             "json_schema cannot be used.*too complex",
         ),
-        ({"grammar": "start: " + " ".join(f'"t{i}"' for i in range(70000))}, "grammar cannot be used.*too large"),
+        pytest.param(
+            {"grammar": "start: " + " ".join(f'"t{i}"' for i in range(70000))},
+            "grammar cannot be used.*too large",
+            marks=pytest.mark.slow,
+        ),
         ({"structured_drafting": "yes", "regex": "a"}, "structured_drafting"),
     ],
 )
@@ -213,6 +217,7 @@ PERSON = {
 }
 
 
+@pytest.mark.slow
 @requires_default_model
 @pytest.mark.parametrize("mode", [{}, {"prompt_lookup_num_tokens": 8}])
 def test_smollm2_writes_schema_valid_json(smollm, mode):
@@ -223,6 +228,7 @@ def test_smollm2_writes_schema_valid_json(smollm, mode):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_smollm2_regex(smollm):
     prompt = me.apply_chat_template(smollm, [{"role": "user", "content": "Give me a US phone number."}])

@@ -185,6 +185,7 @@ def run_exit_script(model: Path, requests: int) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_process_exit_after_threaded_work_does_not_abort(half_path):
     """MLX's per-thread compile cache is torn down at thread exit and takes the GIL;
     on a host thread racing interpreter exit that aborted the process (exit 134).
@@ -347,6 +348,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_parallel", [1, 4])
 def test_process_exit_with_daemon_threads_iterating_is_quiet(llama_path, max_parallel):
     """At exit a daemon thread still iterating a generation sees its end; no

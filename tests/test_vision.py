@@ -451,6 +451,7 @@ def test_unrewindable_cache_falls_back_with_reason(gemma_small_window_path):
 
 
 # -- demo -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_demo_with_images(qwen_vl_path, tmp_path):
     import subprocess
     import sys

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 
-REPO_MODELS = Path(__file__).resolve().parents[1] / "models"
+REPO_MODELS = Path(__file__).resolve().parents[2] / "models"  # the repository root: mlx_engine/loading/catalog.py
 
 
 @dataclass(frozen=True)
