@@ -34,6 +34,7 @@ from . import params
 from .drafts import draft_router
 from .errors import APIError, bad_request, from_engine, from_validation
 from .host import ModelHost
+from .hosts import AllowedHosts
 from .limits import BodySizeLimit
 from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
 from .models_routes import models_router
@@ -47,6 +48,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URI images
 DEFAULT_QUEUE = 64
 _DISCONNECT_POLL_S = 0.2
+
+
+SHUTDOWN_CUT = APIError(
+    503, "the server is shutting down: the generation was cut short", type="server_error", code="shutting_down"
+)
 
 
 class ClientGone(Exception):
@@ -75,11 +81,23 @@ class Service:
     async def stop(self, wait_s: float = 10.0) -> None:
         """Drain, cancel what still runs and wait (bounded) for its rows."""
         self.drain()
-        for run in list(self.runs):
-            run.cancel()
+        self.cut_running()
         with anyio.move_on_after(wait_s):
             while self.runs:
                 await asyncio.sleep(0.02)
+
+    def cut_running(self) -> None:
+        """Cancel every running request because the server stops: each ends with
+        its final chunk (and an error event saying it was cut), not a dropped connection."""
+        for run in list(self.runs):
+            run.cancel(shutting_down=True)
+
+    async def cut_after(self, grace_s: float) -> None:
+        """Let running requests finish for ``grace_s`` seconds, then cut the rest."""
+        await asyncio.sleep(grace_s)
+        if self.runs:
+            logger.warning("shutdown grace period over: cancelling %d running request(s)", len(self.runs))
+        self.cut_running()
 
 
 def create_app(
@@ -94,6 +112,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     decoding: str = "auto",
     metrics: bool = True,
+    allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app (docs/server.md) serving ``kit``: one kit, a
     mapping of model ids to kits the embedding host manages (never unloaded
@@ -106,7 +125,8 @@ def create_app(
     429s, per model. ``models_dir``: where draft models may be loaded from by
     path. ``cors_origins``: allowed browser origins (none: CORS off).
     ``decoding``: the default mode (auto, plain, prompt_lookup, draft).
-    ``metrics``: serve ``GET /metrics`` (Prometheus)."""
+    ``metrics``: serve ``GET /metrics`` (Prometheus). ``allowed_hosts``: the
+    ``Host`` names requests must carry (None: any; see hosts.py on DNS rebinding)."""
     _check_arguments(kit, max_parallel, queue_size, decoding)
     host = kit if isinstance(kit, ModelHost) else ModelHost(catalog=False)
     app_metrics = Metrics(host) if metrics else None
@@ -138,6 +158,8 @@ def create_app(
     app.state.service = service  # a single kit's (None for several): what embedders of one kit used
     _install_errors(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(AllowedHosts, names=list(allowed_hosts))
     if app_metrics is not None:
         app.add_middleware(RequestCounter, metrics=app_metrics)
     if cors_origins:  # added last, so outermost: its headers reach every answer, a 413 included
@@ -209,6 +231,11 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
         return from_validation(list(exc.errors())).response()
+
+    @app.exception_handler(RecursionError)
+    async def too_deep(request, exc: RecursionError):
+        # Past the nesting limits params.py checks: still the client's input, never a 500.
+        return bad_request("the request nests too deeply to be processed").response()
 
     @app.exception_handler(ClientGone)
     async def client_gone(request, exc: ClientGone):
@@ -286,10 +313,7 @@ async def _admit(
     try:
         await run.start(prompt.tokens, kwargs)
     except ValueError as exc:
-        err = from_engine(exc)
-        if err.param == "messages":
-            err.param = prompt_field
-        raise err from exc
+        raise from_engine(exc, prompt_field) from exc
     return run
 
 
@@ -364,6 +388,8 @@ async def _events(
                 offsets[c.index] += len(r.text)
         if include_usage:
             yield _sse(env.usage_chunk(choices, prompt_len))
+        if run.cut_by_shutdown:
+            yield _sse(SHUTDOWN_CUT.body())
         yield "data: [DONE]\n\n"
     finally:
         run.cancel()

@@ -322,6 +322,7 @@ class ModelHost:
                 404,
                 f"model {model!r} is not known here; GET /v1/models lists the models this server can serve",
                 param="model",
+                type="not_found_error",
                 code="model_not_found",
             )
         return entry
@@ -598,6 +599,10 @@ class ModelHost:
         self.closed = True
         for entry in self.loaded():
             entry.service.drain()
+
+    async def cut_after(self, grace_s: float) -> None:
+        """Let running requests of every model finish for ``grace_s`` seconds, then cut the rest."""
+        await asyncio.gather(*(e.service.cut_after(grace_s) for e in self.loaded()))
 
     async def stop(self, wait_s: float = 10.0) -> None:
         """Drain, cancel what runs (bounded wait), and unload the models the host loaded."""
