@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_LOAD_WAIT_S,
         help="seconds a request waits for its model to load before a 503 (default: %(default)s)",
     )
-    p.add_argument("--no-catalog", action="store_true", help="serve only --model and --models-dir, not the catalog")
+    p.add_argument(
+        "--no-catalog",
+        action="store_true",
+        help="serve only --model and --models-dir, not the catalog (default: the catalog too)",
+    )
     p.add_argument("--no-metrics", action="store_true", help="no GET /metrics (default: served)")
     p.add_argument(
         "--cors-origin",
