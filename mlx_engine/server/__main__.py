@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-cache-dir", help="disk tier of the prompt cache")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "native", "float32", "float16", "bfloat16"])
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds running generations may finish on stop")
+    p.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="keep Claude Code's volatile 'x-anthropic-billing-header:' system line (default: dropped, for the prompt cache)",
+    )
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         cors_origins=args.cors_origin,
         max_body_bytes=args.max_body_bytes,
         decoding=args.decoding,
+        keep_billing_header=args.keep_billing_header,
     )
     if args.draft:
         app.state.service.draft_name = args.draft
