@@ -59,7 +59,7 @@ class ResponsesRequest(_Body):
     ``prompt_cache_key``, ``truncation``, ``service_tier``, ``user``) are ignored."""
 
     model: str
-    input: str | list[dict[str, Any]]
+    input: Any  # a string or a list of items, checked by input_messages (pydantic would name the union's member)
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -107,6 +107,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     text), ``function_call_output`` as ``tool`` messages; reasoning skipped."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise bad_request("input: a string or a list of input items (objects) is required", "input")
     out: list[dict] = []
     names: dict[str, str] = {}
     for i, item in enumerate(items):
@@ -116,6 +118,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             out.append(_message(item, where))
         elif kind == "function_call":
             call_id, name = _field(item, "call_id", where), _field(item, "name", where)
+            if isinstance(item.get("namespace"), str):
+                name = f"{item['namespace']}.{name}"
             names[call_id] = name
             call = {
                 "id": call_id,
@@ -189,20 +193,34 @@ def _output_text(output: Any, where: str) -> str:
 
 
 def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[int]]:
-    """Function tools as chat tools, and each one's index in the request; other
-    tool types are skipped with a log line."""
+    """Function tools as chat tools, and each one's index in the request. The
+    functions of a ``namespace`` tool are declared as ``namespace.name`` (its
+    calls come back split again); other tool types are skipped with a log line."""
     out, sources = [], []
     for i, tool in enumerate(tools or []):
         kind = tool.get("type")
-        if kind != "function":
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            inner = [t for t in tool["tools"] if isinstance(t, dict) and t.get("type") == "function"]
+            out += [_chat_tool(t, f"{tool.get('name')}.{t.get('name')}") for t in inner]
+            sources += [i] * len(inner)
+        elif kind == "function":
+            out.append(_chat_tool(tool, tool.get("name")))
+            sources.append(i)
+        else:
             logger.info("tools.%d: %r tools are not served here; skipped", i, kind)
-            continue
-        fn = {"name": tool.get("name"), "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-        sources.append(i)
     return out or None, sources
+
+
+def _chat_tool(tool: dict, name: Any) -> dict:
+    fn = {"name": name, "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def namespaces(tools: list[dict] | None) -> set[str]:
+    """The names of the request's ``namespace`` tools."""
+    return {t["name"] for t in tools or [] if t.get("type") == "namespace" and isinstance(t.get("name"), str)}
 
 
 def chat_tool_choice(choice: str | dict | None, have_tools: bool) -> str | dict | None:
@@ -326,30 +344,28 @@ def message_item(text: str, status: str = "completed") -> dict:
     }
 
 
-def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {
-        "id": _new_id("fc"),
-        "type": "function_call",
-        "status": status,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-    }
+def call_item(call_id: str, name: str, arguments: str, spaces: set[str], status: str = "completed") -> dict:
+    """A ``function_call`` item; a call of ``namespace.fn`` has ``namespace`` and ``name: fn``."""
+    item = {"id": _new_id("fc"), "type": "function_call", "status": status, "call_id": call_id}
+    space, dot, short = name.partition(".")
+    if dot and space in spaces:
+        item["namespace"], name = space, short
+    return {**item, "name": name, "arguments": arguments}
 
 
-def whole_output(choice: Choice) -> list[dict]:
+def whole_output(choice: Choice, spaces: set[str]) -> list[dict]:
     """A finished choice as output items: its text (when any, or when it made no
     calls), then its completed calls."""
     text = "".join(choice.text)
     items = [message_item(text)] if text or not choice.tool_calls else []
-    return items + [call_item(c.id, c.name, c.arguments_json) for c in choice.tool_calls]
+    return items + [call_item(c.id, c.name, c.arguments_json, spaces) for c in choice.tool_calls]
 
 
 def output_messages(output: list[dict]) -> list[dict]:
     """Output items as the chat messages a next turn's history holds."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
     calls = [
-        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        {"id": i["call_id"], "type": "function", "function": {"name": _full_name(i), "arguments": i["arguments"]}}
         for i in output
         if i["type"] == "function_call"
     ]
@@ -359,11 +375,16 @@ def output_messages(output: list[dict]) -> list[dict]:
     return [msg]
 
 
+def _full_name(item: dict) -> str:
+    return f"{item['namespace']}.{item['name']}" if item.get("namespace") else item["name"]
+
+
 class EventWriter:
     """The Responses event stream of one generation: output items opened and
     closed as text and tool-call pieces arrive, numbered events."""
 
-    def __init__(self) -> None:
+    def __init__(self, spaces: set[str]) -> None:
+        self.spaces = spaces
         self.seq = 0
         self.items: list[dict] = []  # every item opened, in output order
         self.open: dict | None = None
@@ -404,7 +425,7 @@ class EventWriter:
         return out
 
     def _call_piece(self, d: me.ToolCallDelta) -> list[str]:
-        out = self._start(call_item(d.id, d.name, "", status="in_progress")) if d.id is not None else []
+        out = self._start(call_item(d.id, d.name, "", self.spaces, status="in_progress")) if d.id is not None else []
         if d.arguments and self.open is not None and self.open["type"] == "function_call":
             self.open["arguments"] += d.arguments
             out.append(self.event("response.function_call_arguments.delta", **self._where(), delta=d.arguments))
@@ -499,10 +520,10 @@ def responses_router(service, auth, store_size: int = DEFAULT_STORE_SIZE) -> API
                 store.put(head.id, response, history + new + output_messages(output))
 
         if body.stream:
-            events = _events(run, head, prompt_len, keep)
+            events = _events(run, head, prompt_len, keep, namespaces(body.tools))
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         choice = (await collect(run, request, 1, False))[0]
-        output = whole_output(choice)
+        output = whole_output(choice, namespaces(body.tools))
         response = head.final(choice, prompt_len, output)
         keep(response, output)
         return response
@@ -523,12 +544,12 @@ def responses_router(service, auth, store_size: int = DEFAULT_STORE_SIZE) -> API
     return router
 
 
-async def _events(run: RequestRun, head: Head, prompt_len: int, keep) -> AsyncIterator[str]:
+async def _events(run: RequestRun, head: Head, prompt_len: int, keep, spaces: set[str]) -> AsyncIterator[str]:
     """The stream as OpenAI sends it: ``response.created`` and ``.in_progress``,
     each output item's events, then ``response.completed`` (or ``.incomplete``
     when the budget cut it, ``.failed`` on an engine error) with usage. While
     nothing comes (a long prefill) SSE comments keep the connection alive."""
-    writer, choice = EventWriter(), Choice(0)
+    writer, choice = EventWriter(spaces), Choice(0)
     try:
         yield writer.event("response.created", response=head.obj("in_progress", []))
         yield writer.event("response.in_progress", response=head.obj("in_progress", []))
