@@ -359,6 +359,7 @@ def hello(**fields):
         (hello(tools=[{"name": "f"}]), 400, "invalid_request_error"),
         (hello(tools=[{**WEATHER, "name": "bad name!"}]), 400, "invalid_request_error"),
         (hello(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}), 400, "invalid_request_error"),
+        (hello(tools=[WEATHER], tool_choice={"type": "tool", "name": ["a"]}), 400, "invalid_request_error"),
         (hello(tool_choice={"type": "sometimes"}), 400, "invalid_request_error"),
         (hello(model="claude-sonnet-4-5"), 404, "not_found_error"),
     ],

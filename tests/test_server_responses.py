@@ -315,6 +315,7 @@ def ask(**fields):
         (ask(text={"format": {"type": "json_schema", "name": "x"}}), 400, "text.format.schema"),
         (ask(text={"format": {"type": "xml"}}), 400, "text.format.type"),
         (ask(tools=[WEATHER], tool_choice={"type": "function", "name": "nope"}), 400, "tool_choice"),
+        (ask(tools=[WEATHER], tool_choice={"type": "function", "name": ["a"]}), 400, "tool_choice"),
         (ask(tools=[{"type": "web_search"}, {**WEATHER, "name": "bad name!"}]), 400, "tools.1.name"),
         (ask(tools=[WEATHER, WEATHER]), 400, None),
         (ask(tool_choice="required"), 400, "tool_choice"),

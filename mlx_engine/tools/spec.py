@@ -87,7 +87,7 @@ def validate_tool_choice(choice: Any, tools: tuple[Tool, ...]) -> tuple[str, str
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
-        if name not in {t.name for t in tools}:
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise ValueError(f"tool_choice names {name!r}, which is not one of the declared tools")
         return "named", name
     raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}")
