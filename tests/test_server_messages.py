@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import requires_default_model
+from helpers import requires_default_model
 from test_server import sdk_text, serve, wait_until
 
 MODEL = "tiny"
@@ -194,6 +194,7 @@ def test_max_tokens_over_the_context_is_capped_not_refused(client, tkit):
     assert got.usage.output_tokens <= room
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_a_tool_loop_on_the_default_model(smollm):
     """``tool_use``, then its ``tool_result``: the answer is chat completions' for the same turns."""
@@ -261,6 +262,7 @@ def test_a_tool_loop_on_the_default_model(smollm):
         assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_sixteen_clients_across_the_three_apis_equal_the_sdk_alone(server, tkit):
     prompts = [f"Question number {i}: what comes next?" for i in range(16)]
     plain = {"mlx_engine": {"decoding": "plain"}}

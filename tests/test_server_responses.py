@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import requires_default_model
+from helpers import requires_default_model
 from test_server import sdk_text, serve, wait_until
 
 MODEL = "tiny"
@@ -232,6 +232,7 @@ def test_text_format_json_schema_validates(client):
     assert r.text.format.type == "json_schema"
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_a_tool_loop_on_the_default_model(smollm):
     """A call, then its output sent back as ``function_call_output`` (stateless
