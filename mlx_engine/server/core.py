@@ -28,7 +28,7 @@ from .errors import APIError, from_engine, from_validation
 from .queue import QueueFullError, ShuttingDownError
 from .responses import Choice
 from .runs import RequestRun
-from .schemas import ChatCompletionRequest
+from .schemas import ChatCompletionRequest, Message
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _hoist_system(body: ChatCompletionRequest) -> ChatCompletionRequest | None:
     system = [m for i, m in enumerate(msgs) if m.role in ("system", "developer") and (i == 0 or i in late)]
     text = "\n\n".join(_text_of(m.content) for m in system)
     rest = [m for i, m in enumerate(msgs) if not (m.role in ("system", "developer") and (i == 0 or i in late))]
-    merged = type(msgs[0])(role="system", content=text)
+    merged = Message(role="system", content=text)
     return body.model_copy(update={"messages": [merged, *rest]})
 
 
