@@ -183,13 +183,15 @@ def anthropic_answer(events: list[dict]) -> tuple[list[dict], int, int]:
     for i, text in args.items():
         blocks[i]["input"] = json.loads(text) if text else {}
     usage = next(e for e in events if e["type"] == "message_delta")["usage"]
-    return blocks, usage["input_tokens"] + usage["cache_read_input_tokens"], usage["cache_read_input_tokens"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    return blocks, prompt, usage["cache_read_input_tokens"], usage["mlx_engine"]["time_to_first_token"]
 
 
 def responses_answer(events: list[dict]) -> tuple[list[dict], int, int]:
     final = events[-1]["response"]
     usage = final["usage"]
-    return final["output"], usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    return final["output"], usage["input_tokens"], cached, usage["mlx_engine"]["time_to_first_token"]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -213,7 +215,7 @@ def run_session(kit: me.ModelKit, api: str, turns: int, cold: bool, max_tokens: 
             body = make(turn, history, cold, max_tokens)
             tokens = prompt_tokens(kit, api, body, keep)
             ttft, events = stream(http, url, path, body)
-            answer, prompt_len, reused = read(events)
+            answer, prompt_len, reused, engine_ttft = read(events)
             shared = common_prefix(previous, tokens) if previous is not None else 0
             rows.append(
                 {
@@ -223,6 +225,7 @@ def run_session(kit: me.ModelKit, api: str, turns: int, cold: bool, max_tokens: 
                     "shared": shared,
                     "reused": reused,
                     "ttft": ttft,
+                    "engine_ttft": engine_ttft,
                 }
             )
             history, previous = extend(body, answer, turn), tokens
@@ -256,7 +259,8 @@ def report(results: dict, turns: int) -> list[str]:
         f"Up to {turns} turns per session, {me.DEFAULT_MODEL}, greedy, plain decoding, streamed. `shared`: prompt",
         "tokens shared with the previous turn's prompt (what a prefix cache can reuse); `reused`: prompt tokens",
         "the server reported as reused (the cache also holds the previous answer's tokens, so this can pass",
-        "`shared`); `ttft`: seconds to the first streamed piece. `cold`: the first system",
+        "`shared`); `engine ttft`: the engine's time to first token (prefill; usage.mlx_engine); `client ttft`:",
+        "seconds to the first streamed piece (a call's first piece comes some tokens later). `cold`: the first system",
         "line changes every turn (Claude Code with `--keep-billing-header`; Codex with a nonce line).",
         "",
     ]
@@ -264,8 +268,8 @@ def report(results: dict, turns: int) -> list[str]:
         lines += [
             f"## {name}",
             "",
-            "| turn | prompt | shared | reused | reused / shared | reused / prompt | ttft s |",
-            "|---|---|---|---|---|---|---|",
+            "| turn | prompt | shared | reused | reused / shared | reused / prompt | engine ttft s | client ttft s |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             ratio = f"{r['reused'] / r['shared']:.3f}" if r["shared"] else "-"
@@ -276,6 +280,7 @@ def report(results: dict, turns: int) -> list[str]:
                 r["reused"],
                 ratio,
                 f"{r['reused'] / r['prompt']:.3f}",
+                f"{r['engine_ttft']:.2f}",
                 f"{r['ttft']:.2f}",
             ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")

@@ -78,6 +78,7 @@ def test_text_whole_and_streamed_equal_the_chat_answer(client, tkit):
     assert whole.id.startswith("msg_") and whole.role == "assistant" and whole.model == MODEL
     assert whole.stop_reason in ("end_turn", "max_tokens")
     assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens == len(prompt)
+    assert whole.usage.model_extra["mlx_engine"]["generated_tokens"] == whole.usage.output_tokens
 
     with client.messages.stream(**ask) as stream:
         events = [e.type for e in stream]

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .core import admit, collect, counts, internal_request, prepare, render, sse, with_heartbeat
 from .errors import APIError, bad_request, from_validation
-from .responses import Choice
+from .responses import Choice, engine_stats
 from .runs import RequestRun
 from .schemas import EngineOptions
 
@@ -340,13 +340,15 @@ def stop_reason(choice: Choice) -> tuple[str, str | None]:
 
 def usage(choice: Choice, prompt_len: int) -> dict:
     """``input_tokens`` counts the prompt tokens the cache did not hold, as
-    Anthropic counts them; ``cache_read_input_tokens`` the ones it did."""
+    Anthropic counts them; ``cache_read_input_tokens`` the ones it did;
+    ``mlx_engine`` the engine's statistics, as in the OpenAI APIs."""
     c = counts(choice, prompt_len)
     return {
         "input_tokens": c.prompt - c.cached,
         "output_tokens": c.output,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": c.cached,
+        "mlx_engine": engine_stats(choice.stats),
     }
 
 
