@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from ..caches.sequence import flat_layers
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
     cache = make_prompt_cache(model)
     rng = mx.random.randint(0, vocab_size, (context + max(_SIZES),), key=mx.random.key(0))
     mx.eval(model(rng[:context][None], cache=cache))
+    back = _rewinder(cache)
     samples: dict[int, list[float]] = {n: [] for n in _SIZES}
     # One untimed pass over every width first (the first calls of a shape are
     # slower), then the widths interleaved so drift in machine load hits all alike.
@@ -59,8 +62,7 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
             mx.eval(out[:, -1])
             if rep:
                 samples[n].append(time.perf_counter() - t0)
-            for c in cache:
-                c.trim(n)
+            back(n)
     timings = {n: sorted(xs)[len(xs) // 2] for n, xs in samples.items()}
     seconds = _interpolate(timings, MAX_DRAFT + 1)
     # Cost is non-decreasing in width; timing noise should not say otherwise.
@@ -69,6 +71,23 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
     cm = CostModel(tuple(seconds))
     logger.info("measured forward costs: step=%.2f ms, %s", cm.step() * 1e3, cm.summary())
     return cm
+
+
+def _rewinder(cache: list):
+    """A function taking the scratch ``cache`` back by n tokens after a timed
+    pass: attention layers are trimmed, recurrent ones (a hybrid's) get back
+    the state they hold now."""
+    layers = flat_layers(cache)
+    start = {id(c): tuple(c.cache) for c in layers if isinstance(c, ArraysCache)}
+
+    def back(n: int) -> None:
+        for c in layers:
+            if isinstance(c, ArraysCache):
+                c.cache = list(start[id(c)])
+            else:
+                c.trim(n)
+
+    return back
 
 
 def _interpolate(timings: dict[int, float], widest: int) -> list[float]:
@@ -100,6 +119,7 @@ def measure_chained_step(
     cache = make_prompt_cache(model)
     prompt = mx.random.randint(0, vocab_size, (context,), key=mx.random.key(1))
     mx.eval(model(prompt[None], cache=cache))
+    back = _rewinder(cache)
     samples = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -109,8 +129,7 @@ def measure_chained_step(
             mx.async_eval(y)
         mx.eval(y)
         samples.append((time.perf_counter() - t0) / chain)
-        for c in cache:
-            c.trim(chain)
+        back(chain)
     samples = sorted(samples[1:])
     return samples[len(samples) // 2]
 
