@@ -230,7 +230,7 @@ class PromptCache:
             self.entries = [e for e in self.entries if e is not old]
             if self.disk is not None and old.tokens:
                 self.disk.save(old)
-            logger.info("prompt cache: evicted a %d-token entry", len(old.tokens))
+            logger.debug("prompt cache: evicted a %d-token entry", len(old.tokens))
 
     def memory_bytes(self) -> int:
         return sum(cache_bytes(e) for e in self.entries)

@@ -128,7 +128,9 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
 
 def load_draft(kit: ModelKit, path: str | Path) -> None:
     """Load a draft model into the kit, replacing any loaded one only once the
-    new one has loaded: a failure leaves the previous draft in place."""
+    new one has loaded: a failure leaves the previous draft in place. A path
+    that is not there is a ``ModelLoadError`` (not found), not an incompatibility."""
+    loading.resolve_model_path(path, "draft model path")
     report = check_draft_model(kit, path)
     if not report:
         raise IncompatibleDraftModelError(

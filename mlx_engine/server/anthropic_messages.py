@@ -444,6 +444,9 @@ async def _events(run: RequestRun, mid: str, model: str, prompt_len: int) -> Asy
                 yield e
         for e in writer.close():
             yield e
+        if run.cut_by_shutdown:
+            yield sse(AnthropicError(529, "the server is shutting down: the generation was cut short").body(), "error")
+            return
         reason, sequence = stop_reason(choice)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         yield sse({"type": "message_delta", "delta": delta, "usage": usage(choice, prompt_len)}, "message_delta")
@@ -459,6 +462,8 @@ async def _parse(request: Request, model: type[_Body]):
         data = json.loads(raw)
     except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the request nests too deeply to be processed") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     try:

@@ -35,6 +35,7 @@ from .anthropic_messages import messages_router
 from .core import ClientGone, admit, collect
 from .drafts import draft_router
 from .errors import APIError, bad_request, from_validation
+from .hosts import AllowedHosts
 from .limits import BodySizeLimit
 from .openai_responses import responses_router
 from .queue import AdmissionQueue
@@ -46,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URI images
 DEFAULT_QUEUE = 64
+
+
+SHUTDOWN_CUT = APIError(
+    503, "the server is shutting down: the generation was cut short", type="server_error", code="shutting_down"
+)
 
 
 @dataclass
@@ -78,11 +84,23 @@ class Service:
     async def stop(self, wait_s: float = 10.0) -> None:
         """Drain, cancel what still runs and wait (bounded) for its rows."""
         self.drain()
-        for run in list(self.runs):
-            run.cancel()
+        self.cut_running()
         with anyio.move_on_after(wait_s):
             while self.runs:
                 await asyncio.sleep(0.02)
+
+    def cut_running(self) -> None:
+        """Cancel every running request because the server stops: each ends with
+        its final chunk (and an error event saying it was cut), not a dropped connection."""
+        for run in list(self.runs):
+            run.cancel(shutting_down=True)
+
+    async def cut_after(self, grace_s: float) -> None:
+        """Let running requests finish for ``grace_s`` seconds, then cut the rest."""
+        await asyncio.sleep(grace_s)
+        if self.runs:
+            logger.warning("shutdown grace period over: cancelling %d running request(s)", len(self.runs))
+        self.cut_running()
 
 
 def create_app(
@@ -97,6 +115,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     decoding: str = "auto",
     keep_billing_header: bool = False,
+    allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``kit`` (docs/server.md).
 
@@ -108,7 +127,9 @@ def create_app(
     ``cors_origins``: allowed browser origins (none: CORS off).
     ``decoding``: the default mode (auto, plain, prompt_lookup, draft).
     ``keep_billing_header``: keep Claude Code's volatile first system line in
-    Messages API prompts (default: dropped, so the prompt cache reuses turns)."""
+    Messages API prompts (default: dropped, so the prompt cache reuses turns).
+    ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
+    hosts.py on DNS rebinding)."""
     rows = kit.max_parallel if max_parallel is None else max_parallel
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
         raise ValueError(
@@ -136,6 +157,8 @@ def create_app(
     app.state.service = service
     _install_errors(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(AllowedHosts, names=list(allowed_hosts))
     if cors_origins:  # added last, so outermost: its headers reach every answer, a 413 included
         app.add_middleware(
             CORSMiddleware,
@@ -180,6 +203,11 @@ def _install_errors(app: FastAPI) -> None:
     async def invalid_body(request, exc: RequestValidationError):
         return from_validation(list(exc.errors())).response()
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request, exc: RecursionError):
+        # Past the nesting limits params.py checks: still the client's input, never a 500.
+        return bad_request("the request nests too deeply to be processed").response()
+
     @app.exception_handler(ClientGone)
     async def client_gone(request, exc: ClientGone):
         return JSONResponse(
@@ -203,12 +231,17 @@ def _add_routes(app: FastAPI, service: Service, auth) -> None:
             **{k: service.outcomes[k] for k in ("completed", "cancelled", "failed")},
         }
 
+    def model_object() -> dict:
+        return {"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine"}
+
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine"}],
-        }
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
+    async def model(model_id: str):
+        service.check_model(model_id)
+        return model_object()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -278,6 +311,8 @@ async def _events(
                 offsets[c.index] += len(r.text)
         if include_usage:
             yield _sse(env.usage_chunk(choices, prompt_len))
+        if run.cut_by_shutdown:
+            yield _sse(SHUTDOWN_CUT.body())
         yield "data: [DONE]\n\n"
     finally:
         run.cancel()

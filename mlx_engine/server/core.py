@@ -147,10 +147,7 @@ async def admit(
     try:
         await run.start(prompt.tokens, kwargs)
     except ValueError as exc:
-        err = from_engine(exc)
-        if err.param == "messages":
-            err.param = prompt_field
-        raise err from exc
+        raise from_engine(exc, prompt_field) from exc
     return run
 
 

@@ -569,6 +569,10 @@ async def _events(run: RequestRun, head: Head, prompt_len: int, keep, spaces: se
         closing, output = writer.finish()
         for e in closing:
             yield e
+        if run.cut_by_shutdown:  # a partial answer is not kept
+            error = {"code": "shutting_down", "message": "the server is shutting down: the generation was cut short"}
+            yield writer.event("response.failed", response=head.obj("failed", output, error=error))
+            return
         final = head.final(choice, prompt_len, output)
         keep(final, output)
         yield writer.event(f"response.{final['status']}", response=final)
