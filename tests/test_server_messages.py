@@ -376,7 +376,7 @@ def test_bad_requests_are_anthropic_errors(server, body, status, kind):
 
 def test_error_messages_name_the_request_fields(server):
     r = post(server, hello(tools=[{"type": "bash_20250124", "name": "bash"}, {**WEATHER, "name": "bad name!"}]))
-    assert "tools[1].name" in r.json()["error"]["message"]
+    assert "tools.1.name" in r.json()["error"]["message"]
     assert "max_tokens" in post(server, hello(max_tokens="9")).json()["error"]["message"]
 
 

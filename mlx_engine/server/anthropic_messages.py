@@ -307,15 +307,14 @@ def _edge(err: APIError, sources: list[int]) -> AnthropicError:
     """An error of the internal request, its tool indices and fields as this request named them."""
 
     def tool(m: re.Match) -> str:
-        k = int(m.group(1))
-        field = {"parameters": "input_schema"}.get(m.group(2), m.group(2))
-        return f"tools[{sources[k] if k < len(sources) else k}].{field}"
+        k = int(m.group(1) or m.group(2))
+        field = {"parameters": "input_schema"}.get(m.group(3), m.group(3))
+        return f"tools.{sources[k] if k < len(sources) else k}.{field}"
 
-    return (
-        AnthropicError.of(err)
-        if err.status != 400
-        else AnthropicError(400, re.sub(r"tools\[(\d+)\]\.function\.(\w+)", tool, err.message))
-    )
+    if err.status != 400:
+        return AnthropicError.of(err)
+    # The engine writes ``tools[0].function.name``, the server's errors ``tools.0.function.name``.
+    return AnthropicError(400, re.sub(r"tools(?:\[(\d+)\]|\.(\d+))\.function\.(\w+)", tool, err.message))
 
 
 def _too_long(prompt_len: int, context: int) -> APIError:
