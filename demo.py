@@ -348,9 +348,7 @@ def print_stats(s: me.GenerationStats, stop: me.GenerationStopCondition) -> None
         decoding_line(s),
     ]
     if s.setup_time >= 0.005:
-        lines.insert(
-            2, f"One-off cost measurement: {s.setup_time:.2f}s (in the time to first token, not the prompt rate)"
-        )
+        lines.insert(2, f"Cost set-up: {s.setup_time:.2f}s (in the time to first token, not the prompt rate)")
     if s.drafted_tokens:
         lines += [
             f"Drafted/accepted tokens: {s.drafted_tokens}/{s.accepted_tokens}",

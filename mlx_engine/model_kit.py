@@ -20,9 +20,11 @@ from .context import fit_context
 from .disk_cache import DiskCache, model_identity
 from .draft_pool import DraftModel  # re-exported: tests import it from here
 from .prompt_cache import PromptCache, PromptCacheOptions, default_memory_budget
-from .speculative import costs
+from .speculative import cost_store, costs
+from .speculative.cost_background import BackgroundMeasurement
 from .speculative.drafting_rows import DraftingRows
 from .speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
+from .worker import shutting_down
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ class ModelKit:
     """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
 
     _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
+    # Whether forward costs are measured between requests (after an estimate) rather
+    # than at once; a sharded kit measures at once, every rank taking part.
+    background_cost_measurement = True
 
     def __init__(self, model_path: str | Path, options: KitOptions = KitOptions()):
         self._init_files(loading.resolve_model_path(model_path), options)
@@ -180,6 +185,8 @@ class ModelKit:
         self.draft: DraftModel | None = None
         self.compute_dtype: mx.Dtype | None = None
         self.cost_model: costs.CostModel | None = None  # see forward_costs
+        self.cost_source: str | None = None  # where cost_model came from: stored, estimate, measured
+        self._cost_measurement: BackgroundMeasurement | None = None
         # What earlier requests produced, for suffix drafting (speculative/suffix.py).
         self.suffix_memory = SuffixMemory(options.suffix_memory_tokens) if options.suffix_memory_tokens else None
         # What the batch's lookup rows can draft, so each prices its drafts with the others'.
@@ -191,11 +198,56 @@ class ModelKit:
         self._scheduler = None  # scheduler.Scheduler, made with the first parallel request
 
     def forward_costs(self) -> costs.CostModel:
-        """The model's measured forward-pass costs by width, measured once per
-        kit (when speculation first needs them) and kept until unload."""
+        """The model's forward-pass costs by width, found once per kit when
+        speculation first needs them and kept until unload: a record an earlier
+        process stored for this model and machine (cost_store.py); else an
+        estimate from one timed step, measured properly between this kit's
+        requests (cost_background.py) and then stored. docs/decoding.md, "Round costs"."""
         if self.cost_model is None:
-            self.cost_model = costs.measure(self.model, self.vocab_size)
+            stored = costs_from_record(cost_store.load(self.cost_key("forward")))
+            if stored is not None:
+                self.cost_model, self.cost_source = stored, "stored"
+            elif not self.background_cost_measurement or self.worker is None:
+                self._finish_cost_measurement(costs.measure(self.model, self.vocab_size))
+            else:
+                step = costs.measure_step(self.model, self.vocab_size)
+                self.cost_model, self.cost_source = costs.estimate(step), "estimate"
+                logger.info("forward costs estimated from a %.2f ms step; measuring them between requests", step * 1e3)
+                self._measure_costs_in_background()
         return self.cost_model
+
+    def cost_key(self, kind: str, path: Path | None = None) -> dict:
+        """What a stored cost record of this kit (``path``: its draft's) depends on."""
+        model = model_identity(path or self.model_path, self.compute_dtype, self.cache_options)
+        return {"kind": kind, "kit": type(self).__name__, "model": model, **cost_store.machine_identity()}
+
+    def _measure_costs_in_background(self) -> None:
+        model = self.model
+        self._cost_measurement = BackgroundMeasurement(
+            costs.Measurement(model, self.vocab_size),
+            self.worker.submit,
+            idle=lambda: self.open_generations == 0,
+            alive=lambda: self.model is model and not worker_exiting(),
+            finish=self._finish_cost_measurement,
+        )
+        self._cost_measurement.start()
+
+    def _finish_cost_measurement(self, measured: costs.CostModel) -> None:
+        self.cost_model, self.cost_source = measured, "measured"
+        cost_store.save(self.cost_key("forward"), {"seconds": list(measured.seconds)})
+
+    def draft_step_seconds(self) -> float:
+        """Seconds per chained step of the loaded draft: stored, or measured once and stored."""
+        if self.draft.step_cost is None:
+            key = self.cost_key("draft_step", self.draft.path)
+            record = cost_store.load(key) or {}
+            stored = cost_store.positive_floats([record.get("seconds")], 1)
+            if stored is None:
+                self.draft.chained_step_seconds(self.vocab_size)
+                cost_store.save(key, {"seconds": self.draft.step_cost})
+            else:
+                self.draft.step_cost = stored[0]
+        return self.draft.step_cost
 
     def check_architecture(self) -> None:
         """Refuse an architecture mlx-lm cannot build (VisionModelKit: mlx-vlm)."""
@@ -283,6 +335,18 @@ class ModelKit:
             self.cost_model = None
             self.suffix_memory = None  # earlier requests' tokens: nothing to draft for any more
             mx.clear_cache()
+
+
+def costs_from_record(record: dict | None) -> costs.CostModel | None:
+    """A stored forward-cost record as a CostModel, or None if it is not a valid one."""
+    seconds = cost_store.positive_floats((record or {}).get("seconds"), costs.MAX_DRAFT + 1)
+    if seconds is None or seconds != sorted(seconds):
+        return None
+    return costs.CostModel(tuple(seconds))
+
+
+def worker_exiting() -> bool:
+    return shutting_down.is_set()
 
 
 def _head_dim(config: dict) -> int | None:

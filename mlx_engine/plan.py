@@ -116,7 +116,7 @@ def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngram
 
 def draft_step_cost(kit: ModelKit) -> float:
     """A draft-model step, as the drafter chains them, in main-model steps."""
-    return kit.draft.chained_step_seconds(kit.vocab_size) / kit.forward_costs().step()
+    return kit.draft_step_seconds() / kit.forward_costs().step()
 
 
 def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:

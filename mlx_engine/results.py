@@ -85,7 +85,7 @@ class GenerationStats:
     cache_entries: int = 0  # cached sequences the kit holds in memory, this one included
     time_to_first_token: float = 0.0
     prompt_tps: float = 0.0  # over the prompt tokens actually processed (setup_time excluded)
-    setup_time: float = 0.0  # one-off cost measurement for draft/auto decoding, within time_to_first_token
+    setup_time: float = 0.0  # finding forward costs for draft/auto decoding, within time_to_first_token
     generated_tokens: int = 0
     generation_tps: float = 0.0  # excludes time to first token
     total_time: float = 0.0

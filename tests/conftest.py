@@ -1,11 +1,17 @@
 import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
 from mlx_engine.speculative.loop import TURN, Launch, forward_alone  # noqa: E402
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from fixtures.tiny_models import MarkovLM, make_model, make_tokenizer, successor_table  # noqa: E402
+
+# Measured forward costs (speculative/cost_store.py) go to a directory of this run,
+# not the user's cache, so every run measures as a fresh machine would.
+os.environ.setdefault("MLX_ENGINE_COST_DIR", tempfile.mkdtemp(prefix="mlx-engine-costs-"))
 
 
 @pytest.fixture(scope="session")
