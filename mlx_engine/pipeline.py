@@ -316,7 +316,7 @@ def _results(kit, req: Request, steps: Decoding, stats: GenerationStats, t_start
         stats.generated_tokens = n
         text, made, deltas = calls.split(text, final=True)
         result = GenerationResult(text, tokens, tops, tool_calls=made, tool_call_deltas=deltas)
-        return _finish(result, stop, stats, req.stats_cb, t_start, t_first, processed)
+        return _finish(result, calls.stop_reason(stop, text), stats, req.stats_cb, t_start, t_first, processed)
 
     rnd = None
     while True:
@@ -351,7 +351,12 @@ def _results(kit, req: Request, steps: Decoding, stats: GenerationStats, t_start
             yield finish(event.text, [token], tops, "grammar_complete" if step.completes_grammar else "token_limit")
             return
         text, made, deltas = calls.split(event.text)
-        yield GenerationResult(text, [token], tops, tool_calls=made, tool_call_deltas=deltas)
+        result = GenerationResult(text, [token], tops, tool_calls=made, tool_call_deltas=deltas)
+        if calls.repeated:  # the model repeated a call of this answer: it has nothing more to add
+            stats.generated_tokens = n
+            yield _finish(result, "tool_calls", stats, req.stats_cb, t_start, t_first, processed)
+            return
+        yield result
 
 
 class _ToolCalls:
@@ -361,18 +366,37 @@ class _ToolCalls:
     def __init__(self, req: Request):
         spec = req.tools
         self.stream = None
+        self.made = 0  # calls completed so far
+        self.text_after = False  # text shown after the last call
         if spec is not None and spec.choice != "none":
             self.stream = ToolCallStream(spec.format, spec.names, streamed=True)
+
+    @property
+    def repeated(self) -> bool:
+        """Whether the answer repeated one of its calls (and so is over)."""
+        return self.stream is not None and self.stream.repeated
 
     def split(self, text: str, final: bool = False) -> tuple[str, list[ToolCall], list[ToolCallDelta]]:
         """``(text to show, calls completed, call deltas)``; ``final`` ends the text."""
         if self.stream is None:
             return text, [], []
         out = self.stream.feed(text)
-        if not final:
-            return out
-        end = self.stream.finish()
-        return out.text + end.text, out.calls + end.calls, out.deltas + end.deltas
+        if final:
+            end = self.stream.finish()
+            out = (out.text + end.text, out.calls + end.calls, out.deltas + end.deltas)
+        text, made, deltas = out[:3]
+        self.made += len(made)
+        self.text_after = bool(text.strip()) if made else self.text_after or bool(text.strip())
+        return text, made, deltas
+
+    def stop_reason(self, stop, final_text: str):
+        """``tool_calls`` for an answer that ended on its complete calls (an end
+        token, a complete grammar), else ``stop`` unchanged."""
+        reason = stop.stop_reason if isinstance(stop, GenerationStopCondition) else stop
+        if self.made and not self.text_after and reason in ("eos_token", "grammar_complete"):
+            tokens = stop.stop_tokens if isinstance(stop, GenerationStopCondition) else None
+            return GenerationStopCondition("tool_calls", None, tokens)
+        return stop
 
 
 def _stop_requested(kit: ModelKit, request_id: str) -> bool:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-StopReason = Literal["eos_token", "stop_string", "token_limit", "user_cancelled", "grammar_complete"]
+StopReason = Literal["eos_token", "stop_string", "token_limit", "user_cancelled", "grammar_complete", "tool_calls"]
 
 
 class Token(NamedTuple):

@@ -278,7 +278,7 @@ def test_required_calls_follow_each_family_syntax(family_kits, family):
         )
         ids = [t.id for r in results for t in r.tokens]
         calls = [c for r in results for c in r.tool_calls]
-        assert results[-1].stop_condition.stop_reason == "grammar_complete"
+        assert results[-1].stop_condition.stop_reason == "tool_calls"
         assert len(calls) == 1 and "".join(r.text for r in results) == ""
         jsonschema.validate(calls[0].arguments, TINY_SCHEMAS[calls[0].name])
         # The raw output is the family's own syntax: its parser reads the same call.
@@ -358,7 +358,7 @@ def test_calls_are_valid_and_the_same_in_every_mode(smollm, choice, question):
     for mode, results in runs.items():
         ids = [t.id for r in results for t in r.tokens]
         calls = [c for r in results for c in r.tool_calls]
-        assert results[-1].stop_condition.stop_reason == "grammar_complete", mode
+        assert results[-1].stop_condition.stop_reason == "tool_calls", mode
         assert len(calls) == 1 and "".join(r.text for r in results) == "", mode
         if isinstance(choice, dict):
             assert calls[0].name == "get_weather"
@@ -545,6 +545,41 @@ def test_auto_opens_a_call_mid_answer_in_every_mode(tmp_path):
         assert [t.id for r in results for t in r.tokens] == reference, mode
         assert "".join(r.text for r in results) == "ok ", mode
         calls = [c for r in results for c in r.tool_calls]
-        assert len(calls) == 1 and results[-1].stop_condition.stop_reason == "grammar_complete", mode
+        assert len(calls) == 1 and results[-1].stop_condition.stop_reason == "tool_calls", mode
         jsonschema.validate(calls[0].arguments, TINY_SCHEMAS[calls[0].name])
         assert rebuild(results) == {0: (calls[0].id, calls[0].name, calls[0].arguments)}
+
+
+# -- tool calls that end (issue 39) ---------------------------------------------------
+def test_a_repeated_call_ends_the_answer_and_is_not_streamed():
+    stream = ToolCallStream(FORMATS["hermes"], NAMES, streamed=True)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "23 * 19"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
+    outs = [stream.feed(piece) for piece in (call, "\n", other, "\n", call[:30], call[30:])]
+    made = [c for o in outs for c in o.calls]
+    assert [c.arguments["expression"] for c in made] == ["23 * 19", "1 + 1"]
+    assert [o.repeated for o in outs] == [False] * 5 + [True]
+    sent = {d.index for o in outs for d in o.deltas}
+    assert sent == {0, 1}  # the repeat's name and arguments were never sent
+    assert "".join(o.text for o in outs) == ""
+
+
+@requires_default_model
+@pytest.mark.parametrize(
+    "choice",
+    ["required", "auto", {"type": "function", "function": {"name": "calculator"}}, {"name": "get_weather"}],
+)
+def test_forced_and_parallel_calls_end_with_tool_calls(smollm, choice):
+    """The default model repeats a call until max_tokens unless the engine ends the answer."""
+    prompt = weather_prompt(smollm, "Compute 23 * 19.")
+    results = list(me.create_generator(smollm, prompt, max_tokens=300, temp=0.0, tools=TOOLS, tool_choice=choice))
+    calls = [c for r in results for c in r.tool_calls]
+    if choice == "auto" and not calls:
+        pytest.skip("the model answered in text")
+    assert results[-1].stop_condition.stop_reason == "tool_calls"
+    keys = [(c.name, c.arguments_json) for c in calls]
+    assert len(keys) == len(set(keys)) >= 1  # no identical repeat
+    if isinstance(choice, dict):
+        assert len(calls) == 1  # a named choice is one call
+    assert rebuild(results) == {c.index: (c.id, c.name, c.arguments) for c in calls}
+    assert "".join(r.text for r in results) == ""
