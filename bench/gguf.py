@@ -126,7 +126,7 @@ def main() -> None:
         help="llama.cpp's threads; its OpenMP workers spin-wait, so on a loaded machine 1 is steadier",
     )
     args = parser.parse_args()
-    from mlx_engine import catalog
+    from mlx_engine.loading import catalog
 
     source = catalog.lookup(catalog.DEFAULT_MODEL)
     work = Path(tempfile.mkdtemp(prefix="bench-gguf-"))

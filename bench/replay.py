@@ -236,7 +236,6 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
 
 def lookup_main(args: argparse.Namespace) -> None:
     """Price fixed-length prompt lookup and the router (no draft model) on traces."""
-    from mlx_engine.results import GenerationStats
     from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
     from mlx_engine.speculative.router import AutoRouter
 
@@ -259,7 +258,7 @@ def lookup_main(args: argparse.Namespace) -> None:
         row = {}
         for k in ks:
             row[f"lookup k={k}"] = replay_drafter(prompt, output, PromptLookupDrafter(k), list(line))[0]
-        router = AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(args.auto_max))
+        router = AutoRouter(prompt, cm, PromptLookupDrafter(args.auto_max))
         row["auto"], _ = replay_drafter(prompt, output, router, list(line))
         row["best"] = max([1.0] + [row[f"lookup k={k}"] for k in ks])
         row["auto / best"] = row["auto"] / row["best"]
@@ -268,7 +267,7 @@ def lookup_main(args: argparse.Namespace) -> None:
         print(
             f"| {name} | "
             + " | ".join(f"{v:.2f}" for v in row.values())
-            + f" | <!-- {router.stats.decoding_mode} {len(router.stats.mode_switches)} -->"
+            + f" | <!-- {router.decoding_mode} {len(router.mode_switches)} -->"
         )
     print("| geomean | " + " | ".join(f"{math.exp(sum(v) / len(v)):.3f}" for v in logs.values()) + " |")
 
@@ -321,7 +320,6 @@ def draft_mix_main(args: argparse.Namespace) -> None:
     """Replay the router with a simulated draft model of each ``--draft-mix``
     acceptance beside prompt lookup alone and the draft alone, on every trace in
     ``--traces`` (``--lookup --chat`` records them)."""
-    from mlx_engine.results import GenerationStats
     from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
     from mlx_engine.speculative.router import AutoRouter
 
@@ -338,17 +336,13 @@ def draft_mix_main(args: argparse.Namespace) -> None:
 
             def run(make_router: bool, prompt=prompt, output=output, rate=rate) -> tuple[float, str]:
                 sim = SimulatedDraft(output, len(prompt), rate, costs.RoundCosts(cm, args.draft_step), args.draft_step)
-                drafter = (
-                    AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT), sim)
-                    if make_router
-                    else sim
-                )
+                drafter = AutoRouter(prompt, cm, PromptLookupDrafter(costs.MAX_DRAFT), sim) if make_router else sim
                 cost = lambda k: line[k] + sim.extra_cost()  # noqa: E731
                 speed = replay_drafter(prompt, output, drafter, cost)[0]
-                return speed, drafter.stats.decoding_mode if make_router else ""
+                return speed, drafter.decoding_mode if make_router else ""
 
             lookup = replay_drafter(prompt, output, PromptLookupDrafter(costs.MAX_DRAFT), line)[0]
-            alone = AutoRouter(prompt, cm, GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT))
+            alone = AutoRouter(prompt, cm, PromptLookupDrafter(costs.MAX_DRAFT))
             no_draft = replay_drafter(prompt, output, alone, line)[0]
             draft, _ = run(False)
             auto, mode = run(True)

@@ -553,7 +553,7 @@ def render_docs(report: dict, results_md: str, out_dir: Path, docs_path: Path) -
         "arrived, so it excludes TTFT and does not credit speculative modes with drafts accepted in round one. "
         "**TTFT** runs from the call to the first token. **End-to-end** is the whole call.",
         "- Output ends at the engine's stop tokens for every system (the engine also stops at end-of-turn tokens "
-        "such as `<|im_end|>`, `mlx_engine/loading.py` `END_OF_TURN_TOKENS`, which `mlx_lm.stream_generate` does "
+        "such as `<|im_end|>`, `mlx_engine/loading/model.py` `END_OF_TURN_TOKENS`, which `mlx_lm.stream_generate` does "
         "not), so outputs and timings compare like for like.",
         "- **Exact** means the greedy tokens equal mlx-lm's token for token; otherwise the first differing position "
         "and mlx-lm's top-2 logit gap there are listed (a near-zero gap is a float near-tie, not a bug).",
@@ -645,7 +645,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _resolve(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     """The model and draft paths (catalog names resolved); None for a missing model."""
-    from mlx_engine import loading
+    from mlx_engine.loading import model as loading
 
     if args.tiny:
         return make_tiny_models(Path(tempfile.gettempdir()) / "mlx-engine-bench-tiny")

@@ -1,22 +1,11 @@
 """mlx-engine: an embeddable inference engine for local models on MLX."""
 
-# Must run before anything imports mlx.core (see _blas.py).
-from ._blas import BlasStatus, blas_status, setup_blas
+# Must run before anything imports mlx.core (see loading/blas.py).
+from .loading.blas import BlasStatus, blas_status, setup_blas
 
 setup_blas()
 
-from .catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
-from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
-from .errors import (  # noqa: E402
-    CallbackError,
-    ChatTemplateLimitError,
-    DistributedConfigError,
-    GenerationInProgressError,
-    IncompatibleDraftModelError,
-    ModelLoadError,
-    ShardedKitError,
-)  # noqa: E402
-from .generate import (  # noqa: E402
+from .api import (  # noqa: E402
     apply_chat_template,
     create_generator,
     is_draft_model_compatible,
@@ -26,8 +15,22 @@ from .generate import (  # noqa: E402
     tokenize,
     unload,
     unload_draft_model,
-)
-from .model_kit import ModelKit  # noqa: E402
+)  # noqa: E402
+from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
+from .draft.loading import DraftCompatibility, check_draft_model  # noqa: E402
+from .errors import (  # noqa: E402
+    CallbackError,
+    ChatTemplateLimitError,
+    DistributedConfigError,
+    GenerationInProgressError,
+    IncompatibleDraftModelError,
+    ModelLoadError,
+    ShardedKitError,
+)  # noqa: E402
+from .kits.text import ModelKit  # noqa: E402
+from .kits.vision import VisionModelKit  # noqa: E402
+from .loading import catalog  # noqa: E402  (models known by name: lookup, draft_for)
+from .loading.catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
 from .results import (  # noqa: E402
     GenerationResult,
     GenerationStats,
@@ -37,11 +40,10 @@ from .results import (  # noqa: E402
     ToolCallDelta,
     TopLogprob,
 )
-from .speculative.draft_loading import DraftCompatibility, check_draft_model  # noqa: E402
-from .vision_model_kit import VisionModelKit  # noqa: E402
 
 __all__ = [
     "CATALOG",
+    "catalog",
     "DEFAULT_MODEL",
     "apply_chat_template",
     "BlasStatus",

@@ -74,10 +74,11 @@ class GenerationStopCondition(_StopConditionFields):
         return super().__new__(cls, stop_reason, stop_string, [] if stop_tokens is None else stop_tokens)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationStats:
     """Statistics of one generation, given to ``stats_callback`` and attached to the
-    final result. Times are seconds, rates tokens per second, memory bytes."""
+    final result; built once when the generation ends (frozen). Times are seconds,
+    rates tokens per second, memory bytes."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the kit's cache

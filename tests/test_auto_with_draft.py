@@ -7,12 +7,11 @@ Deterministic: Markov models (logits from the last token alone) stand in for the
 target and the draft, and the router is never shown a round's time, so it prices
 rounds with the given costs only."""
 
-from mlx_engine.cache import SequenceCache
-from mlx_engine.model_kit import DraftModel
-from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
+from mlx_engine.caches.sequence import SequenceCache
+from mlx_engine.draft.drafter import DraftModelDrafter
+from mlx_engine.kits.text import DraftModel
+from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.costs import CostModel, RoundCosts
-from mlx_engine.speculative.draft_model import DraftModelDrafter
 from mlx_engine.speculative.loop import decode as _decode
 from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
 from mlx_engine.speculative.router import AutoRouter
@@ -20,7 +19,7 @@ from mlx_engine.speculative.router import AutoRouter
 from itertools import pairwise
 
 import mlx.core as mx
-from conftest import run_alone
+from helpers import run_alone
 
 from fixtures.tiny_models import MarkovLM
 
@@ -108,21 +107,18 @@ def test_auto_with_a_draft_drafts_from_lookup_on_a_copy_and_from_the_draft_on_fr
     draft_lm = MarkovLM(_chain_table(_draft_successors()))
     sampler = build_sampler(SamplingParams())
     n = len(OUTPUT)
-    plain = [
-        s.token for s in decode(SequenceCache(target), list(PROMPT), n, sampler, [], 4096, None, GenerationStats())
-    ]
+    plain = [s.token for s in decode(SequenceCache(target), list(PROMPT), n, sampler, [], 4096, None)]
     assert plain == OUTPUT
 
-    stats = GenerationStats()
     draft = DraftModelDrafter(
         DraftModel(None, draft_lm, SequenceCache(draft_lm), 0),
         None,
         RoundCosts(CPU_COSTS, draft_step=DRAFT_STEP),
         vocab_size=VOCAB,
     )
-    router = AutoRouter(list(PROMPT), CPU_COSTS, stats, PromptLookupDrafter(32), draft)
+    router = AutoRouter(list(PROMPT), CPU_COSTS, PromptLookupDrafter(32), draft)
     spy = _Spy(router)
-    out = [s.token for s in decode(SequenceCache(target), list(PROMPT), n, sampler, [], 4096, spy, stats)]
+    out = [s.token for s in decode(SequenceCache(target), list(PROMPT), n, sampler, [], 4096, spy)]
     assert out == plain  # greedy output is the same whoever drafts
 
     copy_start, copy_end = len(FRESH_1), len(FRESH_1) + len(PASSAGE)

@@ -5,7 +5,7 @@ import json
 import shutil
 
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 
 def copy_model(src, dst):

@@ -1,9 +1,8 @@
 """Speculation priced for the batch it runs in (costs.batch_round_table, rows=)."""
 
-from mlx_engine.results import GenerationStats
+from mlx_engine.speculative.batch_pricing import BatchPricing, DraftingRows
 from mlx_engine.speculative.costs import CostModel, batch_round_table, pass_seconds
-from mlx_engine.speculative.drafting_rows import DraftingRows
-from mlx_engine.speculative.prompt_lookup import BatchPricing, NGramIndex, PromptLookupDrafter
+from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter
 from mlx_engine.speculative.router import AutoRouter
 from mlx_engine.speculative.speedup import best_draft_length
 from mlx_engine.speculative.suffix import SuffixMemory
@@ -45,21 +44,18 @@ def test_bigger_batches_choose_shorter_drafts_or_none():
 def test_fixed_lookup_cuts_its_drafts_to_what_pays_for_the_batch():
     history = list(range(40)) * 3  # a strong match: the cycle continues
     rows = [1]
-    drafter = PromptLookupDrafter(8)
-    drafter.batch_pricing = BatchPricing(lambda: WIDTH_COSTS, lambda: rows[0])
+    drafter = PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: WIDTH_COSTS, lambda: rows[0]))
     assert len(drafter.propose(history, 64)) == 8 and not drafter.plain_ahead(history)
     rows[0] = 8
     assert drafter.propose(history, 64) == []
     assert drafter.plain_ahead(history)  # nothing would pay: the loop queues plain rounds ahead
-    drafter.batch_pricing = BatchPricing(lambda: FLAT_COSTS, lambda: rows[0])
+    drafter = PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: FLAT_COSTS, lambda: rows[0]))
     assert len(drafter.propose(history, 64)) == 8
 
 
 def test_router_prices_lookup_rounds_for_the_batch():
     rows = [1]
-    router = AutoRouter(
-        list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32), batch=alone_in(lambda: rows[0])
-    )
+    router = AutoRouter(list(range(50)) * 8, WIDTH_COSTS, PromptLookupDrafter(32), batch=alone_in(lambda: rows[0]))
     history = list(range(50)) * 8
     while router.mode == "probe":
         drafts = router.propose(history, 64)
@@ -80,16 +76,12 @@ def test_router_prices_lookup_rounds_for_the_batch():
 
 
 def test_router_probe_in_a_big_batch_drafts_only_what_pays():
-    router = AutoRouter(
-        list(range(50)) * 8, WIDTH_COSTS, GenerationStats(), PromptLookupDrafter(32), batch=alone_in(lambda: 8)
-    )
+    router = AutoRouter(list(range(50)) * 8, WIDTH_COSTS, PromptLookupDrafter(32), batch=alone_in(lambda: 8))
     assert router.mode == "probe"
     history = list(range(50)) * 8
     assert router.propose(history, 64) == []
     assert router.plain_ahead(history)
-    cheap = AutoRouter(
-        list(range(50)) * 8, FLAT_COSTS, GenerationStats(), PromptLookupDrafter(32), batch=alone_in(lambda: 8)
-    )
+    cheap = AutoRouter(list(range(50)) * 8, FLAT_COSTS, PromptLookupDrafter(32), batch=alone_in(lambda: 8))
     assert 0 < len(cheap.propose(list(range(50)) * 8, 64)) <= 4
 
 
@@ -109,9 +101,7 @@ def test_fixed_lookup_rows_post_what_they_can_draft_and_draft_together():
     history = list(range(40)) * 3  # every row copies: its next round can match strongly
     drafters = []
     for row in range(8):
-        d = PromptLookupDrafter(8)
-        d.batch_pricing = BatchPricing(lambda: WIDTH_COSTS, lambda: 8, board, row)
-        drafters.append(d)
+        drafters.append(PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: WIDTH_COSTS, lambda: 8, board, row)))
     # The only row posting: alone in 8 rows nothing pays, so its rounds are queued ahead.
     assert drafters[0].plain_ahead(history) and drafters[0].propose(history, 64) == []
     for d in drafters[1:]:

@@ -55,7 +55,6 @@ def test_unpaired_input_is_refused():
 def test_replay_prices_lookup_and_the_router_on_a_recorded_output():
     """bench.replay --lookup: every proposal is checked against the recorded
     output, so the replayed tokens are the output, and a copied passage pays."""
-    from mlx_engine.results import GenerationStats
     from mlx_engine.speculative import costs
     from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
     from mlx_engine.speculative.router import AutoRouter
@@ -70,9 +69,9 @@ def test_replay_prices_lookup_and_the_router_on_a_recorded_output():
     assert plain == (1.0, len(output))
     fixed, rounds = replay_drafter(prompt, output, PromptLookupDrafter(8), line)
     assert fixed > 1.5 and rounds < len(output)
-    router = AutoRouter(prompt, costs.CostModel(tuple(line)), GenerationStats(), PromptLookupDrafter(costs.MAX_DRAFT))
+    router = AutoRouter(prompt, costs.CostModel(tuple(line)), PromptLookupDrafter(costs.MAX_DRAFT))
     auto, _ = replay_drafter(prompt, output, router, line)
-    assert auto > 1.5 and router.stats.decoding_mode == "auto:prompt_lookup"
+    assert auto > 1.5 and router.decoding_mode == "auto:prompt_lookup"
 
 
 class _NoDrafts:

@@ -3,9 +3,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import requires_default_model
+from helpers import requires_default_model
 
 import demo
+
+pytestmark = pytest.mark.slow  # subprocesses: every test starts Python (and MLX) anew
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

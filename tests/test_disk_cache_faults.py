@@ -4,7 +4,8 @@ entries, special files. Every request must answer exactly as a kit without a
 disk tier does, and the kit must stay usable (more requests, then ``unload``)."""
 
 import mlx_engine as me
-from mlx_engine import disk_cache, loading
+from mlx_engine.caches import disk as disk_cache
+from mlx_engine.loading import model as loading
 
 import errno
 import hashlib
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 A = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
@@ -182,6 +183,7 @@ def run_child(llama_path, cache_dir, prompts, **limits):
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="no file-size limit on this OS")
 def test_a_full_disk(llama_path, tmp_path, fresh):
     """A real failing write: the process may not write files past 2 KiB."""
@@ -345,6 +347,7 @@ def _dev_zero(path: Path) -> None:
     path.symlink_to("/dev/zero")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["record", "data"])
 @pytest.mark.parametrize("special", [_fifo, _dev_zero], ids=["fifo", "link-to-dev-zero"])
 def test_special_files_are_never_read(llama_path, tmp_path, fresh, which, special):

@@ -17,9 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from helpers import assert_same_or_near_tie, generate_ids
 
 from fixtures.tiny_models import make_model
+
+pytestmark = pytest.mark.slow  # subprocesses: every test starts Python (and MLX) anew
+
 
 JOB = Path(__file__).with_name("sharded_job.py")
 LAUNCH = Path(sys.executable).with_name("mlx.launch")

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import requires_default_model
+from helpers import requires_default_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

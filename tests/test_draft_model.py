@@ -1,9 +1,8 @@
 import mlx_engine as me
-from mlx_engine.cache import UNKNOWN, SequenceCache
-from mlx_engine.model_kit import DraftModel
-from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
-from mlx_engine.speculative.draft_model import DraftModelDrafter
+from mlx_engine.caches.sequence import UNKNOWN, SequenceCache
+from mlx_engine.draft.drafter import DraftModelDrafter
+from mlx_engine.kits.text import DraftModel
+from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.loop import decode as _decode
 
 import json
@@ -11,7 +10,7 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, run_alone
+from helpers import assert_same_or_near_tie, generate_ids, loop_stats, run_alone
 
 from fixtures.tiny_models import MarkovLM, make_model, successor_table
 
@@ -184,6 +183,7 @@ def test_cancel_mid_round_then_generation_is_correct(llama_path, draft_path, whe
     assert_same_or_near_tie(fresh, follow, generate_ids(fresh, follow, max_tokens=20)[0], ids)
 
 
+@pytest.mark.slow
 def test_progress_covers_draft_prefill_and_cancel_there(llama_path, draft_path):
     kit = me.load_model(llama_path)
     me.load_draft_model(kit, llama_path)  # same size: draft prefill is half the work
@@ -230,7 +230,7 @@ def test_sampling_distribution_is_exact_with_a_poor_draft():
         sampler = build_sampler(SamplingParams(temp=1.0, seed=run))  # a sampler carries its own seed
         cache = SequenceCache(target)
         drafter = DraftModelDrafter(DraftModel(None, draft_model, SequenceCache(draft_model), 0), 2)
-        steps = decode(cache, [0], 2, sampler, [], 20, drafter, GenerationStats())
+        steps = decode(cache, [0], 2, sampler, [], 20, drafter)
         a, b = (s.token for s in steps)
         counts[(a, b)] += 1
     chi2 = sum((counts[c] - runs * q) ** 2 / (runs * q) for c, q in exact.items())
@@ -241,10 +241,11 @@ def test_markov_target_and_draft_greedy_exact():
     table = successor_table(50)
     target, draft_model = MarkovLM(table), MarkovLM(successor_table(50, seed=5))
     sampler = build_sampler(SamplingParams())
-    plain = [s.token for s in decode(SequenceCache(target), [3], 40, sampler, [], 20, None, GenerationStats())]
-    stats = GenerationStats()
+    plain = [s.token for s in decode(SequenceCache(target), [3], 40, sampler, [], 20, None)]
     drafter = DraftModelDrafter(DraftModel(None, draft_model, SequenceCache(draft_model), 0), 5)
-    spec = [s.token for s in decode(SequenceCache(target), [3], 40, sampler, [], 20, drafter, stats)]
+    steps = list(decode(SequenceCache(target), [3], 40, sampler, [], 20, drafter))
+    stats = loop_stats(steps)
+    spec = [s.token for s in steps]
     assert spec == plain
     assert stats.accepted_tokens > 0
 
@@ -260,7 +261,7 @@ def test_decode_reports_round_times_to_the_drafter():
 
     drafter = Recorder(DraftModel(None, MarkovLM(table), SequenceCache(MarkovLM(table)), 0), 3)
     sampler = build_sampler(SamplingParams())
-    list(decode(SequenceCache(target), [3], 30, sampler, [], 20, drafter, GenerationStats()))
+    list(decode(SequenceCache(target), [3], 30, sampler, [], 20, drafter))
     assert seen[0][1] is None  # the first round has no previous result to time from
     assert len(seen) > 3 and all(s > 0 for _, s in seen[1:])
 
@@ -272,11 +273,12 @@ def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
     target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong
     verify = CostModel(tuple(0.01 * (1 + 0.3 * (n - 1)) for n in range(1, 18)))  # each drafted token costs 0.3 steps
     sampler = build_sampler(SamplingParams())
-    plain = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, None, GenerationStats())]
-    stats = GenerationStats()
+    plain = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, None)]
     draft = DraftModel(None, draft_model, SequenceCache(draft_model), 0)
     drafter = DraftModelDrafter(draft, None, RoundCosts(verify, draft_step=0.2), vocab_size=50)
-    spec = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, drafter, stats)]
+    steps = list(decode(SequenceCache(target), [3], 60, sampler, [], 20, drafter))
+    stats = loop_stats(steps)
+    spec = [s.token for s in steps]
     assert spec == plain
     # After the first rejections it stops drafting, except short exploration
     # drafts, ever further apart, to notice a change.
@@ -410,8 +412,7 @@ def test_a_draft_model_remembers_its_acceptance_across_requests():
     draft = DraftModel(None, draft_lm, SequenceCache(draft_lm), 0)
     assert draft.acceptance_prior(0.6) == 0.6  # nothing seen yet
     sampler = build_sampler(SamplingParams())
-    stats = GenerationStats()
-    list(decode(SequenceCache(target), [3], 60, sampler, [], 20, DraftModelDrafter(draft, 4), stats))
+    stats = loop_stats(list(decode(SequenceCache(target), [3], 60, sampler, [], 20, DraftModelDrafter(draft, 4))))
     assert draft.drafted_seen >= 32
     seen = draft.accepted_seen / draft.drafted_seen
     assert seen == pytest.approx(stats.accepted_tokens / stats.drafted_tokens, rel=0.05)  # decaying counts
@@ -429,7 +430,7 @@ def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_explores
     target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong
     verify = CostModel(tuple(0.01 * (1 + 0.3 * (n - 1)) for n in range(1, 18)))
     sampler = build_sampler(SamplingParams())
-    plain = [s.token for s in decode(SequenceCache(target), [3], 120, sampler, [], 20, None, GenerationStats())]
+    plain = [s.token for s in decode(SequenceCache(target), [3], 120, sampler, [], 20, None)]
     drafter = DraftModelDrafter(
         DraftModel(None, draft_model, SequenceCache(draft_model), 0),
         None,
@@ -439,8 +440,9 @@ def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_explores
     skipped = []
     skip = drafter.policy.skip
     drafter.policy.skip = lambda: (skipped.append(1), skip())[1]
-    stats = GenerationStats()
-    spec = [s.token for s in decode(SequenceCache(target), [3], 120, sampler, [], 20, drafter, stats)]
+    steps = list(decode(SequenceCache(target), [3], 120, sampler, [], 20, drafter))
+    stats = loop_stats(steps)
+    spec = [s.token for s in steps]
     assert spec == plain
     assert len(skipped) > 60  # most idle rounds were queued ahead, without propose
     assert stats.verify_rounds >= 4  # exploration drafts still came, ever further apart

@@ -1,5 +1,5 @@
 import mlx_engine as me
-from mlx_engine import _blas
+from mlx_engine.loading import blas as _blas
 
 import os
 import socket
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +20,7 @@ def _status_in_fresh_process(env_extra: dict) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not any(os.path.exists(p) for p in _blas.CANDIDATES), reason="no system OpenBLAS installed")
 def test_openblas_fast_path_taken_when_present():
     out = _status_in_fresh_process({})
@@ -30,6 +31,7 @@ def test_openblas_fast_path_taken_when_present():
     assert res.stdout.strip() == "True"
 
 
+@pytest.mark.slow
 def test_openblas_can_be_disabled():
     assert _status_in_fresh_process({_blas.DISABLE_ENV: "1"}).startswith("bundled")
 

@@ -4,7 +4,7 @@ from mlx_engine import GenerationInProgressError
 import threading
 
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 
 def prompt_of(kit, text="def add(a, b):\n    return a + b\n"):
@@ -253,7 +253,7 @@ def chain_table(vocab: int, sequence: list[int]):
 
 
 def test_multibyte_text_is_never_split(llama_path):
-    from conftest import markov_kit
+    from helpers import markov_kit
 
     base = me.load_model(llama_path)
     text = "Grüße aus München. 日本語のテキスト。 emoji 🙂 ok"

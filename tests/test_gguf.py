@@ -10,7 +10,7 @@ import struct
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import generate_ids, requires_default_model
+from helpers import generate_ids, requires_default_model
 
 from fixtures.tiny_models import make_gguf
 
@@ -295,7 +295,7 @@ def _string_array(strings: list[bytes]) -> bytes:
 def test_extra_string_array_is_read(tmp_path, gguf_path):
     out = tmp_path / "extra.gguf"
     _add_metadata(gguf_path, out, "x.names", 9, _string_array([b"alpha", b"", "\u00fc".encode()]))
-    from mlx_engine import gguf
+    from mlx_engine.loading.gguf import reader as gguf
 
     metadata = gguf.read_header(out).metadata
     assert next(v for k, v in metadata.items() if k.startswith("x.names")) == ["alpha", "", "\u00fc"]
@@ -306,7 +306,7 @@ def test_extra_string_array_is_read(tmp_path, gguf_path):
 def test_oversized_metadata_arrays_are_refused_from_their_counts(tmp_path, gguf_path, what):
     """A crafted array of millions of entries used to be decoded one element at a
     time for minutes; the declared count is checked before anything is read."""
-    from mlx_engine import gguf
+    from mlx_engine.loading.gguf import reader as gguf
 
     n = gguf.MAX_ARRAY_ITEMS + 1
     if what == "strings":
@@ -322,7 +322,7 @@ def test_oversized_metadata_arrays_are_refused_from_their_counts(tmp_path, gguf_
 
 
 def test_header_bytes_are_bounded(tmp_path, gguf_path, monkeypatch):
-    from mlx_engine import gguf
+    from mlx_engine.loading.gguf import reader as gguf
 
     out = tmp_path / "long.gguf"
     _add_metadata(gguf_path, out, "x.text", 8, struct.pack("<Q", 5000) + b"x" * 5000)
@@ -341,6 +341,7 @@ def test_empty_or_unknown_name(tmp_path):
 # -- the real default model ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_smollm2_answers_under_chat_template(smollm):
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -439,6 +440,7 @@ def test_smollm2_tokenizes_as_before(smollm):
     assert smollm.tokenizer.decode(_SMOLLM2_IDS) == _SMOLLM2_TEXT
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_smollm2_native_keeps_quantized_weights():
     kit = me.load_model(me.DEFAULT_MODEL, compute_dtype="native")

@@ -11,7 +11,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from helpers import assert_same_or_near_tie, generate_ids
 
 from fixtures.gguf_families import (
     FAMILIES,
@@ -42,6 +42,7 @@ def family_files(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_computes_what_its_source_model_computes(family_files, family):
     """Names, q/k permutation (llama), gemma's 1 + w norms, Llama 3 rope_freqs,

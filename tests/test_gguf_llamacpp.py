@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 REFS = json.loads((FIXTURES / "refs.json").read_text())
@@ -51,7 +51,7 @@ def test_logits_match_llama_cpp(name):
 
 
 def test_every_loader_type_is_covered():
-    from mlx_engine.gguf import SUPPORTED_TYPES
+    from mlx_engine.loading.gguf.reader import SUPPORTED_TYPES
 
     covered = {t for f in REFS["files"].values() for t in f["tensor_types"]}
     # F16 and BF16 files are written by the gguf package in test_gguf_families.py.
@@ -81,7 +81,8 @@ def test_decoded_types_kept_quantized_for_metal(name):
     spanning ~5 sigma, RMS 5 / ((2**b - 1) sqrt(12)) per weight, summed in
     quadrature over the model's matmuls, with a factor 2 (measured 1.5% to 21%
     across the fixtures; a wrongly packed tensor gives ~1.4)."""
-    from mlx_engine import gguf, gguf_models
+    from mlx_engine.loading.gguf import families as gguf_models
+    from mlx_engine.loading.gguf import reader as gguf
 
     import mlx.nn as nn
 

@@ -2,15 +2,15 @@
 
 import mlx_engine as me
 from mlx_engine import CallbackError
-from mlx_engine.batch_cache import RaggedBatch
-from mlx_engine.scheduler import MAX_BACKLOG
+from mlx_engine.caches.ragged import RaggedBatch
+from mlx_engine.runtime.scheduler import MAX_BACKLOG
 from mlx_engine.speculative.costs import CostModel
 
 import threading
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, markov_kit
+from helpers import assert_same_or_near_tie, generate_ids, markov_kit
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -82,7 +82,7 @@ def test_rows_of_any_buffer_width_join_in_either_order(kit):
     """KV buffers of different widths (a branch holds a slice of its source's
     buffer, then grows by a step) join a batch whichever side is wider, and
     each row's logits equal its own pass."""
-    from mlx_engine.prompt_cache import branch
+    from mlx_engine.caches.prompt import branch
 
     base = kit.new_cache(kit.model)
     base.prefill(me.tokenize(kit, TEXTS[1] * 3))
@@ -198,7 +198,7 @@ def test_a_failing_or_cancelled_request_leaves_the_others_alone(pkit, llama_path
         drain(bad_stats)
     for i, (h, g) in enumerate(zip(heads, good)):
         assert_same_or_near_tie(pkit, prompts[i], want[i], h + drain(g)[0])
-    assert not pkit._activity.known and not pkit._activity.active
+    assert not pkit.activity.known and not pkit.activity.active
     assert not pkit.batch.rows
     assert_same_or_near_tie(pkit, prompts[2], want[2], solo(pkit, prompts[2], max_tokens=14))
 
@@ -222,7 +222,7 @@ def test_max_parallel_is_checked(llama_path):
 
 
 def test_a_stream_left_unread_is_paused_and_resumes(pkit, llama_path, monkeypatch):
-    from mlx_engine import scheduler
+    from mlx_engine.runtime import scheduler
 
     monkeypatch.setattr(scheduler, "MAX_BACKLOG", 4)
     one = me.load_model(llama_path, max_parallel=1)
@@ -245,23 +245,23 @@ def test_draft_model_rows_draft_in_one_batch(pkit, llama_path, draft_path):
     gens = [me.create_generator(pkit, p, max_tokens=20, num_draft_tokens=3) for p in prompts]
     heads = [[t.id for t in next(g).tokens] for g in gens]
     heads = [h + [t.id for t in next(g).tokens] for h, g in zip(heads, gens)]
-    rows = pkit._worker.call(lambda: len(pkit.draft.batch.rows))
+    rows = pkit.worker.call(lambda: len(pkit.draft.batch.rows))
     assert rows == 3  # every request's draft cache is a row of the draft model's batch
     outs = [h + drain(g)[0] for h, g in zip(heads, gens)]
     for p, w, ids in zip(prompts, want, outs):
         assert_same_or_near_tie(pkit, p, w, ids)
-    assert not pkit._worker.call(lambda: pkit.draft.batch.rows)
+    assert not pkit.worker.call(lambda: pkit.draft.batch.rows)
 
 
 def test_a_dropped_kit_is_collected_and_its_engine_thread_reused(llama_path):
-    from mlx_engine import worker
+    from mlx_engine.runtime import worker
 
     import gc
     import weakref
 
     kit = me.load_model(llama_path)
     drain(me.create_generator(kit, me.tokenize(kit, TEXTS[0]), max_tokens=3))  # the scheduler is attached
-    thread, ref = kit._worker, weakref.ref(kit)
+    thread, ref = kit.worker, weakref.ref(kit)
     del kit
     gc.collect()
     assert ref() is None
@@ -280,7 +280,7 @@ def test_seeded_sampled_requests_in_parallel_give_their_solo_text(pkit, llama_pa
 
 
 def test_a_long_prompt_prefills_between_the_others_steps(pkit, llama_path, monkeypatch):
-    from mlx_engine import scheduler
+    from mlx_engine.runtime import scheduler
 
     monkeypatch.setattr(scheduler, "MAX_BACKLOG", 2)  # the running request stays open (paused) meanwhile
     one = me.load_model(llama_path, max_parallel=1)
@@ -373,7 +373,7 @@ def test_a_request_failing_at_run_time_fails_alone(pkit, llama_path, draft_path,
         ids, final = drain(g)
         assert final.stop_condition.stop_reason == "token_limit"
         assert_same_or_near_tie(pkit, p, w, h + ids)
-    assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)
+    assert not pkit.activity.known and not pkit.worker.call(lambda: pkit.batch.rows)
     monkeypatch.setattr(GrammarConstraint, "masks", masks)
     assert solo(pkit, jobs[0][0], max_tokens=16) == solo(one, jobs[0][0], max_tokens=16)
 
@@ -407,7 +407,7 @@ def test_a_failed_shared_pass_is_retried_row_by_row(pkit, llama_path, draft_path
         assert final.stop_condition.stop_reason == "token_limit"
         assert_same_or_near_tie(pkit, p, w, h + ids)
     assert failures[0] == 2
-    assert not pkit._activity.known and not pkit._worker.call(lambda: pkit.batch.rows)
+    assert not pkit.activity.known and not pkit.worker.call(lambda: pkit.batch.rows)
 
 
 def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, monkeypatch):
@@ -415,7 +415,7 @@ def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, mon
     request returns its entry, e.g. writing evicted entries to a full disk)
     still ends: its answer is delivered, no open request is left behind,
     unload works and every max_parallel slot is usable."""
-    from mlx_engine.prompt_cache import PromptCache
+    from mlx_engine.caches.prompt import PromptCache
 
     release = PromptCache.release
 
@@ -432,7 +432,7 @@ def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, mon
         heads = [[t.id for t in next(g).tokens] for g in gens]
         for j, h, g in zip((i, i + 1), heads, gens):
             assert h + drain(g)[0] == want[j]  # the failure is logged, not the request's
-    assert not kit._activity.known
+    assert not kit.activity.known
     gens = [me.create_generator(kit, p, max_tokens=6) for p in prompts[:2]]  # both slots
     heads = [[t.id for t in next(g).tokens] for g in gens]
     assert [h + drain(g)[0] for h, g in zip(heads, gens)] == want[:2]
@@ -469,7 +469,7 @@ def test_a_batch_that_cannot_release_its_rows_fails_them_and_recovers(pkit, llam
         with pytest.raises(RuntimeError, match="injected"):
             drain(g)
     assert not broken[0]
-    assert not pkit._activity.known
+    assert not pkit.activity.known
     gens = [me.create_generator(pkit, p, max_tokens=8) for p in prompts]
     heads = [[t.id for t in next(g).tokens] for g in gens]
     for p, w, h, g in zip(prompts, want, heads, gens):
@@ -509,7 +509,7 @@ class _StepLog:
     model prefilled (``prefills``: ("main" | "draft", tokens))."""
 
     def __init__(self, kit, monkeypatch):
-        from mlx_engine.cache import SequenceCache
+        from mlx_engine.caches.sequence import SequenceCache
 
         self.kit, self.prefills, self.steps = kit, [], []
         prefill = SequenceCache.prefill
@@ -521,8 +521,8 @@ class _StepLog:
         monkeypatch.setattr(SequenceCache, "prefill", logged)
 
     def start(self, sched, name: str, prompt, **kw):
-        from mlx_engine.generate import _start
-        from mlx_engine.request import GenerationOptions
+        from mlx_engine.api import _start
+        from mlx_engine.request.validate import GenerationOptions
 
         return sched.admit(_start(self.kit, prompt, GenerationOptions.from_kwargs(dict(kw, request_id=name))), name)
 
@@ -544,7 +544,7 @@ def _draft_request_admitted_while_one_decodes(pkit, log, short, long, at_chunk=N
     draft-model request "b" for ``long`` joins; steps until both end. With
     ``at_chunk=(n, act)``, ``act(scheduler, b)`` runs after the step in which the
     draft model prefilled its n-th chunk. Returns the two token lists and b's error."""
-    from mlx_engine.scheduler import Scheduler
+    from mlx_engine.runtime.scheduler import Scheduler
 
     def run():
         sched = Scheduler(pkit)
@@ -565,7 +565,7 @@ def _draft_request_admitted_while_one_decodes(pkit, log, short, long, at_chunk=N
                 pending = None
         return ids["a"], ids["b"], error
 
-    return pkit._worker.call(run)
+    return pkit.worker.call(run)
 
 
 def _solo_kit(llama_path, draft_path):
@@ -585,7 +585,7 @@ def test_a_draft_model_request_prefills_its_draft_between_the_others_steps(
     """Admitting a draft-model (or auto) request with a long prompt: the draft
     model's prompt is prefilled one chunk per step, as the main model's is,
     while the running row decodes a token every step; outputs equal solo ones."""
-    from mlx_engine import pipeline
+    from mlx_engine.request import pipeline
 
     monkeypatch.setattr(pipeline, "INTERLEAVED_PREFILL_CHUNK", 64)
     pkit.eos_token_ids = set()  # the random model must not end early
@@ -614,7 +614,7 @@ def test_a_request_ended_mid_draft_prefill_leaves_a_reusable_draft_cache(
     back to the pool holding exactly the chunks prefilled (never lent out as if
     complete); the next request with that prompt prefills only the rest, and
     every output equals its solo output."""
-    from mlx_engine import pipeline
+    from mlx_engine.request import pipeline
 
     monkeypatch.setattr(pipeline, "INTERLEAVED_PREFILL_CHUNK", 64)
     pkit.eos_token_ids = set()
@@ -647,8 +647,8 @@ def test_a_failing_draft_prefill_fails_its_request_alone(pkit, llama_path, draft
     """The draft model failing on a prompt chunk fails that request only: the
     running row decodes on, exact; the failed request's draft cache is reset
     (nothing half-computed is lent again) and the kit serves the prompt next."""
-    from mlx_engine import pipeline
-    from mlx_engine.cache import SequenceCache
+    from mlx_engine.caches.sequence import SequenceCache
+    from mlx_engine.request import pipeline
 
     monkeypatch.setattr(pipeline, "INTERLEAVED_PREFILL_CHUNK", 64)
     pkit.eos_token_ids = set()

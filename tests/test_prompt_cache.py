@@ -7,7 +7,7 @@ import mlx_engine as me
 import json
 
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 A = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
 B = "for i in range(10):\n    print(i, i * i)\n\nThe quick brown fox jumps over the lazy dog. "
@@ -138,7 +138,7 @@ def test_bad_prompt_cache_options(llama_path, kwargs, match):
 
 
 def test_auto_context_fits_memory_and_refuses_longer_prompts(llama_path, monkeypatch):
-    from mlx_engine import context
+    from mlx_engine.loading import memory as context
 
     kit = me.load_model(llama_path, max_kv_size="auto")
     assert kit.context_length == 4096  # the fixture's trained context fits easily
@@ -154,7 +154,7 @@ def test_auto_context_fits_memory_and_refuses_longer_prompts(llama_path, monkeyp
 
 
 def test_prefill_chunk_shrinks_when_memory_is_short(monkeypatch):
-    from mlx_engine import context
+    from mlx_engine.loading import memory as context
 
     monkeypatch.setattr(context, "available_memory", lambda: 64 * 2**30)
     assert context.prefill_chunk(49152, 576) == 512

@@ -1,12 +1,11 @@
 import mlx_engine as me
-from mlx_engine.results import GenerationStats
 from mlx_engine.speculative.costs import CostModel, RoundCosts
 from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
 from mlx_engine.speculative.router import AutoRouter, RouterSettings
 from mlx_engine.speculative.speedup import AcceptanceModel, best_draft_length, expected_tokens
 
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, markov_kit
+from helpers import assert_same_or_near_tie, generate_ids, markov_kit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -226,18 +225,17 @@ def test_router_probe_of_a_short_fresh_prompt_drafts_nothing_and_ends_plain(llam
 
 
 def test_router_prefilter_keeps_short_prompts_plain_when_set():
-    stats = GenerationStats()
     settings = RouterSettings(min_prompt_tokens=256, min_density=0.02)
-    router = AutoRouter(list(range(40)) * 2, flat_costs(1.5), stats, PromptLookupDrafter(8), settings=settings)
-    assert router.mode == "plain" and "too short" in stats.mode_reason
-    assert AutoRouter(list(range(40)) * 2, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8)).mode == "probe"
+    router = AutoRouter(list(range(40)) * 2, flat_costs(1.5), PromptLookupDrafter(8), settings=settings)
+    assert router.mode == "plain" and "too short" in router.mode_reason
+    assert AutoRouter(list(range(40)) * 2, flat_costs(1.5), PromptLookupDrafter(8)).mode == "probe"
 
 
 def test_router_probe_draft_grows_while_accepted_whole():
     copied = list(range(50))
     # A copy whose context differs from the original's: a 3-token match, 60% on the traces.
     history = list(range(100, 150)) + [7] + copied + [8] + copied[:3]
-    router = AutoRouter(history, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32))
+    router = AutoRouter(history, flat_costs(1.5), PromptLookupDrafter(32))
     lengths, at = [], 3
     while router.mode == "probe":
         drafts = router.propose(history, 64)
@@ -256,7 +254,7 @@ def test_router_probe_draft_grows_while_accepted_whole():
 def test_router_probe_drafts_a_strong_match_long_at_once():
     """A match agreeing 16 tokens or more (96% accepted on the traces) is drafted
     at the length that pays for it from the first probe round."""
-    router = AutoRouter(list(range(50)) * 8, flat_costs(1.5), GenerationStats(), PromptLookupDrafter(32))
+    router = AutoRouter(list(range(50)) * 8, flat_costs(1.5), PromptLookupDrafter(32))
     history = list(range(50)) * 8
     drafts = router.propose(history, 64)
     assert len(drafts) > RouterSettings().probe_draft_tokens
@@ -264,14 +262,13 @@ def test_router_probe_drafts_a_strong_match_long_at_once():
 
 
 def test_router_leaves_lookup_when_it_stops_paying():
-    stats = GenerationStats()
     prompt = list(range(50)) * 8
-    router = AutoRouter(prompt, flat_costs(2.0), stats, PromptLookupDrafter(8))
+    router = AutoRouter(prompt, flat_costs(2.0), PromptLookupDrafter(8))
     assert router.mode == "probe"
     for _ in range(4):
         router.observe(4, 0)  # four consecutive misses end the probe
     assert router.mode == "plain"
-    assert "probe acceptance 0%" in stats.mode_switches[-1]
+    assert "probe acceptance 0%" in router.mode_switches[-1]
 
 
 def test_auto_with_a_draft_model_is_exact(llama_path, draft_path):
@@ -376,7 +373,7 @@ def test_a_bad_cost_record_is_measured_again_and_replaced(llama_path, tmp_path, 
 
 
 def test_cost_records_of_invalid_values_or_other_keys_are_misses(tmp_path, monkeypatch):
-    from mlx_engine.model_kit import costs_from_record
+    from mlx_engine.kits.text import costs_from_record
     from mlx_engine.speculative import cost_store, costs
 
     monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
@@ -453,10 +450,9 @@ class _StubDraft:
 
 @pytest.mark.parametrize("repeating", [True, False])
 def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(repeating):
-    stats = GenerationStats()
     history = list(range(1000, 1100))
     # The pre-filter skips the probe: the router starts in the draft model's mode.
-    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft(), settings=NO_PROBE)
+    router = AutoRouter(history, flat_costs(1.5), PromptLookupDrafter(8), _StubDraft(), settings=NO_PROBE)
     assert router.mode == "draft_model"
     for i in range(60):
         router.propose(history, 8)
@@ -464,19 +460,18 @@ def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(r
         history.append(2000 + i % 7 if repeating else 3000 + i)
     if repeating:
         assert router.mode == "prompt_lookup"
-        assert "shadow drafts" in stats.mode_switches[-1]
+        assert "shadow drafts" in router.mode_switches[-1]
     else:
         # Rejected drafts do not send it to plain decoding, from which only prompt
         # lookup could be reached: the drafter pauses and explores by itself.
-        assert router.mode == "draft_model" and not stats.mode_switches
+        assert router.mode == "draft_model" and not router.mode_switches
 
 
 def test_router_with_a_draft_model_probes_lookup_and_gives_the_draft_the_rounds_lookup_cannot_draft():
     prompt = list(range(50)) * 8
-    stats = GenerationStats()
     draft = _StubDraft()
-    router = AutoRouter(prompt, flat_costs(1.5), stats, PromptLookupDrafter(8), draft)
-    assert router.mode == "probe" and "the draft model drafts the rounds lookup has nothing for" in stats.mode_reason
+    router = AutoRouter(prompt, flat_costs(1.5), PromptLookupDrafter(8), draft)
+    assert router.mode == "probe" and "the draft model drafts the rounds lookup has nothing for" in router.mode_reason
     history = prompt + [700, 701]  # fresh tokens: lookup has nothing to draft
     assert router.propose(history, 8) == [0]  # the draft model's round
     router.observe(1, 0)
@@ -489,9 +484,8 @@ def test_router_with_a_draft_model_probes_lookup_and_gives_the_draft_the_rounds_
 
 
 def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadows_promised():
-    stats = GenerationStats()
     history = list(range(1000, 1100))
-    router = AutoRouter(history, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft(), settings=NO_PROBE)
+    router = AutoRouter(history, flat_costs(1.5), PromptLookupDrafter(8), _StubDraft(), settings=NO_PROBE)
 
     def run(rounds: int, drafted_accepted) -> None:
         for _ in range(rounds):
@@ -505,11 +499,11 @@ def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadow
 
     start_mode = "draft_model"
     run(60, lambda n: (2, 2))  # the draft model pays, and shadow lookup would pay more
-    assert router.mode == "prompt_lookup" and "shadow drafts" in stats.mode_switches[-1]
+    assert router.mode == "prompt_lookup" and "shadow drafts" in router.mode_switches[-1]
     start_mode = "prompt_lookup"
     run(60, lambda n: (n, 2))  # but lookup's own rounds stop at the third draft
     assert router.mode == "draft_model"
-    assert "no more switches to lookup" in stats.mode_switches[-1]
+    assert "no more switches to lookup" in router.mode_switches[-1]
     run(60, lambda n: (2, 2))  # the shadow keeps promising, but is not followed again
     assert router.mode == "draft_model"
 
@@ -530,7 +524,7 @@ def test_lookup_memory_keeps_output_exact(kit):
     first conversation and the output stays plain greedy output."""
     import mlx_engine as me
 
-    from conftest import generate_ids
+    from helpers import generate_ids
 
     question = me.tokenize(kit, "def add(a, b):\n")
     plain, _ = generate_ids(
@@ -552,7 +546,6 @@ def test_router_shadow_drafts_use_lookup_memory():
     router = AutoRouter(
         [50, 51],
         flat_costs(1.5),
-        GenerationStats(),
         PromptLookupDrafter(8, memory=memory),
         settings=RouterSettings(min_prompt_tokens=256),
     )
@@ -565,7 +558,7 @@ def test_router_probe_drafts_from_lookup_memory():
     """A short prompt is probed, and the probe drafts from lookup memory when the
     request's own history has nothing to copy."""
     memory = [[50, 51, 52, 53, 54, 55, 56, 57, 58]]
-    router = AutoRouter([50, 51], flat_costs(1.5), GenerationStats(), PromptLookupDrafter(8, memory=memory))
+    router = AutoRouter([50, 51], flat_costs(1.5), PromptLookupDrafter(8, memory=memory))
     assert router.mode == "probe"
     drafts = router.propose([50, 51, 52], 8)  # the probe's first draft: 4 tokens, or what the match pays for
     assert len(drafts) >= 4 and drafts == list(range(53, 53 + len(drafts)))
@@ -603,9 +596,8 @@ def test_router_without_a_draft_switches_to_lookup_within_a_few_rounds_of_copyin
     the shadows' full length."""
     passage = list(range(500, 540))
     history = list(range(1000, 1100)) + passage  # a short prompt, plain under a pre-filter
-    stats = GenerationStats()
     router = AutoRouter(
-        history, flat_costs(1.5), stats, PromptLookupDrafter(32), settings=RouterSettings(min_prompt_tokens=256)
+        history, flat_costs(1.5), PromptLookupDrafter(32), settings=RouterSettings(min_prompt_tokens=256)
     )
     assert router.mode == "plain"
     history += passage[:3]  # the answer starts copying the passage
@@ -623,7 +615,7 @@ def test_router_without_a_draft_switches_to_lookup_within_a_few_rounds_of_copyin
 
 def test_router_lookup_length_shrinks_after_a_rejection():
     history = list(range(50)) * 8
-    router = AutoRouter(history, flat_costs(1.2), GenerationStats(), PromptLookupDrafter(32))
+    router = AutoRouter(history, flat_costs(1.2), PromptLookupDrafter(32))
     router._enter("prompt_lookup", "test")
     for _ in range(3):
         router.propose(history, 32)
@@ -662,7 +654,6 @@ def test_router_plain_rounds_are_queued_ahead_and_still_make_shadow_drafts():
     router = AutoRouter(
         history,
         flat_costs(1.5),
-        GenerationStats(),
         PromptLookupDrafter(32),
         settings=RouterSettings(min_prompt_tokens=256),
     )
@@ -686,8 +677,7 @@ def test_auto_with_plain_rounds_queued_ahead_is_exact(kit):
 
 def test_router_probe_that_misses_ends_in_the_draft_model():
     prompt = list(range(50)) * 8
-    stats = GenerationStats()
-    router = AutoRouter(prompt, flat_costs(1.5), stats, PromptLookupDrafter(8), _StubDraft())
+    router = AutoRouter(prompt, flat_costs(1.5), PromptLookupDrafter(8), _StubDraft())
     assert router.mode == "probe"
     for _ in range(4):
         router.propose(prompt, 8)
@@ -715,7 +705,7 @@ def test_router_skips_weak_lookup_matches_where_they_do_not_pay_and_drafts_stron
     # A 50-token cycle that lookup copies; then a token seen once before, alone.
     cycle = list(range(50))
     history = cycle * 4 + [300, 7]
-    router = AutoRouter(cycle * 4, cpu_costs(), GenerationStats(), PromptLookupDrafter(32))
+    router = AutoRouter(cycle * 4, cpu_costs(), PromptLookupDrafter(32))
     router._enter("prompt_lookup", "test")
     router.lookup_acceptance = router.shadow  # good evidence: strong matches draft long
     for _ in range(3):
@@ -724,7 +714,7 @@ def test_router_skips_weak_lookup_matches_where_they_do_not_pay_and_drafts_stron
     router.observe(0, 0)
     assert len(router.propose(cycle * 5, 32)) > 8  # a copied passage: strong
     # Where verifying more tokens costs almost nothing, the same weak match drafts.
-    cheap = AutoRouter(cycle * 4, flat_costs(1.01), GenerationStats(), PromptLookupDrafter(32))
+    cheap = AutoRouter(cycle * 4, flat_costs(1.01), PromptLookupDrafter(32))
     cheap._enter("prompt_lookup", "test")
     assert cheap.propose(history, 32)[:1] == [8]
     cheap.observe(cheap.lookup_k, 0)
@@ -733,7 +723,7 @@ def test_router_skips_weak_lookup_matches_where_they_do_not_pay_and_drafts_stron
 
 def test_router_scores_weak_shadow_drafts_in_the_weak_record():
     cycle = list(range(40))
-    router = AutoRouter([], cpu_costs(), GenerationStats(), PromptLookupDrafter(16))
+    router = AutoRouter([], cpu_costs(), PromptLookupDrafter(16))
     router._enter("plain", "test")
     history = cycle + [300, 7]  # [7] matches alone: a weak shadow
     router.propose(history, 16)
@@ -746,11 +736,11 @@ def test_router_scores_weak_shadow_drafts_in_the_weak_record():
 def test_router_probe_skips_a_weak_match_that_does_not_pay():
     cycle = list(range(50))
     history = cycle * 4 + [300, 7]  # [7] matched alone
-    router = AutoRouter(cycle * 4, cpu_costs(), GenerationStats(), PromptLookupDrafter(32))
+    router = AutoRouter(cycle * 4, cpu_costs(), PromptLookupDrafter(32))
     assert router.mode == "probe"
     assert router.propose(history, 32) == []
-    strong = AutoRouter(cycle * 4, cpu_costs(), GenerationStats(), PromptLookupDrafter(32))
+    strong = AutoRouter(cycle * 4, cpu_costs(), PromptLookupDrafter(32))
     drafts = strong.propose(cycle * 5, 32)  # a copied passage: drafted long at once
     assert len(drafts) > 4 and drafts == cycle[: len(drafts)]
-    cheap = AutoRouter(cycle * 4, flat_costs(1.01), GenerationStats(), PromptLookupDrafter(32))
+    cheap = AutoRouter(cycle * 4, flat_costs(1.01), PromptLookupDrafter(32))
     assert cheap.propose(history, 32)[:4] == [8, 9, 10, 11]  # verifying is nearly free: the weak match is probed

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids
+from helpers import assert_same_or_near_tie, generate_ids
 
 pytestmark = pytest.mark.soak
 FULL = os.environ.get("MLX_ENGINE_SOAK") == "1"
@@ -100,6 +100,7 @@ def cancel_once(kit, prompt, mode_kwargs, route, point, rng) -> None:
         del gen  # dropping an open iterator closes it on the kit's thread
 
 
+@pytest.mark.slow
 def test_cancellations_at_random_points_leave_output_equal_to_a_fresh_kit(llama_path, draft_path):
     kit = me.load_model(llama_path)
     me.load_draft_model(kit, draft_path)
@@ -114,7 +115,7 @@ def test_cancellations_at_random_points_leave_output_equal_to_a_fresh_kit(llama_
         which = rng.randrange(len(prompts))
         point = rng.randrange(4) if route in ("progress_false", "callback_interrupt") else rng.randrange(12)
         cancel_once(kit, prompts[which], MODES[mode], route, point, rng)
-        assert not kit.worker.call(lambda: kit._activity.active)  # after any close queued by a dropped iterator
+        assert not kit.worker.call(lambda: kit.activity.active)  # after any close queued by a dropped iterator
         ids, final = generate_ids(kit, prompts[which], max_tokens=12, **MODES[mode])
         assert len(ids) == 12 and final.stop_condition.stop_reason == "token_limit"
         assert_same_or_near_tie(fresh, prompts[which], refs[which], ids)
@@ -145,6 +146,7 @@ def test_cancellations_on_a_vision_kit(tmp_path_factory):
 
 
 # -- memory and speed over many generations -------------------------------------
+@pytest.mark.slow
 def test_memory_is_flat_over_many_generations_and_draft_cycles(llama_path, draft_path):
     """Deterministic modes only (plain, fixed-length draft, prompt lookup), so that
     runs of the same kind have the same shape and any growth is a leak; the
@@ -229,6 +231,7 @@ def test_host_threads_share_a_kit_in_every_mode(llama_path, draft_path):
     )
 
 
+@pytest.mark.slow
 def test_process_exit_after_threaded_work_never_aborts(tmp_path_factory, llama_path):
     from test_threads import run_exit_script
 
@@ -373,6 +376,7 @@ class ChatUser:
         self.messages.append({"role": "assistant", "content": "".join(text)})
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no finalizer may fail
 def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
     """4-8 users hold multi-turn chats sharing a system prompt on one kit
@@ -486,8 +490,8 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
 
 # -- property-based fuzzing -----------------------------------------------------
 
+from mlx_engine.request.stop_strings import StopStringMatcher  # noqa: E402
 from mlx_engine.speculative.prompt_lookup import NGramIndex  # noqa: E402
-from mlx_engine.stop_strings import StopStringMatcher  # noqa: E402
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -562,6 +566,7 @@ def fuzz_kit(llama_path, draft_path):
     return kit
 
 
+@pytest.mark.slow
 @FUZZ_SETTINGS
 @given(
     prompt=st.one_of(st.lists(st.integers(0, 400), min_size=1, max_size=24), JUNK),
@@ -584,7 +589,7 @@ def test_fuzz_every_create_generator_argument(fuzz_kit, prompt, kwargs):
         pass
     finally:
         gen.close()
-    assert not fuzz_kit._activity.active and not fuzz_kit._activity.known
+    assert not fuzz_kit.activity.active and not fuzz_kit.activity.known
 
 
 @CHEAP_SETTINGS
@@ -701,7 +706,7 @@ def _png_claiming(width: int, height: int) -> bytes:
 def test_fuzz_image_bytes(fmt, w, h, cut, flips, bomb):
     """Truncated, corrupted, zero-size and bomb images end in a ValueError naming
     images_b64[0], or decode to an image within the pixel limit."""
-    from mlx_engine.images import decode_images
+    from mlx_engine.kits.images import decode_images
 
     import base64
 

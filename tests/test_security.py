@@ -66,6 +66,7 @@ def load_with_stdin(model: Path, trust: bool, tmp_path: Path) -> tuple[str, bool
     return out.stdout, marker.exists()
 
 
+@pytest.mark.slow
 def test_tokenizer_code_needs_trust_remote_code(remote_code_model, tmp_path):
     stdout, ran = load_with_stdin(remote_code_model, False, tmp_path)
     assert not ran, "code from the model folder ran without trust_remote_code"
@@ -74,6 +75,7 @@ def test_tokenizer_code_needs_trust_remote_code(remote_code_model, tmp_path):
     assert ran and "loaded CustomTokenizer" in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["/dev/zero", "fifo", "directory", "dangling"])
 def test_model_files_that_are_not_regular_files_are_refused(tmp_path, llama_path, target):
     """A tokenizer.json linked to /dev/zero or a FIFO would be read forever (memory
@@ -131,7 +133,7 @@ def _with_template(src, dst, template: str):
 
 @pytest.mark.parametrize("name", HOSTILE_TEMPLATES)
 def test_hostile_chat_templates_fail_with_a_named_limit(tmp_path, llama_path, name, monkeypatch):
-    from mlx_engine import chat_template
+    from mlx_engine.loading import chat_template
 
     monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)  # keeps the looping ones short
     kit = me.load_model(_with_template(llama_path, tmp_path / "m", HOSTILE_TEMPLATES[name]), vocab_only=True)

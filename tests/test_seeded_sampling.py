@@ -3,12 +3,12 @@ text in every decoding mode, and the sampler is an exact categorical sample with
 mlx-lm's filtering."""
 
 import mlx_engine as me
-from mlx_engine.model_kit import DraftModel
-from mlx_engine.sampling import SamplingParams, build_sampler, draw_seed, position_keys, sampling_filters
+from mlx_engine.kits.text import DraftModel
+from mlx_engine.request.sampling import SamplingParams, build_sampler, draw_seed, position_keys, sampling_filters
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, markov_kit
+from helpers import generate_ids, markov_kit
 from mlx_lm.sample_utils import make_sampler
 
 from fixtures.tiny_models import MarkovLM, successor_table
@@ -116,7 +116,7 @@ def _markov_with_draft(llama_path):
     kit = markov_kit(llama_path, successor_table(me.load_model(llama_path, vocab_only=True).vocab_size, 6.0))
     draft_model = MarkovLM(successor_table(kit.vocab_size, sharpness=12.0, seed=5))
     mx.eval(draft_model.parameters())
-    kit.draft = DraftModel(None, draft_model, kit.new_cache(draft_model), 1)
+    kit.set_draft(DraftModel(None, draft_model, kit.new_cache(draft_model), 1))
     return kit
 
 

@@ -24,7 +24,7 @@ import jsonschema
 import openai
 import pytest
 import uvicorn
-from conftest import requires_default_model
+from helpers import requires_default_model
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -304,6 +304,7 @@ def test_tool_calls_whole_streamed_and_per_choice(client):
     assert calls[0][1:] == (first.function.name, json.loads(first.function.arguments))
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_tool_call_round_trip_on_the_default_model(smollm):
     """A required call validates, a named one calls that tool, and the next request
@@ -698,6 +699,7 @@ def test_paths_are_refused_without_models_dir(tkit):
 
 
 # -- stopping --------------------------------------------------------------------------------
+@pytest.mark.slow
 @requires_default_model
 def test_sigterm_under_load_cancels_and_exits_0():
     port = free_port()

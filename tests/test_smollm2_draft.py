@@ -2,7 +2,7 @@
 the script that trains it (training/train_smollm2_draft.py)."""
 
 import mlx_engine as me
-from mlx_engine import catalog
+from mlx_engine.loading import catalog
 
 import argparse
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_same_or_near_tie, generate_ids, requires_default_model
+from helpers import assert_same_or_near_tie, generate_ids, requires_default_model
 
 import demo
 
@@ -21,12 +21,12 @@ requires_draft = pytest.mark.skipif(not (DRAFT_DIR / "model.safetensors").exists
 
 
 @requires_draft
-def test_draft_is_a_small_float16_catalog_model():
+def test_draft_is_a_small_quantized_catalog_model():
     assert catalog.lookup("smollm2-135m-draft") == DRAFT_DIR
     assert catalog.draft_for(me.DEFAULT_MODEL) == "smollm2-135m-draft"
     cfg = json.loads((DRAFT_DIR / "config.json").read_text())
-    assert cfg["torch_dtype"] == "float16" and cfg["vocab_size"] == 49152
-    assert (DRAFT_DIR / "model.safetensors").stat().st_size <= 25 * 2**20
+    assert cfg["quantization"]["bits"] == 4 and cfg["vocab_size"] == 49152
+    assert (DRAFT_DIR / "model.safetensors").stat().st_size <= 8 * 2**20
     assert (DRAFT_DIR / "README.md").exists() and (DRAFT_DIR / "eval.json").exists()
 
 
@@ -61,6 +61,7 @@ def test_demo_draft_flag_picks_the_catalog_draft():
         demo.parse_args(["--draft", "--draft-model", "d"])
 
 
+@pytest.mark.training
 def test_training_batches_score_answers_and_copy_windows():
     from training.train_smollm2_draft import make_batch, pca_embedding
 

@@ -15,6 +15,8 @@ import pytest
 
 from training import train_smollm2_early_draft as early
 
+pytestmark = pytest.mark.training  # training/'s early-exit draft recipe, not the engine
+
 
 @pytest.fixture(scope="module")
 def tiny(llama_path):

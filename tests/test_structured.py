@@ -10,7 +10,7 @@ import json
 import jsonschema
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, requires_default_model, run_alone
+from helpers import generate_ids, loop_stats, requires_default_model, run_alone
 
 from fixtures.tiny_vlm import image_b64, make_qwen2_vl
 
@@ -19,8 +19,7 @@ def decode(*args, **kwargs):
     return run_alone(_decode(*args, **kwargs))
 
 
-from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
+from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.structured import GrammarConstraint, compile_constraint
 
 SMALL_SCHEMA = {
@@ -116,13 +115,12 @@ def test_forbidden_drafts_are_cut_before_the_verify_pass(kit):
         kit.cache.reset()
         kit.cache.sync_to(prompt[:-1])
         kit.cache.prefill(prompt[:-1])
-        stats = GenerationStats()
         constraint = GrammarConstraint(kit, grammar, draft_forced=False)
-        steps = decode(
-            kit.cache, list(prompt), 12, build_sampler(SamplingParams()), [], 20, drafter, stats, constraint=constraint
+        steps = list(
+            decode(kit.cache, list(prompt), 12, build_sampler(SamplingParams()), [], 20, drafter, constraint=constraint)
         )
         outputs.append([s.token for s in steps])
-        assert stats.drafted_tokens == 0
+        assert loop_stats(steps).drafted_tokens == 0
     assert outputs[0] == outputs[1]
     assert kit.tokenizer.decode(outputs[0]).isdigit()
 
@@ -165,7 +163,11 @@ def test_stop_string_inside_constrained_output(kit):
             {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
             "json_schema cannot be used.*too complex",
         ),
-        ({"grammar": "start: " + " ".join(f'"t{i}"' for i in range(70000))}, "grammar cannot be used.*too large"),
+        pytest.param(
+            {"grammar": "start: " + " ".join(f'"t{i}"' for i in range(70000))},
+            "grammar cannot be used.*too large",
+            marks=pytest.mark.slow,
+        ),
         ({"structured_drafting": "yes", "regex": "a"}, "structured_drafting"),
     ],
 )
@@ -215,6 +217,7 @@ PERSON = {
 }
 
 
+@pytest.mark.slow
 @requires_default_model
 @pytest.mark.parametrize("mode", [{}, {"prompt_lookup_num_tokens": 8}])
 def test_smollm2_writes_schema_valid_json(smollm, mode):
@@ -225,6 +228,7 @@ def test_smollm2_writes_schema_valid_json(smollm, mode):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_smollm2_regex(smollm):
     prompt = me.apply_chat_template(smollm, [{"role": "user", "content": "Give me a US phone number."}])

@@ -4,7 +4,7 @@ import mlx_engine as me
 from mlx_engine.speculative.suffix import SuffixDrafter, SuffixMemory
 
 import pytest
-from conftest import generate_ids, markov_kit
+from helpers import generate_ids, markov_kit
 
 
 def test_longest_match_wins_over_a_shorter_one():

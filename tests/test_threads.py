@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids
+from helpers import generate_ids
 
 from fixtures.tiny_models import make_model
 
@@ -185,6 +185,7 @@ def run_exit_script(model: Path, requests: int) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_process_exit_after_threaded_work_does_not_abort(half_path):
     """MLX's per-thread compile cache is torn down at thread exit and takes the GIL;
     on a host thread racing interpreter exit that aborted the process (exit 134).
@@ -197,7 +198,7 @@ def test_process_exit_after_threaded_work_does_not_abort(half_path):
 def test_an_interrupted_wait_does_not_lose_the_step():
     """A KeyboardInterrupt while the host waits for a step (Ctrl-C) leaves the
     step running; the next next() returns its result, none is lost."""
-    from mlx_engine import streams, worker
+    from mlx_engine.runtime import streams, worker
 
     import _thread
     import signal
@@ -252,7 +253,7 @@ def test_ctrl_c_while_waiting_for_results_loses_none(llama_path, max_parallel):
         f = frame
         while f is not None:  # only inside next() or create_generator: the test's own code is not interrupted
             if f.f_code.co_name in ("__next__", "create_generator") and f.f_code.co_filename.endswith(
-                ("scheduler.py", "worker.py", "generate.py")
+                ("scheduler.py", "worker.py", "api.py")
             ):
                 inside[0] += 1
                 raise KeyboardInterrupt
@@ -295,7 +296,7 @@ def test_ctrl_c_while_waiting_for_results_loses_none(llama_path, max_parallel):
     assert caught == inside[0] > 0
     assert got == want
     gc.collect()
-    assert not kit._activity.known  # interrupted starts left no open generation behind
+    assert not kit.activity.known  # interrupted starts left no open generation behind
 
 
 @pytest.mark.parametrize("max_parallel", [1, 4])
@@ -347,6 +348,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_parallel", [1, 4])
 def test_process_exit_with_daemon_threads_iterating_is_quiet(llama_path, max_parallel):
     """At exit a daemon thread still iterating a generation sees its end; no

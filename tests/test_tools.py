@@ -12,7 +12,7 @@ import shutil
 
 import jsonschema
 import pytest
-from conftest import generate_ids, requires_default_model
+from helpers import generate_ids, requires_default_model
 
 WEATHER = {
     "type": "function",
@@ -338,6 +338,7 @@ def weather_prompt(kit, question="What is the weather in Paris?"):
     return me.apply_chat_template(kit, [{"role": "user", "content": question}], tools=TOOLS)
 
 
+@pytest.mark.slow
 @requires_default_model
 @pytest.mark.parametrize(
     "choice, question",
@@ -369,6 +370,7 @@ def test_calls_are_valid_and_the_same_in_every_mode(smollm, choice, question):
     assert runs["plain"][-1].stats.grammar_accepted_tokens > 5  # markup and keys drafted for free
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_auto_lets_a_plain_answer_through_untouched(smollm):
     prompt = weather_prompt(smollm, "Compute 23 * 19.")
@@ -400,6 +402,7 @@ def test_without_the_grammar_a_malformed_call_is_text(smollm):
     assert not any(r.tool_calls or r.tool_call_deltas for r in results)
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_cancelling_in_the_middle_of_a_call(smollm):
     prompt = weather_prompt(smollm, "Compute 23 * 19.")
@@ -423,6 +426,7 @@ def test_cancelling_in_the_middle_of_a_call(smollm):
     assert len([c for r in again for c in r.tool_calls]) == 1  # the kit goes on
 
 
+@pytest.mark.slow
 @requires_default_model
 def test_tool_calls_inside_the_batch(smollm):
     tool_prompt, text_prompt = weather_prompt(smollm, "Compute 23 * 19."), me.tokenize(smollm, "Once upon a time")
@@ -513,7 +517,7 @@ def test_auto_opens_a_call_mid_answer_in_every_mode(tmp_path):
     released, and from the opening on the grammar holds, identically in every
     decoding mode."""
     import mlx.core as mx
-    from conftest import markov_kit
+    from helpers import markov_kit
 
     from fixtures.tiny_models import make_model, successor_table
 

@@ -2,18 +2,17 @@
 verify loop, stop-string matching, decoding plans and request bookkeeping."""
 
 import mlx_engine as me
-from mlx_engine.cache import UNKNOWN, CacheOptions, SequenceCache, common_prefix_length
-from mlx_engine.plan import DecodingPlan, choose_plan
-from mlx_engine.results import GenerationStats
-from mlx_engine.sampling import SamplingParams, build_sampler
+from mlx_engine.caches.sequence import UNKNOWN, CacheOptions, SequenceCache, common_prefix_length
+from mlx_engine.request.plan import DecodingPlan, choose_plan
+from mlx_engine.request.sampling import SamplingParams, build_sampler
+from mlx_engine.request.stop_strings import StopStringMatcher
 from mlx_engine.speculative.loop import decode
-from mlx_engine.stop_strings import StopStringMatcher
 
 import gc
 
 import mlx.core as mx
 import pytest
-from conftest import generate_ids, run_alone
+from helpers import generate_ids, loop_stats, run_alone
 
 from fixtures.tiny_models import MarkovLM, successor_table
 
@@ -111,8 +110,8 @@ class ScriptedDrafter:
 
 def run_loop(drafter, n=30, prompt=(3,)):
     cache = SequenceCache(markov())
-    stats = GenerationStats()
-    steps = list(run_alone(decode(cache, list(prompt), n, build_sampler(SamplingParams()), [], 20, drafter, stats)))
+    steps = list(run_alone(decode(cache, list(prompt), n, build_sampler(SamplingParams()), [], 20, drafter)))
+    stats = loop_stats(steps)
     return [s.token for s in steps], [s.from_draft for s in steps], stats, cache
 
 
@@ -210,10 +209,10 @@ def test_unstarted_generator_does_not_leak_its_request_id(kit):
     del gen
     gc.collect()
     assert not me.stop_generation(kit, "r1")
-    assert "r1" not in kit._activity.known
+    assert "r1" not in kit.activity.known
     gen = me.create_generator(kit, prompt, max_tokens=2, request_id="r1")  # the id is free again
     gen.close()
-    assert "r1" not in kit._activity.known
+    assert "r1" not in kit.activity.known
     assert len(generate_ids(kit, prompt, max_tokens=2, request_id="r1")[0]) == 2
 
 
@@ -221,7 +220,7 @@ def test_create_generator_options_are_declared_once_and_unknown_names_are_refuse
     """The keyword arguments come from GenerationOptions (signature included);
     an unknown one is a ValueError naming it, raised before anything runs."""
     import mlx_engine as me
-    from mlx_engine.request import GenerationOptions
+    from mlx_engine.request.validate import GenerationOptions
 
     import dataclasses
     import inspect

@@ -6,7 +6,7 @@ without a cache): every greedy token the engine produces must be the
 reference's argmax at that position, up to near-ties."""
 
 import mlx_engine as me
-from mlx_engine.images import decode_images
+from mlx_engine.kits.images import decode_images
 
 import base64
 import struct
@@ -14,7 +14,7 @@ import zlib
 
 import mlx.core as mx
 import pytest
-from conftest import NEAR_TIE_TOLERANCE, first_divergence, generate_ids
+from helpers import NEAR_TIE_TOLERANCE, first_divergence, generate_ids
 
 from fixtures.tiny_vlm import image_b64, make_gemma3, make_llava, make_qwen2_vl, make_text_draft
 
@@ -254,7 +254,7 @@ def test_bad_images_are_refused_before_model_work(qwen_vl_path, images, match):
     prompt = user(kit, "What colour is this?")
     with pytest.raises(ValueError, match=match):
         me.create_generator(kit, prompt, images_b64=images)
-    assert kit.cache.tokens == [] and not kit._activity.active
+    assert kit.cache.tokens == [] and not kit.activity.active
     ids, final = run(kit, prompt, [RED], max_tokens=3)
     assert final.stats.generated_tokens == 3 or final.stop_condition.stop_reason == "eos_token"
 
@@ -356,7 +356,7 @@ def test_cancellation_then_correct_generation(qwen_vl_path):
     next(gen)
     next(gen)
     gen.close()
-    assert not kit._activity.active
+    assert not kit.activity.active
     rid = "vision-cancel"
     results = []
     for r in me.create_generator(kit, prompt, images_b64=[BLUE], max_tokens=20, request_id=rid):
@@ -451,6 +451,7 @@ def test_unrewindable_cache_falls_back_with_reason(gemma_small_window_path):
 
 
 # -- demo -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_demo_with_images(qwen_vl_path, tmp_path):
     import subprocess
     import sys

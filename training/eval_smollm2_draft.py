@@ -22,7 +22,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from .corpus import HELDOUT_FILES, stdlib_root  # noqa: E402
-from .smollm2_prompts import chat_prompts  # noqa: E402
+from .smollm2_prompts import HELDOUT_EVERY, chat_prompts  # noqa: E402
 
 logger = logging.getLogger("eval_smollm2_draft")
 
@@ -35,8 +35,6 @@ def argmax_all(model, tokens: list[int]) -> list[int]:
 def chat_agreement(kit: me.ModelKit, draft, n_prompts: int, max_new: int) -> dict:
     """Draft agreement on the target's greedy answers to held-out prompts."""
     from mlx_lm.generate import batch_generate
-
-    from .train_smollm2_draft import HELDOUT_EVERY
 
     prompts = [
         me.apply_chat_template(kit, [{"role": "user", "content": t}])

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from .corpus import HELDOUT_FILES, _all_files, stdlib_root
 
+HELDOUT_EVERY = 25  # prompt i with i % 25 == 0 is held out for evaluation
+
 TOPICS = (
     "a lighthouse keeper",
     "a lost cat",

@@ -37,11 +37,11 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 
-from .smollm2_prompts import chat_prompts  # noqa: E402
+from .eval_smollm2_draft import evaluate  # noqa: E402
+from .smollm2_prompts import HELDOUT_EVERY, chat_prompts  # noqa: E402
 
 logger = logging.getLogger("train_smollm2_draft")
 TARGET = "smollm2-135m-instruct"
-HELDOUT_EVERY = 25  # prompt i with i % 25 == 0 is held out for evaluation
 DRAFT_CONFIG = {
     "model_type": "llama",
     "architectures": ["LlamaForCausalLM"],
@@ -336,8 +336,6 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "train":
         train(args)
     else:
-        from .eval_smollm2_draft import evaluate
-
         evaluate(args)
     return 0
 

@@ -40,6 +40,10 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 
+from .eval_smollm2_draft import argmax_all, step_costs  # noqa: E402
+from .smollm2_prompts import HELDOUT_EVERY, chat_prompts  # noqa: E402
+from .train_smollm2_draft import answer_batch  # noqa: E402
+
 logger = logging.getLogger("train_smollm2_early_draft")
 TARGET = "smollm2-135m-instruct"
 
@@ -117,8 +121,6 @@ def generate(args: argparse.Namespace) -> None:
     """The target's greedy answers to every ``--every``-th training prompt (the
     held-out ones skipped), in small shards, in the format of
     ``train_smollm2_draft generate`` (which answers every prompt, in large calls)."""
-    from .smollm2_prompts import chat_prompts
-    from .train_smollm2_draft import HELDOUT_EVERY, answer_batch
 
     data = args.work / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -311,9 +313,6 @@ def heldout_answers(kit: me.ModelKit, args: argparse.Namespace) -> list[tuple[li
     several drafts are measured on one generation."""
     from mlx_lm.generate import batch_generate
 
-    from .smollm2_prompts import chat_prompts
-    from .train_smollm2_draft import HELDOUT_EVERY
-
     path = args.work / f"heldout-{args.eval_prompts}-{args.max_new}.json"
     if path.exists():
         return [tuple(x) for x in json.loads(path.read_text())]
@@ -339,7 +338,6 @@ def heldout_answers(kit: me.ModelKit, args: argparse.Namespace) -> list[tuple[li
 def agreement(draft: nn.Module, pairs: list[tuple[list[int], list[int]]]) -> dict:
     """Share of answer tokens where the draft's argmax is the target's greedy
     token, and the share inside the draft's output subset (its ceiling)."""
-    from .eval_smollm2_draft import argmax_all
 
     hits = inside = total = 0
     ids = set(np.array(draft.token_ids).tolist()) if hasattr(draft, "token_ids") else None
@@ -359,7 +357,6 @@ def agreement(draft: nn.Module, pairs: list[tuple[list[int], list[int]]]) -> dic
 def evaluate(args: argparse.Namespace) -> dict:
     """Agreement on held-out chat answers and step cost, as the shipped draft's
     eval, plus the costs the engine measures and the speed-up they predict."""
-    from .eval_smollm2_draft import step_costs
 
     kit = me.load_model(args.target)
     draft = load(kit, args.out)

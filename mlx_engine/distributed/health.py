@@ -10,9 +10,9 @@ import logging
 import threading
 from typing import Any, Callable
 
-from .. import worker
 from ..errors import ShardedKitError
-from ..request import WhenIdle
+from ..request.validate import WhenIdle
+from ..runtime import worker
 from .control import break_ring_sockets
 
 logger = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-from .. import worker
-from ..model_kit import ModelKit
+from ..kits.text import ModelKit
+from ..runtime import worker
 from .control import ControlServer
 from .health import Health
 from .protocol import MirroredModel, PassCounter

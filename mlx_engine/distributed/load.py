@@ -13,10 +13,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from .. import loading
-from ..cache import CacheOptions
+from ..caches.sequence import CacheOptions
 from ..errors import DistributedConfigError, ShardedKitError
-from ..model_kit import KitOptions
+from ..kits.text import KitOptions
+from ..loading import model as loading
 from . import sharding
 from .connect import open_control
 from .follower import Follower

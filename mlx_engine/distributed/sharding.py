@@ -19,8 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import loading
 from ..errors import DistributedConfigError
+from ..loading import model as loading
 
 logger = logging.getLogger(__name__)
 

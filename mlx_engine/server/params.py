@@ -10,7 +10,7 @@ back from ``create_generator`` as ``ValueError`` and is mapped the same way.
 from __future__ import annotations
 
 import mlx_engine as me
-from mlx_engine.request import DEFAULT_MAX_TOKENS
+from mlx_engine.request.validate import DEFAULT_MAX_TOKENS
 from mlx_engine.tools import tool_format, validate_tool_request
 
 from dataclasses import dataclass

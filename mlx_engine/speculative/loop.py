@@ -15,19 +15,36 @@ from typing import Callable, Generator, NamedTuple, Protocol
 
 import mlx.core as mx
 
-from ..cache import SequenceCache
-from ..results import GenerationStats
-from ..sampling import LogitsProcessor, Sampler
+from ..caches.sequence import SequenceCache
+from ..request.sampling import LogitsProcessor, Sampler
 from ..structured import GrammarConstraint, apply_mask
 from .costs import MAX_DRAFT
 
 
+class RoundOutcome(NamedTuple):
+    """What one verify round did with its drafts: ``drafted`` proposed,
+    ``accepted`` of them equal to the target's choices; ``forced``: the drafts
+    were the tokens a grammar forces, not a drafter's."""
+
+    drafted: int
+    accepted: int
+    forced: bool = False
+
+
 class Step(NamedTuple):
+    """One token of the loop's output. The first token of a round that drafted
+    carries the round's ``outcome``; ``fallback`` is set on the first token after
+    the drafter became unavailable (the reason), so the output stage counts
+    speculation from the tokens alone."""
+
     token: int
     logprob: float  # log-probability of ``token`` under the distribution it was sampled from
     logprobs: mx.array  # (vocab,) that distribution, for top-logprobs
     from_draft: bool
     completes_grammar: bool = False  # the request's grammar allows nothing after this token
+    at_limit: bool = False  # the loop's last token: ``max_new`` reached
+    outcome: RoundOutcome | None = None
+    fallback: str | None = None
 
 
 class Turn:
@@ -183,33 +200,6 @@ def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array, for
     return Round(drafts, start, tokens, chosen, logprobs, forced)
 
 
-class _AcceptanceTracker:
-    """Fills the speculation fields of the stats as rounds complete."""
-
-    def __init__(self, stats: GenerationStats):
-        self.stats = stats
-        self.tries: list[int] = []
-        self.hits: list[int] = []
-
-    def record(self, drafted: int, accepted: int) -> None:
-        s = self.stats
-        s.verify_rounds += 1
-        s.drafted_tokens += drafted
-        s.accepted_tokens += accepted
-        s.rejected_tokens += drafted - accepted
-        while len(self.tries) < drafted:
-            self.tries.append(0)
-            self.hits.append(0)
-        for i in range(drafted):
-            self.tries[i] += 1
-            self.hits[i] += i < accepted
-        s.acceptance_by_position = [h / t for h, t in zip(self.hits, self.tries)]
-
-    def record_forced(self, drafted: int, accepted: int) -> None:
-        self.stats.grammar_drafted_tokens += drafted
-        self.stats.grammar_accepted_tokens += accepted
-
-
 def decode(
     cache: SequenceCache,
     history: list[int],
@@ -218,8 +208,6 @@ def decode(
     processors: list[LogitsProcessor],
     context_window: int,
     drafter: Drafter | None,
-    stats: GenerationStats,
-    on_fallback: Callable[[str], None] | None = None,
     constraint: GrammarConstraint | None = None,
 ) -> Decoding:
     """Yield up to ``max_new`` tokens following ``history`` (whose last token the
@@ -237,7 +225,7 @@ def decode(
     per cached position: the id, or UNKNOWN for an id of a queued round that is
     not read yet. The caller may therefore stop at any point: the next request's
     prefix match stops at the first UNKNOWN and recomputes from there."""
-    loop = _Loop(cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback, constraint)
+    loop = _Loop(cache, history, max_new, sampler, processors, context_window, drafter, constraint)
     return loop.run()
 
 
@@ -245,13 +233,11 @@ class _Loop:
     """One decode's state: the history, the drafter (dropped for good when it
     becomes unavailable), the tokens produced and the last round's read time."""
 
-    def __init__(
-        self, cache, history, max_new, sampler, processors, context_window, drafter, stats, on_fallback, constraint
-    ):
+    def __init__(self, cache, history, max_new, sampler, processors, context_window, drafter, constraint):
         self.cache, self.history, self.max_new = cache, history, max_new
         self.sampler, self.processors, self.context_window = sampler, processors, context_window
-        self.drafter, self.on_fallback, self.constraint = drafter, on_fallback, constraint
-        self.tracker = _AcceptanceTracker(stats)
+        self.drafter, self.constraint = drafter, constraint
+        self.fallback: str | None = None  # why the drafter was dropped, until a step reports it
         self.produced = 0
         self.last_read: float | None = None
 
@@ -275,14 +261,21 @@ class _Loop:
             self.last_read = now
             if ahead:
                 cache.resolve(pending.start, sampled[:1])
-            n = _accept(cache, rnd, sampled, self.drafter, self.tracker, seconds)
+            n, outcome = _accept(cache, rnd, sampled, self.drafter, seconds)
             emitted, complete = self.grammar_cut(sampled[: n + 1], n)
             self.history.extend(emitted)
             self.produced += len(emitted)
             if self.produced < self.max_new and not ahead and not complete:
                 pending = yield from self.launch()
             for i, tok in enumerate(emitted):
-                yield Step(tok, sampled_lp[i], rnd.logprobs[i], i < n, complete and i == len(emitted) - 1)
+                first = i == 0
+                fallback, self.fallback = (self.fallback, None) if first else (None, self.fallback)
+                final = i == len(emitted) - 1
+                at_limit = final and self.produced >= self.max_new
+                outcome_here = outcome if first else None
+                yield Step(
+                    tok, sampled_lp[i], rnd.logprobs[i], i < n, complete and final, at_limit, outcome_here, fallback
+                )
             if self.produced >= self.max_new or complete:
                 return
             rnd = pending
@@ -309,8 +302,7 @@ class _Loop:
             return drafts if isinstance(drafts, PendingDrafts) else drafts[:limit]
         except DrafterUnavailable as exc:
             self.drafter = None
-            if self.on_fallback is not None:
-                self.on_fallback(str(exc))
+            self.fallback = str(exc)
             return []
 
     def launch(self) -> Generator[Launch, Round, Round]:
@@ -384,9 +376,10 @@ def _draft_count(drafts: Drafts) -> int:
     return len(drafts) if isinstance(drafts, list) else drafts.size
 
 
-def _accept(cache: SequenceCache, rnd: Round, sampled: list[int], drafter, tracker, seconds) -> int:
+def _accept(cache: SequenceCache, rnd: Round, sampled: list[int], drafter, seconds) -> tuple[int, RoundOutcome | None]:
     """Accept the drafts that match the target's choices, rewind the cache past
-    the rest, and report the round; returns the number accepted."""
+    the rest and tell the drafter; returns the number accepted and the round's
+    outcome (None for a round without drafts)."""
     drafts = rnd.drafts
     if isinstance(drafts, mx.array):
         drafts = drafts.tolist()  # already evaluated: the verify pass used them
@@ -398,13 +391,12 @@ def _accept(cache: SequenceCache, rnd: Round, sampled: list[int], drafter, track
     if k:
         cache.rewind_to(len(cache.tokens) - (k - n))
     if rnd.forced:
-        tracker.record_forced(k, n)  # the grammar's drafts, not the drafter's: no feedback to it
-    elif k:
+        return n, RoundOutcome(
+            k, n, forced=True
+        ) if k else None  # the grammar's drafts, not the drafter's: no feedback to it
+    if drafter is not None:
         drafter.observe(k, n, seconds)
-        tracker.record(k, n)
-    elif drafter is not None:
-        drafter.observe(0, 0, seconds)
-    return n
+    return n, RoundOutcome(k, n) if k else None
 
 
 def _launch_constrained(cache, history, limit, propose, constraint, sampler, processors, context_window) -> Launch:

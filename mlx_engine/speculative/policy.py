@@ -11,6 +11,14 @@ from __future__ import annotations
 from . import costs, speedup
 
 
+def rejection_cap(rejected_at: int | None, max_k: int) -> int:
+    """The longest next draft after a round rejected at draft position
+    ``rejected_at`` (a + 1 for a drafts accepted; None: nothing rejected):
+    2·(a+1)+2. The burst that just ended says little past there; every
+    drafter (the draft model's policy, lookup under the router) caps by it."""
+    return max_k if rejected_at is None else min(max_k, 2 * rejected_at + 2)
+
+
 class DraftLengthPolicy:
     """Chooses each round's draft length from the observed acceptance and round
     times (``round_costs``). It is at most ``2·(a+1)+2`` after a round that
@@ -55,8 +63,7 @@ class DraftLengthPolicy:
         if self._time_undrafted_now():
             return 0
         max_k = min(limit, costs.MAX_MODEL_DRAFT)
-        if self._rejected_at is not None:
-            max_k = min(max_k, 2 * self._rejected_at + 2)
+        max_k = rejection_cap(self._rejected_at, max_k)
         k, _ = speedup.best_draft_length(self.acceptance, self.round_costs, max_k)
         if k == 0:
             self.idle_rounds += 1

@@ -8,11 +8,8 @@ costs a few dictionary probes whatever the history length.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable
-from typing import NamedTuple
 
-from . import costs, speedup
-from .drafting_rows import DraftingRows
+from .batch_pricing import BatchPricing
 
 
 class NGramIndex:
@@ -163,66 +160,6 @@ def density_score(tokens: list[int], min_length: int = 256, ngram: int = 3, full
     return share * ramp
 
 
-#: The share of first drafted tokens accepted after a lookup match of at least
-#: this strength (NGramIndex.strength), over every position of the chat and toy
-#: replay traces (docs/decoding.md, the auto router's weak-match rule).
-STRENGTH_ACCEPTANCE = ((16, 0.96), (8, 0.88), (4, 0.81), (2, 0.6), (0, 0.25))
-
-
-#: The match strength from which a row is copying (88% accepted on the traces):
-#: its acceptance is posted to the batch and it drafts with the rows copying
-#: beside it (drafting_rows.py).
-COPYING = 8
-
-
-def strength_acceptance(strength: int) -> float:
-    """The expected per-token acceptance of a draft from a match of ``strength``."""
-    return next(p for least, p in STRENGTH_ACCEPTANCE if strength >= least)
-
-
-class BatchPricing(NamedTuple):
-    """What a fixed-length lookup needs to shorten its drafts in a batch: the
-    kit's verify costs (a callable: measured when first needed), the rows of
-    the batch now, and the board where the batch's lookup rows post what they
-    can draft (this request's row on it: ``row``)."""
-
-    verify_costs: Callable[[], costs.CostModel]
-    rows: Callable[[], int]
-    board: DraftingRows | None = None
-    row: Hashable = None
-
-    def post(self, strength: int) -> None:
-        """Tell the batch's other rows what this row's next round can reach:
-        the acceptance of a match of ``strength`` if it is a copy's (``COPYING``
-        or stronger), else nothing (posting a weaker bound's acceptance made the
-        rows of a mixed batch draft each other's weak matches: 55% accepted,
-        10% slower than plain batched decoding)."""
-        if self.board is None:
-            return
-        if strength >= COPYING:
-            self.board.post(self.row, strength_acceptance(strength))
-        else:
-            self.board.forget(self.row)
-
-    def beside(self, rows: int) -> list[float]:
-        """What the batch's other copying rows posted (drafting_rows.py)."""
-        return self.board.beside(self.row, rows) if self.board is not None else []
-
-    def draft_length(self, strength: int, available: int) -> int:
-        """How many of ``available`` drafts from a match of ``strength`` pay
-        for the batch's wider pass (all of them alone). A copy's match counts
-        the rows copying beside it; a weaker one is priced alone, so a row that
-        is not copying keeps plain decoding's rounds queued ahead instead of
-        drafting weak matches under the copying rows' width (which cost a mixed
-        batch more than they gained)."""
-        rows = self.rows()
-        if rows <= 1 or available == 0:
-            return available
-        table = costs.batch_round_table(self.verify_costs(), rows)
-        beside = self.beside(rows) if strength >= COPYING else []
-        return speedup.best_draft_length(strength_acceptance(strength), table, available, rows=rows, beside=beside)[0]
-
-
 class PromptLookupDrafter:
     """A drafter that copies continuations of the current suffix from the
     history, and, when the history has none, from ``memory``: other token
@@ -242,12 +179,13 @@ class PromptLookupDrafter:
         max_ngram: int = 3,
         num_candidates: int = 4,
         memory: list[list[int]] | None = None,
+        batch_pricing: BatchPricing | None = None,
     ):
         self.num_tokens = num_tokens
         self.num_candidates = num_candidates
-        # Set for a fixed-length request on a batching kit: drafts are cut to what
-        # pays for the batch (the router prices its own lengths).
-        self.batch_pricing: BatchPricing | None = None
+        # Given for a fixed-length request on a batching kit: drafts are cut to
+        # what pays for the batch (the router prices its own lengths).
+        self.batch_pricing = batch_pricing
         self.index = NGramIndex(min_ngram, max_ngram)
         self.strength = 0  # the last peek's match strength (NGramIndex.strength)
         self.memory = None

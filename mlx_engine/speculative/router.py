@@ -24,26 +24,44 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
+from enum import StrEnum
 
-from ..results import GenerationStats
+from ..draft.drafter import DraftModelDrafter
 from . import costs
-from .draft_model import DraftModelDrafter
+from .batch_pricing import COPYING, BatchPricing, LookupPricing, strength_acceptance
 from .loop import Drafts
-from .prompt_lookup import COPYING, BatchPricing, PromptLookupDrafter, density_score, strength_acceptance
+from .policy import rejection_cap
+from .prompt_lookup import PromptLookupDrafter, density_score
 from .speedup import AcceptanceModel, best_draft_length
 
-
-class LookupPricing(NamedTuple):
-    """How a lookup round is priced: round times by draft length (a RoundCosts
-    alone), the rows of the batch, and the acceptances of the rows drafting beside it."""
-
-    rounds: costs.RoundCosts | list[float]
-    rows: int
-    beside: list[float]
-
-
 logger = logging.getLogger(__name__)
+
+
+class Mode(StrEnum):
+    """The router's modes. ``PROBE`` is prompt lookup on trial (short drafts,
+    growing while accepted whole); the others draft as their names say."""
+
+    PROBE = "probe"
+    PROMPT_LOOKUP = "prompt_lookup"
+    DRAFT_MODEL = "draft_model"
+    PLAIN = "plain"
+
+
+#: Every switch the router makes, with the rule that makes it (docs/decoding.md,
+#: "The auto router"). ``_enter`` refuses any other.
+TRANSITIONS: dict[tuple[Mode | None, Mode], str] = {
+    (None, Mode.PROBE): "the prompt passes the pre-filter: lookup is probed",
+    (None, Mode.DRAFT_MODEL): "too short or sparse for lookup, a draft model loaded",
+    (None, Mode.PLAIN): "too short or sparse for lookup, no draft model",
+    (Mode.PROBE, Mode.PROMPT_LOOKUP): "the probe's acceptance passes commit_acceptance and a length pays",
+    (Mode.PROBE, Mode.DRAFT_MODEL): "the probe ends without that, a draft model loaded",
+    (Mode.PROBE, Mode.PLAIN): "the probe ends without that, no draft model",
+    (Mode.PROMPT_LOOKUP, Mode.DRAFT_MODEL): "no lookup length pays any more, or lookup delivers less than the "
+    "draft model it replaced",
+    (Mode.PROMPT_LOOKUP, Mode.PLAIN): "no lookup length pays any more, no draft model",
+    (Mode.PLAIN, Mode.PROMPT_LOOKUP): "shadow lookup drafts promise clearly more than plain decoding",
+    (Mode.DRAFT_MODEL, Mode.PROMPT_LOOKUP): "shadow lookup drafts promise clearly more than the draft model",
+}
 
 
 @dataclass(frozen=True)
@@ -84,7 +102,6 @@ class AutoRouter:
         self,
         prompt: list[int],
         verify_costs: costs.CostModel,
-        stats: GenerationStats,
         lookup: PromptLookupDrafter,
         draft_drafter: DraftModelDrafter | None = None,
         settings: RouterSettings = RouterSettings(),
@@ -95,7 +112,11 @@ class AutoRouter:
         # The batch this request decodes in: its rows now, and the board of what
         # its lookup rows can draft (None: alone).
         self.batch = batch
-        self.stats = stats
+        # The router's report, for the request's stats: the mode it is in, why it
+        # entered the first one, and every switch since ("previous -> mode: why").
+        self.decoding_mode = "auto"
+        self.mode_reason = ""
+        self.mode_switches: list[str] = []
         self.lookup = lookup
         self.draft_drafter = draft_drafter
         self.s = settings
@@ -130,11 +151,11 @@ class AutoRouter:
             # where lookup's own draft misses, and finds copying at once
             # (docs/decoding.md, "Auto with a draft loaded").
             also = "; the draft model drafts the rounds lookup has nothing for" if draft_drafter is not None else ""
-            self._enter("probe", f"{facts}: probing prompt lookup{also}")
+            self._enter(Mode.PROBE, f"{facts}: probing prompt lookup{also}")
         elif draft_drafter is not None:
-            self._enter("draft_model", f"{facts}: prompt too short or sparse for lookup; draft model loaded")
+            self._enter(Mode.DRAFT_MODEL, f"{facts}: prompt too short or sparse for lookup; draft model loaded")
         else:
-            self._enter("plain", f"{facts}: prompt too short or sparse for lookup")
+            self._enter(Mode.PLAIN, f"{facts}: prompt too short or sparse for lookup")
 
     # -- bookkeeping -------------------------------------------------------
     def _reset_evidence(self) -> None:
@@ -149,16 +170,18 @@ class AutoRouter:
         self.shadow_positions = 0  # shadow draft positions decided
         self._shadows: list[tuple[int, list[int], int, bool]] = []  # (position, drafts, positions scored, weak)
 
-    def _enter(self, mode: str, why: str) -> None:
+    def _enter(self, mode: Mode, why: str) -> None:
         previous = getattr(self, "mode", None)
+        if (previous, mode) not in TRANSITIONS:
+            raise AssertionError(f"router: no transition {previous} -> {mode}")
         self.mode = mode
         self._reset_evidence()
-        label = "prompt_lookup" if mode == "probe" else mode
-        self.stats.decoding_mode = f"auto:{label}"
+        label = Mode.PROMPT_LOOKUP if mode == Mode.PROBE else mode
+        self.decoding_mode = f"auto:{label}"
         if previous is None:
-            self.stats.mode_reason = why
+            self.mode_reason = why
         else:
-            self.stats.mode_switches.append(f"{previous} -> {mode}: {why}")
+            self.mode_switches.append(f"{previous} -> {mode}: {why}")
         logger.debug("router: %s (%s)", mode, why)
 
     # -- drafter interface -------------------------------------------------
@@ -169,13 +192,13 @@ class AutoRouter:
         this, plain rounds under the router cost a few percent more than plain
         decoding's."""
         self._post(history)
-        if self.mode in ("probe", "prompt_lookup") and self._lookup_pays_nothing():
+        if self.mode in (Mode.PROBE, Mode.PROMPT_LOOKUP) and self._lookup_pays_nothing():
             # A round lookup does not draft may be the draft model's (_draft_turn).
             return self.draft_drafter is None or self.draft_drafter.plain_ahead(history)
-        if self.mode == "draft_model":
+        if self.mode == Mode.DRAFT_MODEL:
             # Not while lookup has earned rounds of its own here: they are chosen in propose.
             return self.draft_drafter.plain_ahead(history) and not self._lookup_earns()
-        return self.mode == "plain"
+        return self.mode == Mode.PLAIN
 
     def _lookup_pays_nothing(self) -> bool:
         """Whether, in the batch as it is now, no lookup round of any length pays
@@ -184,18 +207,18 @@ class AutoRouter:
         (which would hold up every row of the batch's next step)."""
         if self._lookup_pricing().rows <= 1:
             return False
-        max_k = self.lookup_k if self.mode == "probe" else self.max_lookup
+        max_k = self.lookup_k if self.mode == Mode.PROBE else self.max_lookup
         return self._best_lookup(self.lookup_acceptance, max_k)[0] == 0 and self._best_lookup(self.weak, max_k)[0] == 0
 
     def _post(self, history: list[int]) -> None:
         """Tell the batch's other rows what this row's next lookup round can
-        reach (drafting_rows.py): in a batch and in lookup's modes, where the strongest match it
+        reach (batch_pricing.DraftingRows): in a batch and in lookup's modes, where the strongest match it
         can find is a copy's, that match's acceptance, at most what lookup's
         record here expects; otherwise nothing."""
         b = self.batch
         if b is None or b.board is None:
             return
-        copying_possible = self.mode in ("probe", "prompt_lookup") and b.rows() > 1  # alone: no bound per token
+        copying_possible = self.mode in (Mode.PROBE, Mode.PROMPT_LOOKUP) and b.rows() > 1  # alone: no bound per token
         bound = self.lookup.next_strength_bound(history) if copying_possible else 0
         self._copying = bound >= COPYING
         if not self._copying:
@@ -205,11 +228,10 @@ class AutoRouter:
 
     def propose(self, history: list[int], limit: int) -> Drafts:
         self._history, self._proposed, self._round_by = history, True, None
-        if self.mode == "prompt_lookup":
+        if self.mode == Mode.PROMPT_LOOKUP:
             drafts = self._lookup_round(history, limit)
             return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
-        if self.mode == "probe":
-            self.lookup.num_tokens = self.max_lookup
+        if self.mode == Mode.PROBE:
             drafts = self.lookup.propose(history, limit)
             drafts = drafts[: self._probe_length(len(drafts))]
             self._round_weak = self._is_weak(drafts)
@@ -219,7 +241,7 @@ class AutoRouter:
             return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
-        if self.mode == "draft_model":
+        if self.mode == Mode.DRAFT_MODEL:
             if drafts := self._lookup_instead(history, limit):
                 self._round_by = "lookup"
                 return drafts
@@ -228,11 +250,10 @@ class AutoRouter:
 
     def _probe_length(self, available: int) -> int:
         """A probe round's length: ``lookup_k`` (growing while drafts are
-        accepted whole), or longer where the match is so strong that its
-        acceptance on the replay traces (strength_acceptance: 96% from 16
-        matching tokens on) pays for a longer draft: a copy is then drafted at
-        full length from its first round, not after two growths. In a batch, at
-        most what pays for the batch."""
+        accepted whole), or longer where the match is so strong that its expected
+        acceptance (strength_acceptance) pays for a longer draft: a copy is then
+        drafted at full length from its first round. In a batch, at most what
+        pays for the batch."""
         if not available:
             return 0
         strong = best_draft_length(strength_acceptance(self.lookup.strength), self.lookup_costs, available)[0]
@@ -246,8 +267,8 @@ class AutoRouter:
         """A probe or lookup round that lookup does not draft (no match, or one
         that does not pay): the draft model's, at the length its own record
         chooses, if some length pays; else a plain round. No exploration drafts
-        here (they are the draft model's mode's): with the shipped draft (21%
-        accepted) they cost a short answer's probe a failed round in three."""
+        here: they belong to the draft model's own mode (docs/decoding.md,
+        "Tuning history")."""
         d = self.draft_drafter
         if d.round_costs is not None and best_draft_length(d.acceptance, d.round_costs, costs.MAX_MODEL_DRAFT)[0] == 0:
             return []
@@ -258,12 +279,11 @@ class AutoRouter:
         """While the draft model runs, this round's lookup draft when lookup's
         record on this request (its shadow drafts, which also score the rounds
         this returns) expects more from it than the draft model's record from a
-        round of its own; else nothing. Per round, so a draft that is right 60%
-        of the time gives way to lookup that is right 95% on the copied lines of
-        an answer, and keeps the rounds where nothing is copied."""
+        round of its own; else nothing. Per round, so a good draft still gives way
+        to lookup on the copied lines of an answer and keeps the rest."""
         if not self._lookup_earns():
             return []
-        max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
+        max_k = rejection_cap(self._rejected_at, self.max_lookup)
         drafts = self.lookup.peek(history, min(max_k, limit))
         if not drafts or self._is_weak(drafts):
             return []
@@ -296,7 +316,7 @@ class AutoRouter:
         rejection bound: from lookup's acceptance in this request (at least one
         token: leaving lookup is _watch_lookup's decision) or, for a weak match,
         from weak matches' acceptance (none when they do not pay)."""
-        max_k = self.max_lookup if self._rejected_at is None else min(self.max_lookup, 2 * self._rejected_at + 2)
+        max_k = rejection_cap(self._rejected_at, self.max_lookup)
         drafts = self.lookup.peek(history, min(max_k, limit))
         self._round_weak = self._is_weak(drafts)
         if self._round_weak:
@@ -338,7 +358,7 @@ class AutoRouter:
         return self._best_lookup(self.weak, max_k)[0]
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        if self.mode in ("plain", "draft_model") and not self._proposed and self._history is not None:
+        if self.mode in (Mode.PLAIN, Mode.DRAFT_MODEL) and not self._proposed and self._history is not None:
             # A round the loop queued ahead: the history it continued is the
             # loop's list as it stands now (this round's token not appended yet).
             self._shadow_lookup(self._history)
@@ -347,26 +367,25 @@ class AutoRouter:
         if by == "draft_model":
             self._observe_draft_round(drafted, accepted, seconds)
             return
-        lookups = by == "lookup" or self.mode in ("probe", "prompt_lookup")
+        lookups = by == "lookup" or self.mode in (Mode.PROBE, Mode.PROMPT_LOOKUP)
         # Round times teach the cost of the drafter that ran; an undrafted round
         # costs the same whichever would have drafted.
         if lookups or drafted == 0:
             self.lookup_costs.observe(drafted, seconds)
-        if self.draft_drafter is not None and self.mode != "draft_model" and drafted == 0:
+        if self.draft_drafter is not None and self.mode != Mode.DRAFT_MODEL and drafted == 0:
             self.draft_drafter.round_costs.observe(0, seconds)
         if drafted and lookups:
-            # As for the draft model (policy.py): after a rejection the next draft
-            # is at most 2·(a+1)+2 long; the burst that just ended says little there.
+            # As for the draft model: the next draft is capped (policy.rejection_cap).
             self._rejected_at = accepted + 1 if accepted < drafted else None
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
         self.produced += accepted + 1
         self.misses = self.misses + 1 if accepted == 0 else 0
-        if self._round_weak and self.mode in ("probe", "prompt_lookup"):
+        if self._round_weak and self.mode in (Mode.PROBE, Mode.PROMPT_LOOKUP):
             self.weak.observe(drafted, accepted)
         self._round_weak = False
-        if self.mode == "probe":
+        if self.mode == Mode.PROBE:
             self.lookup_acceptance.observe(drafted, accepted)
             if drafted and accepted == drafted:
                 # Copying from the first drafts on: a fixed 32 drafts 33 tokens a
@@ -375,21 +394,21 @@ class AutoRouter:
             elif drafted:
                 # A copy that ended: back to the rejection bound (as lookup's own rounds).
                 self.lookup_k = max(
-                    min(self.lookup_k, 2 * accepted + 4), min(self.s.probe_draft_tokens, self.max_lookup)
+                    rejection_cap(accepted + 1, self.lookup_k), min(self.s.probe_draft_tokens, self.max_lookup)
                 )
             self._after_probe_round()
-        elif self.mode == "prompt_lookup":
+        elif self.mode == Mode.PROMPT_LOOKUP:
             self.lookup_acceptance.observe(drafted, accepted)
             self.lookup_own.observe(drafted, accepted)
             self._watch_lookup()
-        elif self.mode == "draft_model" and by is None:
+        elif self.mode == Mode.DRAFT_MODEL and by is None:
             # Not left for plain decoding when it stops paying: the drafter then
             # pauses drafting by itself and keeps exploring, so it resumes when
             # the text turns predictable (plain decoding could only leave for
             # prompt lookup, so a pessimistic start would forfeit the draft). A
             # lookup round (by == "lookup") is scored by its shadow draft, not here.
             self.draft_drafter.observe(drafted, accepted, seconds)
-        if self.mode in ("plain", "draft_model"):
+        if self.mode in (Mode.PLAIN, Mode.DRAFT_MODEL):
             self._consider_lookup()
 
     def _observe_draft_round(self, drafted: int, accepted: int, seconds: float | None) -> None:
@@ -400,7 +419,7 @@ class AutoRouter:
         if drafted == 0:
             self.lookup_costs.observe(0, seconds)
         self._round_weak = False
-        if self.mode == "probe":
+        if self.mode == Mode.PROBE:
             self.produced += accepted + 1
             self._after_probe_round()
 
@@ -445,14 +464,14 @@ class AutoRouter:
         # From plain decoding a switch gains more than from the draft model, and
         # the draft model's switches were tuned with watch_rounds: keep them so.
         needed = (
-            self.s.watch_rounds if self.mode == "draft_model" else self.s.shadow_rounds << min(self._lookup_exits, 5)
+            self.s.watch_rounds if self.mode == Mode.DRAFT_MODEL else self.s.shadow_rounds << min(self._lookup_exits, 5)
         )
         # Evidence is counted in decided positions: one shadow matching three
         # tokens in a row says as much as three matching their first.
-        if self.shadow_positions < needed or (self.mode == "draft_model" and self._lookup_retired):
+        if self.shadow_positions < needed or (self.mode == Mode.DRAFT_MODEL and self._lookup_retired):
             return
         current = 1.0
-        if self.mode == "draft_model":
+        if self.mode == Mode.DRAFT_MODEL:
             current = self._draft_speedup()
             k, speedup = best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), self.max_lookup)
         else:
@@ -460,9 +479,9 @@ class AutoRouter:
         margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
         if k and speedup > margin * current:
             shadow = self.shadow
-            self._replaced_draft_speedup = current if self.mode == "draft_model" else None
+            self._replaced_draft_speedup = current if self.mode == Mode.DRAFT_MODEL else None
             self._enter(
-                "prompt_lookup",
+                Mode.PROMPT_LOOKUP,
                 f"{self.shadow_scored} shadow drafts ({self.shadow_positions} positions) scored, lookup would have had "
                 f"{shadow.conditional()[0]:.0%} of "
                 f"their first tokens accepted: expected speed-up x{speedup:.2f} at k={k} against x{current:.2f}",
@@ -476,7 +495,7 @@ class AutoRouter:
         return k, speedup, rate
 
     def _fallback_mode(self) -> str:
-        return "draft_model" if self.draft_drafter is not None else "plain"
+        return Mode.DRAFT_MODEL if self.draft_drafter is not None else Mode.PLAIN
 
     def _after_probe_round(self) -> None:
         done = self.produced >= self.s.probe_tokens or self.misses >= self.s.probe_max_misses
@@ -486,18 +505,16 @@ class AutoRouter:
         facts = f"probe acceptance {rate:.0%} over {self.drafted} drafted, expected speed-up x{speedup:.2f} at k={k}"
         if rate > self.s.commit_acceptance and k > 0:
             probed = self.lookup_acceptance
-            self._enter("prompt_lookup", facts)
-            # The probe's rounds are lookup's first evidence: starting over from
-            # the prior made the first committed draft 3 tokens long after a
-            # probe that expected 27.
+            self._enter(Mode.PROMPT_LOOKUP, facts)
+            # The probe's rounds are lookup's first evidence (docs/decoding.md, "Tuning history").
             self.lookup_k, self.lookup_acceptance = k, probed
         else:
             self._leave_lookup(facts, self.lookup_acceptance)
 
     def _leave_lookup(self, why: str, own: AcceptanceModel) -> None:
         """Back to the fallback mode. Lookup's own rounds stay the shadow record's
-        first evidence: shadows starting over from the prior promised a summary
-        twice what lookup had just failed to deliver, and won switches it lost."""
+        first evidence, so a switch back needs what lookup failed to deliver to
+        change (docs/decoding.md, "Tuning history")."""
         self._enter(self._fallback_mode(), why)
         self.shadow = own
 
@@ -519,7 +536,7 @@ class AutoRouter:
                 self._lookup_retired = True
                 self._replaced_draft_speedup = None
                 self._enter(
-                    "draft_model",
+                    Mode.DRAFT_MODEL,
                     f"lookup delivers x{delivered:.2f} ({rate:.0%} accepted) against the draft model's "
                     f"x{replaced:.2f}; no more switches to lookup in this request",
                 )

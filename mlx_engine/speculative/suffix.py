@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import NamedTuple
 
+from .batch_pricing import BatchPricing
 from .prompt_lookup import PromptLookupDrafter
 
 #: Default bound on the tokens a kit's suffix memory holds (about 100 bytes of
@@ -284,8 +285,9 @@ class SuffixDrafter(PromptLookupDrafter):
         min_ngram: int = 1,
         max_ngram: int = 3,
         num_candidates: int = 4,
+        batch_pricing: BatchPricing | None = None,
     ):
-        super().__init__(num_tokens, min_ngram, max_ngram, num_candidates)
+        super().__init__(num_tokens, min_ngram, max_ngram, num_candidates, batch_pricing=batch_pricing)
         self.suffix_memory = memory
         self.request_name = request_name
         self.last_match = NO_MATCH  # the memory's answer to the last peek

@@ -10,6 +10,7 @@ parser.py   calls out of the streamed text
 
 from __future__ import annotations
 
+from ..structured import check_grammar, compile_constraint, tokenizer_for
 from .formats import DEFAULT, FORMATS, ToolFormat, detect_format
 from .grammar import build_grammar
 from .parser import ToolCallStream, ToolText, parse_region, parse_tool_calls
@@ -50,8 +51,6 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
     other than ``none``) the constraint is the tools' grammar, which cannot be
     combined with ``json_schema`` / ``regex`` / ``grammar``. ``ValueError``
     naming the bad argument or tool."""
-    from ..structured import check_grammar, compile_constraint
-
     spec = validate_tool_request(tools, tool_choice, parallel, tool_format(kit))
     if spec is None or spec.choice == "none":
         return spec, constraint
@@ -77,8 +76,6 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
 
 def special_markers(kit, fmt: ToolFormat) -> dict[str, int]:
     """The format's markers the kit's tokenizer holds as one special token, by id."""
-    from ..structured import tokenizer_for
-
     llg = tokenizer_for(kit)
     found = {}
     for marker in {fmt.open, fmt.close, "[ARGS]"} - {""}:

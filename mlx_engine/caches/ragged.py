@@ -1,0 +1,226 @@
+"""Several sequences' KV caches in one batch, each row with its own length.
+
+Rows are right-ragged: row ``b`` holds its cached positions at ``[0, n_b)`` of
+a shared buffer, where ``n_b`` is the length of that row's ``SequenceCache``
+token list. A forward pass writes each row's inputs from its own ``n_b`` on,
+gives every row its own RoPE offset and masks, per row, what that row must not
+see. Rewinding a row after speculation is therefore just shortening its token
+list: positions past it are masked now and overwritten later.
+
+mlx-lm's ``BatchKVCache`` does not fit speculation: it left-pads rows and
+advances them with one shared write index, so rows that accept different
+numbers of drafts could only be realigned by rolling the whole buffer every
+round. Rows join (after their prompt is prefilled in their own cache) and leave
+(their keys and values handed back to their cache, for the prompt cache) between
+steps; the first row to join and the last to leave hand their arrays over
+without a copy, so a lone request costs what it did without batching.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from .sequence import UNKNOWN, SequenceCache
+
+STEP = 256  # buffer growth, in positions (as mlx-lm's KVCache)
+
+
+def can_batch(cache: SequenceCache) -> bool:
+    """Whether ``cache``'s layers can join a batch (plain, unquantized KV layers)."""
+    o = cache.options
+    return bool(cache.layers) and o.kv_bits is None and all(type(c) is KVCache for c in cache.layers)
+
+
+class _Layer:
+    """One attention layer's keys and values for every row, as the model sees it."""
+
+    def __init__(self, batch: RaggedBatch):
+        self.batch = batch
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    @property
+    def offset(self):
+        return self.batch.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        starts, end, n = self.batch.starts, self.batch.end, keys.shape[2]
+        self._reserve(end, keys, values)
+        if len(starts) == 1:
+            s = starts[0]
+            self.keys[..., s : s + n, :] = keys
+            self.values[..., s : s + n, :] = values
+        else:
+            for b, s in enumerate(starts):
+                self.keys[b : b + 1, :, s : s + n, :] = keys[b : b + 1]
+                self.values[b : b + 1, :, s : s + n, :] = values[b : b + 1]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _reserve(self, end: int, keys: mx.array, values: mx.array) -> None:
+        if self.keys is not None and end <= self.keys.shape[2]:
+            return
+        have = 0 if self.keys is None else self.keys.shape[2]
+        grow = (end - have + STEP - 1) // STEP * STEP
+        b, h, _, dk = keys.shape
+        new_k = mx.zeros((b, h, grow, dk), keys.dtype)
+        new_v = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return self.batch.mask(n, return_array)
+
+
+class RaggedBatch:
+    """The rows decoding together on one model: one forward pass per step."""
+
+    def __init__(self, model: nn.Module, num_layers: int):
+        self.model = model
+        self.layers = [_Layer(self) for _ in range(num_layers)]
+        self.rows: list[SequenceCache] = []
+        self.starts: list[int] = []
+        self.end = 0
+        self.offset: int | mx.array = 0
+
+    def __contains__(self, cache: SequenceCache) -> bool:
+        return any(r is cache for r in self.rows)
+
+    def join(self, cache: SequenceCache) -> None:
+        """Move ``cache``'s keys and values into a new last row (its layers are
+        left empty until ``leave``). All or nothing: every layer's stacked
+        buffers are built before any is replaced, so a join that fails leaves
+        the batch and ``cache`` as they were."""
+        n = len(cache.tokens)
+        stacked = [_stack_row(layer, self.rows, kv.keys, kv.values, n) for layer, kv in zip(self.layers, cache.layers)]
+        for layer, kv, (keys, values) in zip(self.layers, cache.layers, stacked):
+            layer.keys, layer.values = keys, values
+            kv.state = (None, None, 0)
+        self.rows.append(cache)
+
+    def leave(self, cache: SequenceCache) -> None:
+        """Hand row ``cache``'s keys and values back to its layers and drop the row."""
+        b = next(i for i, r in enumerate(self.rows) if r is cache)
+        n = len(cache.tokens)
+        alone = len(self.rows) == 1
+        keep = mx.array([i for i in range(len(self.rows)) if i != b])
+        for layer, kv in zip(self.layers, cache.layers):
+            if layer.keys is None or n == 0:
+                kv.state = (None, None, 0)
+            else:
+                # ``take`` copies, so the row's arrays do not keep the batch's alive.
+                k = layer.keys if alone else mx.take(layer.keys, mx.array([b]), axis=0)
+                v = layer.values if alone else mx.take(layer.values, mx.array([b]), axis=0)
+                kv.state = (k, v, n)
+            if alone:
+                layer.keys = layer.values = None
+            elif layer.keys is not None:
+                layer.keys = mx.take(layer.keys, keep, axis=0)
+                layer.values = mx.take(layer.values, keep, axis=0)
+        del self.rows[b]
+        mx.eval(
+            [(kv.keys, kv.values) for kv in cache.layers if kv.keys is not None]
+            + [(l.keys, l.values) for l in self.layers if l.keys is not None]
+        )
+
+    def feed(self, inputs: list[tuple[SequenceCache, list[int], mx.array | None]]) -> list[tuple[mx.array, int]]:
+        """One forward pass for the rows in ``inputs``: each row's ``known`` ids
+        then its lazily computed ids (recorded as UNKNOWN until resolved, as in
+        ``SequenceCache.feed_lazy``). Rows of the batch not in ``inputs`` ride
+        along on one padding token written past their end (never read, later
+        overwritten). Returns, per input, the lazy logits of its own length and
+        the position of its first lazy id."""
+        given = {id(c): (known, lazy) for c, known, lazy in inputs}
+        if len(given) != len(inputs):
+            raise RuntimeError("each row may appear once in a batched forward pass")
+        if not all(any(r is c for r in self.rows) for c, _, _ in inputs):
+            raise RuntimeError("a batched forward pass can only feed rows of the batch")
+        lengths = [_length(*given.get(id(c), ([], None))) for c in self.rows]
+        width = max(max(lengths), 1)
+        rows = [_padded(*given.get(id(c), ([], None)), width) for c in self.rows]
+        self.starts = [len(c.tokens) for c in self.rows]
+        self.end = max(self.starts) + width
+        self.offset = self.starts[0] if len(self.rows) == 1 else mx.array(self.starts)
+        logits = self.model(mx.stack(rows), cache=self.layers)
+        index = {id(c): b for b, c in enumerate(self.rows)}
+        out = []
+        for cache, known, lazy in inputs:
+            b = index[id(cache)]
+            cache.tokens.extend(known)
+            start = len(cache.tokens)
+            if lazy is not None:
+                cache.tokens.extend([UNKNOWN] * lazy.size)
+            out.append((logits[b, : lengths[b]], start))
+        return out
+
+    def mask(self, n: int, return_array: bool = False):
+        """Row b's query i sees keys up to its own position ``start_b + i``. A
+        lone row takes mlx-lm's own masks (None or "causal"), so its pass is the
+        same as without batching."""
+        if len(self.starts) == 1 and not return_array:
+            return None if n == 1 else "causal"
+        starts = mx.array(self.starts)[:, None, None, None]
+        query = mx.arange(n)[None, None, :, None]
+        return mx.arange(self.end)[None, None, None, :] <= starts + query
+
+
+def release_row(batch: RaggedBatch | None, cache: SequenceCache) -> None:
+    """Take ``cache`` out of ``batch`` if it is one of its rows (its keys and
+    values return to its layers)."""
+    if batch is not None and cache in batch:
+        batch.leave(cache)
+
+
+def _length(known: list[int], lazy: mx.array | None) -> int:
+    return len(known) + (0 if lazy is None else lazy.size)
+
+
+def _padded(known: list[int], lazy: mx.array | None, width: int) -> mx.array:
+    """A row's input ids padded to ``width`` (padding outputs are never read)."""
+    parts = [mx.array(known, dtype=mx.uint32)] if known else []
+    if lazy is not None:
+        parts.append(lazy.reshape(-1).astype(mx.uint32))
+    n = _length(known, lazy)
+    if n < width:
+        parts.append(mx.zeros((width - n,), mx.uint32))
+    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _stack_row(layer: _Layer, rows: list[SequenceCache], k: mx.array | None, v: mx.array | None, n: int):
+    """The layer's buffers with a row holding ``k``/``v`` (its first ``n``
+    positions) appended; the first row's arrays are adopted as they are.
+
+    Buffers differ in width (a branched cache holds a slice of its source's
+    buffer, then grows by a step), so the joining row keeps only its ``n``
+    positions and whichever side is narrower is padded: positions past a row's
+    length are never read."""
+    if not rows:
+        return k, v
+    if layer.keys is None and k is None:
+        return None, None
+    ref_k = layer.keys if layer.keys is not None else k
+    ref_v = layer.values if layer.values is not None else v
+    have = 0 if layer.keys is None else layer.keys.shape[2]
+    width = max(have, (n + STEP - 1) // STEP * STEP)
+    keys = mx.concatenate([_fit(layer.keys, len(rows), ref_k, width), _fit(_head(k, n), 1, ref_k, width)], axis=0)
+    values = mx.concatenate([_fit(layer.values, len(rows), ref_v, width), _fit(_head(v, n), 1, ref_v, width)], axis=0)
+    return keys, values
+
+
+def _head(a: mx.array | None, n: int) -> mx.array | None:
+    """A row's first ``n`` positions (None when it holds none)."""
+    return None if a is None or n == 0 else a[..., :n, :]
+
+
+def _fit(a: mx.array | None, batch: int, like: mx.array, width: int) -> mx.array:
+    """``a`` (``batch`` rows shaped as ``like``; zeros when None) padded to ``width`` positions."""
+    if a is None:
+        return mx.zeros((batch, like.shape[1], width, like.shape[3]), like.dtype)
+    if a.shape[2] < width:
+        pad = mx.zeros((a.shape[0], a.shape[1], width - a.shape[2], a.shape[3]), a.dtype)
+        a = mx.concatenate([a, pad], axis=2)
+    return a

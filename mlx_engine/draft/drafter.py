@@ -1,0 +1,190 @@
+"""Draft-model speculative decoding: the drafter (``DraftModelDrafter``) and its
+batched draft jobs. Checking and loading a draft model is draft_loading.py."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from ..caches.ragged import release_row
+from ..caches.sequence import SequenceCache
+from ..loading.memory import PREFILL_CHUNK
+from ..speculative import costs, speedup
+from ..speculative.loop import DrafterUnavailable, PendingDrafts
+from ..speculative.policy import DraftLengthPolicy
+from .model import DraftModel
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModelDrafter:
+    """Drafts greedily with a small model whose cache follows the main history.
+
+    The draft cache is synchronised to the history by longest common prefix each
+    round, which rewinds rejected drafts and reuses prefixes across requests with
+    the same mechanism. The draft steps are chained lazily and handed to the loop
+    unevaluated. How many tokens to draft is ``policy``'s decision
+    (policy.DraftLengthPolicy); this class only tells it how far the draft model
+    had to catch up before drafting, so such rounds are not timed."""
+
+    name = "draft_model"
+
+    def __init__(
+        self,
+        draft: DraftModel,
+        num_draft_tokens: int | None,
+        round_costs: costs.RoundCosts | None = None,
+        prior_acceptance: float = 0.6,
+        vocab_size: int | None = None,
+        cache: SequenceCache | None = None,
+        batched: bool = False,
+    ):
+        self.draft = draft
+        self.batched = batched  # drafts with the other requests' (DraftJob) on a kit serving several
+        self.cache = cache if cache is not None or draft is None else draft.first_cache  # this request's draft cache
+        self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
+        if draft is not None:
+            prior_acceptance = draft.acceptance_prior(prior_acceptance)
+        self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance)
+        self._unresolved: tuple[int, mx.array] | None = None
+        self._catch_up = 0  # tokens the draft model processed before this round's drafts
+        self._proposed = False  # the length of the round observed next was decided (num_tokens ran)
+        self._last_drafted = False  # the last round launched had drafts
+
+    @property
+    def acceptance(self) -> speedup.AcceptanceModel:
+        return self.policy.acceptance
+
+    @property
+    def round_costs(self) -> costs.RoundCosts | None:
+        return self.policy.round_costs
+
+    def num_tokens(self, limit: int) -> int:
+        """The next round's draft length (0: undrafted), decided by the policy."""
+        self._proposed = True
+        return self.policy.num_tokens(limit)
+
+    def plain_ahead(self, history: list[int]) -> bool:
+        """True while the adaptive length drafts nothing: the loop then queues
+        each round before the previous one is read, as plain decoding does (so
+        an idle draft model's rounds cost what plain ones do). Never right after a
+        drafted round: the next one starts where its accepted drafts end."""
+        return not self._last_drafted and self.policy.idle_next()
+
+    def prefill_prompt(
+        self, prompt: list[int], on_chunk: Callable[[int], None] | None = None, chunk_size: int = PREFILL_CHUNK
+    ) -> Iterator[None]:
+        """Bring the draft cache to ``prompt[:-1]`` (keeping the prefix it shares),
+        yielding after each chunk of ``chunk_size`` tokens, as the main model's
+        prefill does (``ModelKit.prefill_prompt``): the scheduler lets the other
+        requests take a step there. Each chunk is evaluated before the yield, so
+        a request ended between chunks leaves the cache holding a consistent
+        prefix of the prompt, which the next request to borrow it extends."""
+        cache = self.cache
+        todo = prompt[cache.sync_to(prompt[:-1]) : -1]
+        for i in range(0, len(todo), chunk_size):
+            cache.prefill(todo[i : i + chunk_size], on_chunk, chunk_size)
+            yield
+
+    def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
+        self._resolve()
+        k = self.num_tokens(limit)
+        self._last_drafted = k > 0
+        if k <= 0:
+            return []
+        cache = self.cache
+        keep = min(cache.sync_to(history), len(history) - 1)
+        self._catch_up = len(history) - keep
+        if not cache.rewind_to(keep):
+            raise DrafterUnavailable("the draft model's cache cannot be rewound")
+        if reason := cache.rewind_limit_reason(len(history) - keep + k):
+            raise DrafterUnavailable(f"draft model: {reason}")
+        if self.batched:
+            return DraftJob(self, history[keep:], k)
+        return self.chain(history[keep:], k)
+
+    def chain(self, feed: list[int], k: int) -> mx.array:
+        """Feed ``feed`` and chain k-1 more draft steps on this request's own cache.
+
+        The steps are chained lazily, each queued as soon as it is built, and
+        handed over unevaluated: the main model's verify pass is built on them
+        and one evaluation runs both (no sync per token or per model)."""
+        cache = self.cache
+        release_row(self.draft.batch, cache)
+        y = mx.argmax(cache.feed(feed)[-1][: self.vocab_size])
+        mx.async_eval(y)
+        ys = [y]
+        start = len(cache)
+        for _ in range(k - 1):
+            logits, _ = cache.feed_lazy([], y)
+            y = mx.argmax(logits[-1][: self.vocab_size])
+            mx.async_eval(y)
+            ys.append(y)
+        drafts = mx.stack(ys)
+        self.fed_lazily(start, drafts)
+        return drafts
+
+    def fed_lazily(self, start: int, drafts: mx.array) -> None:
+        """All but the last of ``drafts`` were fed from ``start`` unevaluated;
+        their ids are named in the cache when the next round is proposed."""
+        self._unresolved = (start, drafts)
+
+    def _resolve(self) -> None:
+        """Name the draft ids fed lazily last round (evaluated by now)."""
+        if self._unresolved is not None:
+            start, drafts = self._unresolved
+            self.cache.resolve(start, drafts.tolist()[:-1])
+            self._unresolved = None
+
+    def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        if not self._proposed:  # a round the loop queued ahead (plain_ahead)
+            self.policy.skip()
+        self._proposed = False
+        if drafted and self.draft is not None:
+            self.draft.record(drafted, accepted)
+        self.policy.observe(drafted, accepted, seconds, catch_up=self._catch_up)
+
+
+class DraftJob(PendingDrafts):
+    """One request's draft steps of a scheduler step: ``feed`` (the ids its draft
+    cache lacks) then k-1 chained steps, run with the other requests' as rows
+    of the draft model's batch (``run_together``)."""
+
+    def __init__(self, drafter: DraftModelDrafter, feed: list[int], k: int):
+        self.drafter, self.feed, self.k = drafter, feed, k
+        self.drafts: mx.array | None = None
+
+    def materialize(self) -> mx.array:
+        if self.drafts is None:
+            self.drafts = self.drafter.chain(self.feed, self.k)
+        return self.drafts
+
+    @staticmethod
+    def run_together(jobs: list[DraftJob]) -> None:
+        """Every job's steps as batched draft passes: one pass for the feeds,
+        then one per further draft position (rows that need no more ride along)."""
+        draft = jobs[0].drafter.draft
+        batch = draft.batch_for_drafting()
+        if batch is None:
+            for job in jobs:
+                job.materialize()
+            return
+        vocab = jobs[0].drafter.vocab_size
+        for job in jobs:
+            if job.drafter.cache not in batch:
+                batch.join(job.drafter.cache)
+        out = batch.feed([(j.drafter.cache, j.feed, None) for j in jobs])
+        chains = [[mx.argmax(logits[-1][:vocab])] for logits, _ in out]
+        mx.async_eval([c[-1] for c in chains])
+        starts = [len(j.drafter.cache) for j in jobs]
+        for step in range(1, max(j.k for j in jobs)):
+            active = [i for i, j in enumerate(jobs) if j.k > step]
+            out = batch.feed([(jobs[i].drafter.cache, [], chains[i][-1]) for i in active])
+            for i, (logits, _) in zip(active, out):
+                chains[i].append(mx.argmax(logits[-1][:vocab]))
+            mx.async_eval([chains[i][-1] for i in active])
+        for job, chain, start in zip(jobs, chains, starts):
+            job.drafts = mx.stack(chain)
+            job.drafter.fed_lazily(start, job.drafts)

@@ -1,0 +1,55 @@
+"""The kit's request registry (``ModelKit.activity``)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from ..errors import GenerationInProgressError
+
+
+@dataclass
+class Activity:
+    """The kit's request bookkeeping, safe from any thread: the requests created
+    and not yet ended (``known``, at most the kit's ``max_parallel``), those
+    running (``active``), and those asked to stop. A request is registered when
+    its generator is created and ended when the generator finishes, fails or is
+    closed, started or not."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    active: set[str] = field(default_factory=set)
+    known: set[str] = field(default_factory=set)
+    cancelled: set[str] = field(default_factory=set)
+
+    def register(self, request_id: str, capacity: int = 1) -> None:
+        with self.lock:
+            if request_id in self.known:
+                raise ValueError(f"request_id {request_id!r} is already in use on this kit")
+            if len(self.known) >= capacity:
+                open_ = ", ".join(repr(r) for r in sorted(self.known))
+                raise GenerationInProgressError(
+                    f"this kit already has {len(self.known)} open generation(s) ({open_}), its max_parallel of "
+                    f"{capacity}; finish or close one first"
+                )
+            self.known.add(request_id)
+
+    def begin(self, request_id: str) -> None:
+        with self.lock:
+            self.active.add(request_id)
+
+    def end(self, request_id: str) -> None:
+        with self.lock:
+            self.active.discard(request_id)
+            self.known.discard(request_id)
+            self.cancelled.discard(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask ``request_id`` to stop; False when no such request exists."""
+        with self.lock:
+            if request_id not in self.known:
+                return False
+            self.cancelled.add(request_id)
+            return True
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return request_id in self.cancelled

@@ -1,0 +1,368 @@
+"""ModelKit: a loaded text model, its tokenizer and the caches kept between
+requests, plus an optional draft model (draft_pool.DraftModel) and its request
+registry (activity.Activity)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..caches.disk import DiskCache, model_identity
+from ..caches.prompt import PromptCache, PromptCacheOptions
+from ..caches.ragged import RaggedBatch, can_batch
+from ..caches.sequence import CacheOptions, SequenceCache
+from ..draft.model import DraftModel  # re-exported: tests import it from here
+from ..loading import model as loading
+from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
+from ..runtime.worker import shutting_down
+from ..speculative import cost_store, costs
+from ..speculative.batch_pricing import DraftingRows
+from ..speculative.cost_background import BackgroundMeasurement
+from ..speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
+from .registry import Activity
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExpandedPrompt:
+    """A request's prompt as the kit and its cache see it: ``ids`` are the real
+    token ids (images expanded by a vision kit), ``keys`` what the cache records
+    for them (equal to ``ids`` except at image positions, which hold image-hash keys)."""
+
+    ids: list[int]
+    keys: list[int]
+
+
+@dataclass(frozen=True)
+class KitOptions:
+    """A kit's load options, as ``load_model`` checked them."""
+
+    cache: CacheOptions = CacheOptions()
+    vocab_only: bool = False
+    trust_remote_code: bool = False
+    compute_dtype: str | None = "auto"
+    prompt_cache: PromptCacheOptions = PromptCacheOptions()
+    max_parallel: int | None = None  # None: DEFAULT_MAX_PARALLEL for text kits, 1 for vision kits
+    suffix_memory_tokens: int = DEFAULT_SUFFIX_MEMORY_TOKENS  # 0: no suffix drafting memory
+
+
+DEFAULT_MAX_PARALLEL = 4
+
+
+def validate_suffix_memory(value) -> int:
+    """The suffix memory's token bound: ``value``, or the default for None;
+    ``ValueError`` unless it is None or a non-negative integer."""
+    if value is None:
+        return DEFAULT_SUFFIX_MEMORY_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"suffix_memory_tokens must be a non-negative integer (0: off) or None, got {value!r}")
+    return value
+
+
+def validate_max_parallel(value) -> int | None:
+    """``ValueError`` unless ``value`` is None or an integer from 1 to 64."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+        raise ValueError(
+            f"max_parallel must be an integer from 1 to 64 (concurrent generations) or None, got {value!r}"
+        )
+    return value
+
+
+class ModelKit:
+    """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
+
+    _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
+    # Whether forward costs are measured between requests (after an estimate) rather
+    # than at once; a sharded kit measures at once, every rank taking part.
+    background_cost_measurement = True
+
+    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions()):
+        self._init_files(loading.resolve_model_path(model_path), options)
+        if options.vocab_only:
+            return
+        self.model, self.config = loading.load_weights(self.model_path, options.trust_remote_code)
+        self.compute_dtype = loading.prepare_weights(self.model, options.compute_dtype)
+        self.num_params = loading.float_param_count(self.model)
+        loading.smoke_test(self.model, self.model_path)
+        kv = options.cache
+        if kv.kv_bits is not None:
+            head_dim = _head_dim(self.config)
+            if head_dim is not None and head_dim % kv.kv_group_size:
+                raise ValueError(
+                    f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}"
+                )
+        self.replace_prompt_cache(self.new_cache(self.model))
+        self._fit_context()
+        self._init_batching(options.max_parallel)
+        logger.info(
+            "loaded %s (%s, compute dtype %s)",
+            self.model_path,
+            self.config.get("model_type"),
+            self.compute_dtype or "native",
+        )
+
+    def _fit_context(self) -> None:
+        """``context_length``: with ``max_kv_size="auto"`` the longest context that
+        fits memory (context.py), else the one the model was trained for."""
+        trained = self.config.get("text_config", self.config).get("max_position_embeddings")
+        trained = int(trained) if isinstance(trained, int) and trained > 0 else None
+        self.context_length = fit_context(self.model, trained) if self.cache_options.auto_context else trained
+
+    def _init_batching(self, max_parallel: int | None) -> None:
+        """``max_parallel`` concurrent generations (see ``batch``)."""
+        self.max_parallel = DEFAULT_MAX_PARALLEL if max_parallel is None else max_parallel
+
+    @property
+    def activity(self) -> Activity:
+        """The request registry: open, running and cancelled requests."""
+        return self._activity
+
+    @property
+    def worker(self):
+        """The engine thread that runs this kit's MLX work (worker.MLXWorker), once attached."""
+        return self._worker
+
+    def attach_worker(self, thread) -> None:
+        """Give the kit its engine thread (generate.py does, at load or first use)."""
+        self._worker = thread
+
+    @property
+    def scheduler(self):
+        """The scheduler of its parallel requests (scheduler.Scheduler), once made."""
+        return self._scheduler
+
+    def attach_scheduler(self, scheduler) -> None:
+        """Give the kit the scheduler of its parallel requests (made with the first one)."""
+        self._scheduler = scheduler
+
+    @property
+    def open_generations(self) -> int:
+        """How many generators on this kit are open (created and not yet ended,
+        closed or cancelled); at most ``max_parallel``. Safe from any thread."""
+        with self._activity.lock:
+            return len(self._activity.known)
+
+    @property
+    def batch(self) -> RaggedBatch | None:
+        """The rows of the running generations, decoded in one forward pass per
+        step; None when the kit serves one generation at a time or its caches
+        cannot be batched (batch_cache.py). Rebuilt, between requests, for a
+        model that was swapped."""
+        current = self._batch
+        if current is not None and (current.model is self.model or current.rows):
+            return current
+        cache = self.cache
+        batchable = self.max_parallel > 1 and self.model is not None and cache is not None and can_batch(cache)
+        self._batch = RaggedBatch(self.model, len(cache.layers)) if batchable else None
+        return self._batch
+
+    def discard_batch(self) -> None:
+        """Drop a broken batch: its rows' caches restart empty, and the next
+        ``batch`` is a new, empty one (the scheduler's recovery)."""
+        if self._batch is not None:
+            for cache in self._batch.rows:
+                cache.reset()
+        self._batch = None
+
+    def set_draft(self, draft: DraftModel | None) -> None:
+        """Install a loaded draft model (or none); draft/loading.py checks and loads it."""
+        self.draft = draft
+
+    def _init_files(self, path: Path, options: KitOptions) -> None:
+        """What every kit starts from: config, tokenizer and empty slots (one
+        initializer for text and vision kits)."""
+        self.model_path = path
+        self.config = loading.read_config(path)
+        self.check_architecture()
+        self.cache_options = options.cache
+        self.tokenizer = loading.load_tokenizer(path, options.trust_remote_code)
+        self.eos_token_ids = loading.eos_token_ids(self.tokenizer)
+        self.vocab_only = options.vocab_only
+        self.model: nn.Module | None = None
+        self.prompt_cache: PromptCache | None = None
+        self.context_length: int | None = None  # tokens a request may hold (see _fit_context)
+        self._prompt_cache_options = options.prompt_cache
+        self.draft: DraftModel | None = None
+        self.compute_dtype: mx.Dtype | None = None
+        self.cost_model: costs.CostModel | None = None  # see forward_costs
+        self.cost_source: str | None = None  # where cost_model came from: stored, estimate, measured
+        self._cost_measurement: BackgroundMeasurement | None = None
+        # What earlier requests produced, for suffix drafting (speculative/suffix.py).
+        self.suffix_memory = SuffixMemory(options.suffix_memory_tokens) if options.suffix_memory_tokens else None
+        # What the batch's lookup rows can draft, so each prices its drafts with the others'.
+        self.drafting_rows = DraftingRows()
+        self.num_params = 0
+        self._activity = Activity()
+        self.max_parallel = 1  # concurrent generations (see _init_batching)
+        self._batch: RaggedBatch | None = None  # see ``batch``
+        self._scheduler = None  # scheduler.Scheduler, made with the first parallel request
+
+    def forward_costs(self) -> costs.CostModel:
+        """The model's forward-pass costs by width, found once per kit when
+        speculation first needs them and kept until unload: a record an earlier
+        process stored for this model and machine (cost_store.py); else an
+        estimate from one timed step, measured properly between this kit's
+        requests (cost_background.py) and then stored. docs/decoding.md, "Round costs"."""
+        if self.cost_model is None:
+            stored = costs_from_record(cost_store.load(self.cost_key("forward")))
+            if stored is not None:
+                self.cost_model, self.cost_source = stored, "stored"
+            elif not self.background_cost_measurement or self.worker is None:
+                self._finish_cost_measurement(costs.measure(self.model, self.vocab_size))
+            else:
+                step = costs.measure_step(self.model, self.vocab_size)
+                self.cost_model, self.cost_source = costs.estimate(step), "estimate"
+                logger.info("forward costs estimated from a %.2f ms step; measuring them between requests", step * 1e3)
+                self._measure_costs_in_background()
+        return self.cost_model
+
+    def cost_key(self, kind: str, path: Path | None = None) -> dict:
+        """What a stored cost record of this kit (``path``: its draft's) depends on."""
+        model = model_identity(path or self.model_path, self.compute_dtype, self.cache_options)
+        return {"kind": kind, "kit": type(self).__name__, "model": model, **cost_store.machine_identity()}
+
+    def _measure_costs_in_background(self) -> None:
+        model = self.model
+        self._cost_measurement = BackgroundMeasurement(
+            costs.Measurement(model, self.vocab_size),
+            self.worker.submit,
+            idle=lambda: self.open_generations == 0,
+            alive=lambda: self.model is model and not worker_exiting(),
+            finish=self._finish_cost_measurement,
+        )
+        self._cost_measurement.start()
+
+    def _finish_cost_measurement(self, measured: costs.CostModel) -> None:
+        self.cost_model, self.cost_source = measured, "measured"
+        cost_store.save(self.cost_key("forward"), {"seconds": list(measured.seconds)})
+
+    def check_architecture(self) -> None:
+        """Refuse an architecture mlx-lm cannot build (VisionModelKit: mlx-vlm)."""
+        loading.check_architecture(self.config, self.model_path)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model accepts (its embedding rows)."""
+        if self.model is not None:
+            embed = _find_embedding(self.model)
+            if embed is not None:
+                return int(embed)
+        return int(self.config.get("vocab_size") or len(self.tokenizer))
+
+    def new_cache(self, model: nn.Module) -> SequenceCache:
+        return SequenceCache(model, self.cache_options)
+
+    @property
+    def cache(self) -> SequenceCache | None:
+        """The cached sequence the current (or last) request uses; the others
+        are in ``prompt_cache`` (prompt_cache.py)."""
+        return self.prompt_cache.active if self.prompt_cache is not None else None
+
+    def replace_prompt_cache(self, first: SequenceCache) -> None:
+        """Start the prompt cache over with ``first`` as its only cached sequence,
+        dropping every other one (at load, and in tests that swap the model)."""
+        if self.prompt_cache is None:
+            self.prompt_cache = self._make_prompt_cache(first)
+        else:
+            self.prompt_cache.replace_all(first)
+
+    def _make_prompt_cache(self, first: SequenceCache) -> PromptCache:
+        o = self._prompt_cache_options
+        disk = None
+        if o.directory is not None:
+            identity = model_identity(self.model_path, self.compute_dtype, self.cache_options)
+            disk = DiskCache(o.directory, identity, o.disk_bytes)
+        budget = default_memory_budget() if o.memory_bytes is None else o.memory_bytes
+        cache = PromptCache(lambda: self.new_cache(self.model), budget, disk)
+        cache.replace_all(first)
+        return cache
+
+    # Prompt handling; VisionModelKit overrides these to add images.
+    def decode_images(self, prompt: list[int], images_b64) -> list:
+        if images_b64 is None or (isinstance(images_b64, (list, tuple)) and not images_b64):
+            return []
+        raise ValueError(
+            "images_b64: this is a text-only model and cannot take images; load a vision model (its config.json has vision_config)"
+        )
+
+    def remember_sequence(self, name, tokens: list[int]) -> None:
+        """Record a request's tokens (prompt and output) in the suffix memory,
+        from which later requests draft (nothing when it is off)."""
+        if self.suffix_memory is not None:
+            self.suffix_memory.record(name, tokens)
+
+    def expand_prompt(self, prompt: list[int], images: list | None = None) -> ExpandedPrompt:
+        """The request's prompt as the cache sees it (see ExpandedPrompt)."""
+        return ExpandedPrompt(prompt, prompt)
+
+    def prefill_prompt(
+        self,
+        expanded: ExpandedPrompt,
+        cache: SequenceCache,
+        todo: list[int],
+        on_chunk=None,
+        chunk_size: int = PREFILL_CHUNK,
+    ) -> Iterator[None]:
+        """Feed ``todo``, the part of the ``expanded`` prompt (all but its last token)
+        that ``cache`` lacks, yielding after each chunk (the scheduler lets the
+        other requests take a step there)."""
+        for i in range(0, len(todo), chunk_size):
+            cache.prefill(todo[i : i + chunk_size], on_chunk, chunk_size)
+            yield
+
+    def unload(self) -> None:
+        try:
+            if self.prompt_cache is not None:
+                self.prompt_cache.flush()  # to the disk tier, when there is one (its writes never raise)
+        finally:  # whatever the disk does, the model is released
+            self.model = None
+            self.prompt_cache = None
+            self._batch = None
+            self.draft = None
+            self.cost_model = None
+            self.suffix_memory = None  # earlier requests' tokens: nothing to draft for any more
+            mx.clear_cache()
+
+
+def costs_from_record(record: dict | None) -> costs.CostModel | None:
+    """A stored forward-cost record as a CostModel, or None if it is not a valid one."""
+    seconds = cost_store.positive_floats((record or {}).get("seconds"), costs.MAX_DRAFT + 1)
+    if seconds is None or seconds != sorted(seconds):
+        return None
+    return costs.CostModel(tuple(seconds))
+
+
+def worker_exiting() -> bool:
+    return shutting_down.is_set()
+
+
+def _head_dim(config: dict) -> int | None:
+    cfg = config.get("text_config", config)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
+
+
+def _find_embedding(model: nn.Module) -> int | None:
+    for name in ("model", "language_model", "transformer"):
+        inner = getattr(model, name, None)
+        if inner is None:
+            continue
+        for emb_name in ("embed_tokens", "wte", "tok_embeddings"):
+            emb = getattr(inner, emb_name, None)
+            if emb is not None and hasattr(emb, "weight"):
+                return emb.weight.shape[0]
+        found = _find_embedding(inner)
+        if found is not None:
+            return found
+    return None

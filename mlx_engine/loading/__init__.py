@@ -1,0 +1,1 @@
+"""Loading models: finding, checking and reading files (HF layout and GGUF) into a model and tokenizer."""

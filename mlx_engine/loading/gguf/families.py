@@ -1,0 +1,359 @@
+"""GGUF model families mapped onto mlx-lm's model classes: the config built from
+a file's ``<arch>.*`` metadata, the tensor names, and the few transforms
+llama.cpp's converter (``convert_hf_to_gguf.py``) applied that must be undone.
+
+Per family, what the converter does and what the mapping does about it:
+
+- ``llama`` (Llama 1-3, Mistral 7B, SmolLM): q/k rows permuted for interleaved
+  RoPE; mlx-lm's llama computes interleaved RoPE with ``rope_traditional=True``,
+  so the rows are used as stored. Llama 3.x RoPE scaling is a ``rope_freqs``
+  tensor of per-frequency divisors, applied through ``mx.fast.rope(freqs=...)``.
+- ``qwen2``, ``qwen3``, ``phi3``: stored unpermuted (NeoX RoPE).
+- ``gemma2``, ``gemma3``: every ``*norm.weight`` stored as ``1 + w``; mlx-lm's
+  Gemma RMSNorm adds the 1 itself, so 1 is subtracted back.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ...errors import ModelLoadError
+from .reader import GGUFHeader, all_mlx_native, bad_field, meta_float, meta_int, meta_str, read_decoded, read_native
+
+logger = logging.getLogger(__name__)
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ATTENTION = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+}
+_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_LLAMA_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **_ATTENTION, **_MLP}
+_GEMMA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    **_ATTENTION,
+    **_MLP,
+}
+_PHI3_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",  # gate and up fused, as in Phi-3's own checkpoint
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one GGUF architecture maps onto an mlx-lm model class."""
+
+    model_type: str
+    block_names: dict[str, str]
+    extra_config: Callable[[GGUFHeader, dict], None] = lambda h, config: None
+    norm_shift: float = 0.0  # subtracted from every *norm.weight (gemma stores 1 + w)
+    rope_freqs: bool = False  # a rope_freqs tensor (Llama 3.x) is understood
+    config: dict = field(default_factory=dict)
+
+
+def _head_dim(h: GGUFHeader, config: dict) -> None:
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+
+
+def _gemma_scale(h: GGUFHeader, config: dict, layers_27b: int) -> None:
+    """llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B models
+    (recognised by their layer count), which use 1/sqrt(hidden/heads)."""
+    _head_dim(h, config)
+    n_layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = hidden // heads if n_layers == layers_27b else config["head_dim"]
+
+
+def _gemma2(h: GGUFHeader, config: dict) -> None:
+    _gemma_scale(h, config, 46)
+    config["attn_logit_softcapping"] = meta_float(h, "gemma2.attn_logit_softcapping", 50.0)
+    config["final_logit_softcapping"] = meta_float(h, "gemma2.final_logit_softcapping", 30.0)
+    window = meta_int(h, "gemma2.attention.sliding_window", 4096)
+    logger.info(
+        "gemma2 in mlx-lm attends globally on every layer; llama.cpp uses a %d-token window on alternate layers, "
+        "so outputs past %d tokens differ from it",
+        window,
+        window,
+    )
+
+
+def _gemma3(h: GGUFHeader, config: dict) -> None:
+    _gemma_scale(h, config, 62)
+    if "gemma3.final_logit_softcapping" in h.metadata:
+        raise ModelLoadError(f"GGUF file {str(h.path)!r}: gemma3 with final logit softcapping is not supported")
+    if "gemma3.attention.sliding_window_pattern" in h.metadata:
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: an explicit gemma3 sliding-window pattern is not supported (only every 6th layer global)"
+        )
+    config["sliding_window"] = meta_int(h, "gemma3.attention.sliding_window", config["max_position_embeddings"])
+    config["sliding_window_pattern"] = 6  # llama.cpp's and mlx-lm's fixed pattern: every 6th layer is global
+    if config["num_hidden_layers"] < 6:
+        raise bad_field(h, "gemma3.block_count", config["num_hidden_layers"], "at least 6 (one global layer)")
+    config["rope_local_base_freq"] = meta_float(h, "gemma3.rope.freq_base_swa", 10000.0)
+    if "rope_scaling" in config:  # linear scaling applies to the global layers only, as in llama.cpp
+        config["rope_scaling"] = {"rope_type": "linear", "factor": config["rope_scaling"]["factor"]}
+
+
+def _phi3(h: GGUFHeader, config: dict) -> None:
+    if "rope_factors_long.weight" in h.tensors or "rope_factors_short.weight" in h.tensors:
+        raise ModelLoadError(f"GGUF file {str(h.path)!r}: phi3 LongRoPE (rope_factors_long/short) is not mapped yet")
+    if "head_dim" in config and config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
+        raise bad_field(h, "phi3.attention.key_length", config["head_dim"], "embedding_length / head_count")
+
+
+FAMILIES = {
+    "llama": Family("llama", _LLAMA_BLOCK, rope_freqs=True, config={"rope_traditional": True}),
+    "qwen2": Family("qwen2", _LLAMA_BLOCK, config={"rope_traditional": False}),
+    "qwen3": Family("qwen3", {**_LLAMA_BLOCK, **_QK_NORM}, _head_dim),
+    "gemma2": Family("gemma2", _GEMMA_BLOCK, _gemma2, norm_shift=1.0),
+    "gemma3": Family("gemma3_text", {**_GEMMA_BLOCK, **_QK_NORM}, _gemma3, norm_shift=1.0),
+    "phi3": Family("phi3", _PHI3_BLOCK, _phi3),
+}
+
+
+def config_from_header(h: GGUFHeader) -> dict:
+    """An mlx-lm (Hugging Face style) config from the ``<arch>.*`` metadata,
+    checked against the tensor table so no absurd model is ever allocated."""
+    arch = meta_str(h, "general.architecture", "")
+    if arch not in FAMILIES:
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r} has architecture {arch or None!r}; supported: {', '.join(FAMILIES)}"
+        )
+    family = FAMILIES[arch]
+    heads = meta_int(h, f"{arch}.attention.head_count")
+    config = dict(
+        family.config,
+        model_type=family.model_type,
+        hidden_size=meta_int(h, f"{arch}.embedding_length"),
+        num_hidden_layers=meta_int(h, f"{arch}.block_count"),
+        intermediate_size=meta_int(h, f"{arch}.feed_forward_length"),
+        num_attention_heads=heads,
+        num_key_value_heads=meta_int(h, f"{arch}.attention.head_count_kv", heads),
+        rms_norm_eps=meta_float(h, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta_float(h, f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=meta_int(h, f"{arch}.context_length", 4096),
+        tie_word_embeddings="output.weight" not in h.tensors,
+    )
+    if f"{arch}.attention.key_length" in h.metadata:
+        config["head_dim"] = meta_int(h, f"{arch}.attention.key_length")
+    embed = h.tensors.get("token_embd.weight")
+    if embed is None or len(embed.shape) != 2:
+        raise ModelLoadError(f"GGUF file {str(h.path)!r} has no two-dimensional 'token_embd.weight' tensor")
+    config["vocab_size"] = int(embed.shape[-1])
+    _check_rope(h, config, family)
+    family.extra_config(h, config)
+    _check_blocks(h, config["num_hidden_layers"])
+    _check_dims(h, config)
+    return config
+
+
+def _check_dims(h: GGUFHeader, config: dict) -> None:
+    """The declared sizes against the first block's tensors (GGUF lists the
+    input dimension first), so the model built from them matches the file."""
+    arch, hidden = h.architecture, config["hidden_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if heads % kv_heads:
+        raise bad_field(h, f"{arch}.attention.head_count_kv", kv_heads, f"a divisor of head_count ({heads})")
+    head_dim, inter = config.get("head_dim") or hidden // heads, config["intermediate_size"]
+    fused = arch == "phi3"
+    expected = {
+        "token_embd.weight": (0, hidden, "embedding_length"),
+        "blk.0.ffn_up.weight": (1, 2 * inter if fused else inter, "feed_forward_length"),
+        "blk.0.attn_q.weight": (1, heads * head_dim, "attention.head_count"),
+        "blk.0.attn_k.weight": (1, kv_heads * head_dim, "attention.head_count_kv"),
+        "blk.0.attn_qkv.weight": (1, (heads + 2 * kv_heads) * head_dim, "attention.head_count"),
+    }
+    for name, (axis, size, field_name) in expected.items():
+        info = h.tensors.get(name)
+        if info is not None and (len(info.shape) <= axis or info.shape[axis] != size):
+            raise ModelLoadError(
+                f"GGUF file {str(h.path)!r}: metadata '{arch}.{field_name}' (and the sizes derived from it, {size}) "
+                f"does not match tensor {name!r} of shape {list(info.shape)}"
+            )
+
+
+def _check_rope(h: GGUFHeader, config: dict, family: Family) -> None:
+    arch = h.architecture
+    scaling = meta_str(h, f"{arch}.rope.scaling.type", "none")
+    freqs = h.tensors.get("rope_freqs.weight")
+    if scaling not in ("none", "linear") or (freqs is not None and not family.rope_freqs):
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r} uses RoPE scaling ({scaling}, rope_freqs: {freqs is not None}), "
+            f"which the GGUF loader does not map for {arch}"
+        )
+    if freqs is not None:
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        if freqs.shape != (head_dim // 2,) or freqs.type_name != "F32":
+            raise ModelLoadError(
+                f"GGUF file {str(h.path)!r}: tensor 'rope_freqs.weight' must be F32 of shape [{head_dim // 2}], "
+                f"got {freqs.type_name} {list(freqs.shape)}"
+            )
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": meta_float(h, f"{arch}.rope.scaling.factor", None)}
+
+
+def _check_blocks(h: GGUFHeader, n_layers: int) -> None:
+    blocks = {int(m.group(1)) for name in h.tensors if (m := re.match(r"blk\.(\d+)\.", name))}
+    if len(blocks) != n_layers or (blocks and max(blocks) != n_layers - 1):  # never builds range(n_layers)
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r} declares {n_layers} layers but holds tensors for "
+            f"{len(blocks)} (blocks {min(blocks, default=None)}..{max(blocks, default=None)})"
+        )
+
+
+def mlx_name(name: str, h: GGUFHeader) -> str:
+    """The mlx-lm parameter name of a GGUF tensor (``.scales``/``.biases`` are
+    the quantization triple MLX's reader adds)."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    block_names = FAMILIES[h.architecture].block_names
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{suffix}"
+    raise ModelLoadError(f"GGUF file {str(h.path)!r} has a tensor {name!r} the loader does not know how to map")
+
+
+# MLX affine bits for a decoded type whose weights stay quantized (Metal):
+# two bits more than the source's own weight bits (MLX has no 7-bit format, so
+# 5-bit types take 8), in groups of 32. An affine grid only reproduces a GGUF
+# block's levels where the block uses its extreme codes, so the same bit width
+# loses as much again as the file's own rounding; two more bits keep the added
+# error small (docs/gguf.md gives the measured logit differences).
+# F32, F16 and BF16 stay float16.
+REQUANT_BITS = {
+    "Q2_K": 4,
+    "Q3_K": 5,
+    "Q4_0": 6,
+    "Q4_1": 6,
+    "Q4_K": 6,
+    "IQ4_NL": 6,
+    "IQ4_XS": 6,
+    "Q5_0": 8,
+    "Q5_1": 8,
+    "Q5_K": 8,
+    "Q6_K": 8,
+    "Q8_0": 8,
+}
+REQUANT_GROUP = 32
+
+
+def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = None):
+    """Build the mlx-lm model for ``config`` and load the file's tensors into it.
+    A file of MLX-native types only keeps Q4_0/Q4_1/Q8_0 quantized (as MLX's
+    reader gives them; ``compute_dtype`` decides later). Any other file is
+    decoded tensor by tensor: to float32 on the CPU (the fast path there);
+    elsewhere (``keep_quantized``, by default off the CPU) to float16, with the
+    matrices of quantized types re-quantized to MLX's affine format by
+    ``REQUANT_BITS``."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    family = FAMILIES[h.architecture]
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if keep_quantized is None:
+        keep_quantized = mx.default_device() != mx.cpu
+    if all_mlx_native(h):
+        tensors = iter(read_native(h).items())
+    else:
+        tensors = read_decoded(h, "float16" if keep_quantized else "float32")
+    weights, source_types, rope_freqs = {}, {}, None
+    for name, value in tensors:
+        if name == "rope_freqs.weight":
+            rope_freqs = value
+            continue
+        key = mlx_name(name, h)
+        weights[key] = value - family.norm_shift if family.norm_shift and key.endswith("norm.weight") else value
+        if name in h.tensors:
+            source_types[key] = h.tensors[name].type_name
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if keep_quantized and not all_mlx_native(h):
+        weights = requantize(model, weights, source_types, h)
+    bits = {
+        k[: -len(".scales")]: weights[k[: -len(".scales")] + ".weight"].shape[-1] * 32 // (v.shape[-1] * 32)
+        for k, v in weights.items()
+        if k.endswith(".scales")
+    }
+    if bits:
+        nn.quantize(model, class_predicate=lambda p, m: {"group_size": 32, "bits": bits[p]} if p in bits else False)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ModelLoadError(f"GGUF file {str(h.path)!r} does not match its declared shapes: {exc}") from exc
+    if rope_freqs is not None:
+        _use_rope_freqs(model, config, rope_freqs)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader) -> dict:
+    """``weights`` with each Linear/Embedding matrix of a type in
+    ``REQUANT_BITS`` replaced by MLX's quantized triple (``.weight``,
+    ``.scales``, ``.biases``); the choice per type is logged."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    modules = dict(model.named_modules())
+    out, chosen = dict(weights), {}
+    for key, value in weights.items():
+        stem = key[: -len(".weight")]
+        n_bits = REQUANT_BITS.get(source_types.get(key, ""))
+        if not (n_bits and key.endswith(".weight") and isinstance(modules.get(stem), (nn.Linear, nn.Embedding))):
+            continue
+        if value.ndim != 2 or value.shape[-1] % REQUANT_GROUP:
+            continue
+        out[key], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(
+            value, group_size=REQUANT_GROUP, bits=n_bits
+        )
+        chosen[source_types[key]] = n_bits
+    if chosen:
+        logger.info(
+            "GGUF %s: kept quantized in MLX's affine format, groups of %d (%s); other tensors float16",
+            h.path.name,
+            REQUANT_GROUP,
+            ", ".join(f"{t} -> {b}-bit" for t, b in sorted(chosen.items())),
+        )
+    return out
+
+
+class FactoredRoPE:
+    """Interleaved RoPE whose per-frequency periods are multiplied by llama.cpp's
+    ``rope_freqs`` factors (how Llama 3.x files store their RoPE scaling):
+    llama.cpp divides each frequency ``base**(-2i/d)`` by ``factor[i]``."""
+
+    def __init__(self, dims: int, base: float, factors, traditional: bool):
+        import mlx.core as mx
+
+        self.dims, self.traditional = dims, traditional
+        self.periods = (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * factors.astype(mx.float32)
+
+    def __call__(self, x, offset: int = 0):
+        import mlx.core as mx
+
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset, freqs=self.periods
+        )
+
+
+def _use_rope_freqs(model, config: dict, factors) -> None:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rope = FactoredRoPE(head_dim, config["rope_theta"], factors, config.get("rope_traditional", False))
+    for layer in model.layers:
+        layer.self_attn.rope = rope

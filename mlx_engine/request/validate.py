@@ -1,0 +1,274 @@
+"""Validating a request: every ``create_generator`` argument is checked here,
+before the generator is returned, and becomes one frozen ``Request``.
+
+``GenerationOptions`` declares ``create_generator``'s keyword arguments once
+(names, types, defaults; the function's signature is built from it), and
+``validate_request`` checks them against the kit and plans the decoding. A bad
+argument raises ``ValueError`` naming it; nothing here touches the model or its
+caches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import numbers
+from collections.abc import Mapping, Set
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from ..errors import GenerationInProgressError
+from ..kits.text import ModelKit
+from ..results import GenerationStats
+from ..structured import check_grammar, compile_constraint
+from ..tools import ToolSpec, tool_constraint
+from .plan import DecodingPlan, choose_plan
+from .sampling import SamplingParams, validate_sampling
+from .stop_strings import StopStringMatcher
+
+DEFAULT_MAX_TOKENS = 256
+
+ProgressCallback = Callable[[float], "bool | None"]
+StatsCallback = Callable[[GenerationStats], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions:
+    """``create_generator``'s keyword arguments as given, before validation
+    (docs/api.md, "Generating"; the decoding ones in docs/decoding.md)."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temp: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens_to_keep: int | None = None
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop_strings: list[str] | None = None
+    top_logprobs: int | None = None
+    prompt_progress_callback: ProgressCallback | None = None
+    stats_callback: StatsCallback | None = None
+    request_id: str | None = None
+    num_draft_tokens: int | None = None
+    speculative_decoding_toggle: bool | None = None
+    prompt_lookup_num_tokens: int | None = None
+    prompt_lookup_min_ngram: int = 1
+    prompt_lookup_max_ngram: int = 3
+    prompt_lookup_num_candidates: int = 4
+    auto_speculative: bool = False
+    images_b64: list[str] | None = None
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    structured_drafting: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> GenerationOptions:
+        """The options named in ``kwargs``; an unknown name is a ``ValueError`` naming it."""
+        names = [f.name for f in fields(cls)]
+        for name in kwargs:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"create_generator got an unknown argument {name!r}{hint}; it takes: {', '.join(names)}"
+                )
+        return cls(**kwargs)
+
+    @classmethod
+    def keyword_parameters(cls) -> list[inspect.Parameter]:
+        """The options as keyword-only parameters, for ``create_generator``'s signature."""
+        return [
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=f.type,
+                default=f.default if f.default is not MISSING else inspect.Parameter.empty,
+            )
+            for f in fields(cls)
+        ]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked request, ready for the pipeline (pipeline.py)."""
+
+    request_id: str
+    prompt: list[int]
+    images: list
+    max_tokens: int
+    params: SamplingParams
+    stop_strings: list[str]
+    progress_cb: ProgressCallback | None
+    stats_cb: StatsCallback | None
+    plan: DecodingPlan
+    grammar: str | None  # llguidance grammar of a structured-output constraint (or of the tools)
+    structured_drafting: bool
+    tools: ToolSpec | None = None  # tools whose calls are parsed out of the text
+
+
+def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request_id: str) -> Request:
+    """Check every argument (``o``: create_generator's keyword arguments) against
+    the kit; ``ValueError`` naming the first bad one."""
+    prompt = validate_prompt(kit, prompt_tokens)
+    images = kit.decode_images(prompt, o.images_b64)
+    if isinstance(o.max_tokens, bool) or not isinstance(o.max_tokens, int) or o.max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {o.max_tokens!r}")
+    params = validate_sampling(
+        temp=o.temp,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        min_p=o.min_p,
+        min_tokens_to_keep=o.min_tokens_to_keep,
+        repetition_penalty=o.repetition_penalty,
+        repetition_context_size=o.repetition_context_size,
+        seed=o.seed,
+        top_logprobs=o.top_logprobs,
+        vocab_size=kit.vocab_size,
+        presence_penalty=o.presence_penalty,
+        frequency_penalty=o.frequency_penalty,
+        logit_bias=o.logit_bias,
+    )
+    stops = StopStringMatcher.validate(o.stop_strings)
+    for name, cb in (("prompt_progress_callback", o.prompt_progress_callback), ("stats_callback", o.stats_callback)):
+        if cb is not None and not callable(cb):
+            raise ValueError(f"{name} must be callable or None")
+    constraint = compile_constraint(o.json_schema, o.regex, o.grammar)
+    tools, constraint = tool_constraint(kit, o.tools, o.tool_choice, o.parallel_tool_calls, constraint)
+    if constraint is not None:
+        check_grammar(kit, *constraint)
+    if not isinstance(o.structured_drafting, bool):
+        raise ValueError(f"structured_drafting must be True or False, got {o.structured_drafting!r}")
+    plan = choose_plan(
+        kit,
+        num_draft_tokens=o.num_draft_tokens,
+        toggle=o.speculative_decoding_toggle,
+        lookup_tokens=o.prompt_lookup_num_tokens,
+        ngrams=(o.prompt_lookup_min_ngram, o.prompt_lookup_max_ngram, o.prompt_lookup_num_candidates),
+        auto=o.auto_speculative,
+    )
+    max_tokens = _fit_to_context(kit, prompt, o.max_tokens)
+    return Request(
+        request_id,
+        prompt,
+        images,
+        max_tokens,
+        params,
+        stops,
+        o.prompt_progress_callback,
+        o.stats_callback,
+        plan,
+        None if constraint is None else constraint[1],
+        o.structured_drafting,
+        tools,
+    )
+
+
+def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:
+    """With a context fitted to memory (``max_kv_size="auto"``), a prompt must
+    fit it, and generation stops at its end (``token_limit``)."""
+    context = kit.context_length
+    if not kit.cache_options.auto_context or context is None:
+        return max_tokens
+    if len(prompt) >= context:
+        raise ValueError(
+            f"prompt_tokens: {len(prompt)} tokens do not fit this kit's context of {context} tokens "
+            "(max_kv_size='auto' fitted it to memory); shorten the prompt"
+        )
+    return min(max_tokens, context - len(prompt))
+
+
+def validate_request_id(request_id) -> None:
+    if request_id is not None and not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string or None, got {request_id!r}")
+
+
+def require_model(kit: ModelKit) -> None:
+    """``ValueError`` unless ``kit`` is a loaded kit that can generate."""
+    if not isinstance(kit, ModelKit):
+        raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
+    if kit.vocab_only:
+        raise ValueError("this kit was loaded with vocab_only=True and cannot generate; load it without vocab_only")
+    if kit.model is None:
+        raise ValueError("this kit has been unloaded")
+
+
+def require_idle(kit: ModelKit) -> None:
+    """``GenerationInProgressError`` while a generation is open on ``kit``:
+    created and not yet finished or closed, iterated or not (its plan may
+    rely on the model and draft model as they were when it was created)."""
+    open_ = sorted(kit.activity.known)
+    if open_:
+        names = ", ".join(repr(a) for a in open_)
+        raise GenerationInProgressError(
+            f"generation {names} is still open on this kit (created, not yet finished or closed); "
+            "finish or close it first"
+        )
+
+
+class WhenIdle:
+    """A call to run on the kit's engine thread (after any close queued before
+    it) unless a generation is open: ``action(*args)`` after ``require_idle``.
+    A value, so a worker can tell which action it carries (a sharded kit's
+    worker runs its own release inline once a rank has failed)."""
+
+    __slots__ = ("kit", "action", "args")
+
+    def __init__(self, kit: ModelKit, action: Callable, *args):
+        self.kit, self.action, self.args = kit, action, args
+
+    def __call__(self) -> None:
+        require_idle(self.kit)
+        self.action(*self.args)
+
+
+def validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
+    """The prompt as a list of Python ints. Any sequence of integers is accepted
+    (ints, numpy or MLX integer scalars, a 1-D integer array); text, mappings and
+    sets are refused."""
+    if isinstance(prompt_tokens, (str, bytes)):
+        raise ValueError("prompt_tokens must be a list of token ids; use tokenize(kit, text) for text")
+    if isinstance(prompt_tokens, (Mapping, Set)):
+        raise ValueError(f"prompt_tokens must be a sequence of token ids, got a {type(prompt_tokens).__name__}")
+    if getattr(prompt_tokens, "ndim", 1) != 1:
+        raise ValueError(f"prompt_tokens must be one-dimensional, got shape {tuple(prompt_tokens.shape)}")
+    if isinstance(prompt_tokens, mx.array):
+        prompt_tokens = prompt_tokens.tolist()
+    try:
+        prompt = list(prompt_tokens)
+    except TypeError:
+        raise ValueError(f"prompt_tokens must be a list of token ids, got {type(prompt_tokens).__name__}") from None
+    if not prompt:
+        raise ValueError("prompt_tokens must not be empty")
+    vocab = kit.vocab_size
+    ids = []
+    for i, t in enumerate(prompt):
+        t = _token_id(t)
+        if t is None:
+            raise ValueError(f"prompt_tokens must be integers; item {i} is {prompt[i]!r}")
+        if not 0 <= t < vocab:
+            raise ValueError(f"prompt_tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
+        ids.append(t)
+    return ids
+
+
+def _token_id(t) -> int | None:
+    """``t`` as an int if it is an integer (Python, numpy or a 0-d integer array)."""
+    if isinstance(t, bool):
+        return None
+    if isinstance(t, numbers.Integral):
+        return int(t)
+    dtype = getattr(t, "dtype", None)
+    if getattr(t, "ndim", None) == 0 and dtype is not None and "int" in str(dtype) and "bool" not in str(dtype):
+        return int(t.item())
+    return None

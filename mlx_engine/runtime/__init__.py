@@ -1,0 +1,1 @@
+"""Running requests: the engine threads, continuous batching, the streams handed to the host."""

