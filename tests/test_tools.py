@@ -587,3 +587,71 @@ def test_forced_and_parallel_calls_end_with_tool_calls(smollm, choice):
         assert len(calls) == 1  # a named choice is one call
     assert rebuild(results) == {c.index: (c.id, c.name, c.arguments) for c in calls}
     assert "".join(r.text for r in results) == ""
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def deep_list(depth: int) -> list:
+    out: list = []
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tools=[{"type": "function", "function": {"name": "get_weather\n"}}]), r"tools\[0\]\.function\.name"),
+        (dict(tools=TOOLS, tool_choice={"name": ["get_weather"]}), "tool_choice"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": {"a": 1}}}), "tool_choice"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": "get_weather"}), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": DEEP}}]), r"tools\[0\]"),
+        (dict(tools=[{"name": "get_weather", "parameters": {"type": "object"}}]), r"tools\[0\] must be"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}, "extra": DEEP}]), None),
+        (dict(tools="get_weather"), "tools must be"),
+        (dict(tools={"get_weather": WEATHER}), "tools must be"),
+    ],
+)
+def test_malformed_tools_and_choices_are_value_errors(kit, kwargs, match):
+    prompt = me.tokenize(kit, "hi")
+    if match is None:  # accepted: an unknown key is ignored
+        me.create_generator(kit, prompt, max_tokens=1, **kwargs).close()
+        return
+    with pytest.raises(ValueError, match=match):
+        me.create_generator(kit, prompt, max_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "tool_calls, match",
+    [
+        ("get_weather", r"messages\[1\]\.tool_calls must be a list"),
+        ({"function": {"name": "get_weather"}}, r"messages\[1\]\.tool_calls must be a list"),
+        (["get_weather"], r"messages\[1\]\.tool_calls\[0\]"),
+        ([{"function": "get_weather"}], r"messages\[1\]\.tool_calls\[0\]\.function"),
+        ([{"function": {"name": 3, "arguments": "{}"}}], r"messages\[1\]\.tool_calls\[0\]\.function\.name"),
+        ([{"function": {"name": "f", "arguments": 3}}], r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
+        ([{"function": {"name": "f", "arguments": DEEP}}], r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
+        ([{"function": {"name": "f", "arguments": {"b": deep_list(5000)}}}], r"tool_calls\[0\]\.function\.arguments"),
+    ],
+)
+@pytest.mark.parametrize("family", ["default", "hermes"])
+def test_malformed_tool_history_is_a_value_error(family_kits, family, tool_calls, match):
+    kit = me.load_model(family_kits[family], vocab_only=True)
+    messages = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": tool_calls}]
+    with pytest.raises(ValueError, match=match):
+        me.apply_chat_template(kit, messages, tools=TOOLS)
+
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cut", ["<", "<tool", "<tool_call", "\n<tool_c", "\n<"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_call_cut_inside_its_opening_marker_is_not_text(cut, streamed):
+    newline = cut[: len(cut) - len(cut.lstrip("\n"))]  # text before the marker stays text
+    for before, text in (("", newline), (CALL, ""), ("Sure. ", "Sure. " + newline)):
+        stream = ToolCallStream(FORMATS["hermes"], NAMES, streamed=streamed)
+        pieces = [stream.feed(before), stream.feed(cut), stream.finish()]
+        assert "".join(p.text for p in pieces) == text
+        assert len([c for p in pieces for c in p.calls]) == (1 if before == CALL else 0)

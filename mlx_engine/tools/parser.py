@@ -220,8 +220,12 @@ class ToolCallStream:
                 calls = self._made(parsed)
             elif self._scanner is None:
                 text = self.fmt.open + region
-        elif self._count == 0 or self._pending.strip():
-            text = self._pending  # whitespace after the last call is dropped
+        else:
+            # What was held back at the end is a call cut inside its opening
+            # marker ("<", "<tool_call"): neither a call nor text.
+            text = self._pending[: len(self._pending) - _held_prefix(self._pending, self.fmt.open or PYTHON_TAG)]
+            if self._count and not text.strip():
+                text = ""  # whitespace after the last call is dropped
         self._pending, self._held = "", []  # a call after the first that was cut short is never sent
         return self._emit(text, calls)
 
