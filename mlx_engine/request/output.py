@@ -11,6 +11,7 @@ count and the times. Nothing writes into them afterwards.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
@@ -267,8 +268,11 @@ class _ToolCalls:
 
 
 def _top_logprobs(kit: ModelKit, logprobs: mx.array, n: int) -> list[TopLogprob]:
+    """The ``n`` likeliest tokens at a position. Tokens a constraint (or a
+    logit bias) masked out have a logprob of -inf: they are not alternatives and
+    are left out, so the list can be shorter than ``n``, never non-finite."""
     idx = mx.argpartition(-logprobs, kth=n - 1)[:n]
     vals = logprobs[idx]
     order = mx.argsort(-vals)
     ids, lps = idx[order].tolist(), vals[order].tolist()
-    return [TopLogprob(i, kit.tokenizer.decode([i]), lp) for i, lp in zip(ids, lps)]
+    return [TopLogprob(i, kit.tokenizer.decode([i]), lp) for i, lp in zip(ids, lps) if math.isfinite(lp)]
