@@ -96,7 +96,7 @@ def test_example_runs(key, src, smollm, request, monkeypatch, capsys):
     run_block(key, src, namespace)
     out = capsys.readouterr().out
     if key == ("README.md", 0):
-        assert "Paris" in out and "tok/s" in out
+        assert "Paris" in out and "tokens" in out
         assert namespace["answers"].keys() == {"Name a river.", "Name a mountain."}
         assert namespace["kit"].draft is None  # unloaded again
         assert namespace["lookup_text"] and namespace["auto_text"]

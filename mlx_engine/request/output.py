@@ -121,25 +121,38 @@ class SpeculationTally:
 
 
 def build_stats(
-    facts: PromptFacts, tally: SpeculationTally, generated: int, t_start: float, t_first: float | None
+    facts: PromptFacts,
+    tally: SpeculationTally,
+    generated: int,
+    t_start: float,
+    t_first: float | None,
+    first_round: int = 1,
 ) -> GenerationStats:
     """The request's stats, once, at its end (``perf_counter`` times; ``t_first``
-    None: it ended before its first token)."""
+    None: it ended before its first token; ``first_round``: the tokens that came
+    with the first, which the time to first token covers).
+
+    Rates are taken only over work that was timed: ``prompt_tps`` over the prompt
+    tokens processed (None when the whole prompt came from the cache), and
+    ``generation_tps`` over the tokens after the first round, from the first
+    token on (None when the first round brought them all: a short answer, or a
+    draft that was accepted whole, has no interval to rate)."""
     now = time.perf_counter()
     first = t_first or now
     ttft = 0.0 if t_first is None else first - t_start
     processed = facts.prompt_tokens - facts.cached_tokens - 1  # the last prompt token is fed with the first round
     prompt_time = ttft - facts.setup_time
+    later = generated - first_round
     return GenerationStats(
         prompt_tokens=facts.prompt_tokens,
         cached_tokens=facts.cached_tokens,
         cache_source=facts.cache_source,
         cache_entries=facts.cache_entries,
         time_to_first_token=ttft,
-        prompt_tps=max(processed, 0) / prompt_time if prompt_time > 0 else 0.0,
+        prompt_tps=processed / prompt_time if processed > 0 and prompt_time > 0 else None,
         setup_time=facts.setup_time,
         generated_tokens=generated,
-        generation_tps=(generated - 1) / (now - first) if generated > 1 and now > first else 0.0,
+        generation_tps=later / (now - first) if later > 0 and now > first else None,
         total_time=now - t_start,
         peak_memory=int(mx.get_peak_memory()),
         **tally.fields(),
@@ -181,10 +194,14 @@ def results(
     calls = _ToolCalls(req)
     tally = SpeculationTally(facts.decoding_mode, facts.mode_reason, router)
     n, t_first = 0, None
+    first_round = None  # tokens before the first launch after the first token: the first round's
+
+    def stats_now():
+        return build_stats(facts, tally, n, t_start, t_first, n if first_round is None else first_round)
 
     def finish(text: str, tokens: list[Token], tops, stop) -> GenerationResult:
         text, made, deltas = calls.split(text, final=True)
-        stats = build_stats(facts, tally, n, t_start, t_first)
+        stats = stats_now()
         return final_result(text, tokens, tops, calls.stop_reason(stop), stats, req.stats_cb, (made, deltas))
 
     rnd: Round | None = None
@@ -195,6 +212,8 @@ def results(
             return
         rnd = None
         if isinstance(step, Launch):
+            if t_first is not None and first_round is None:
+                first_round = n
             rnd = yield step  # a forward pass, for the scheduler; its round goes back to the loop
             continue
         t_first = t_first or time.perf_counter()
@@ -222,7 +241,7 @@ def results(
             return
         text, made, deltas = calls.split(event.text)
         if calls.repeated:  # the model repeated a call of this answer: it has nothing more to add
-            stats = build_stats(facts, tally, n, t_start, t_first)
+            stats = stats_now()
             yield final_result(text, [token], tops, "tool_calls", stats, req.stats_cb, (made, deltas))
             return
         yield GenerationResult(text, [token], tops, tool_calls=made, tool_call_deltas=deltas)
