@@ -133,7 +133,7 @@ def estimate(step_seconds: float, device_type: str | None = None) -> CostModel:
     return CostModel(_non_decreasing(_interpolate({n: step_seconds * r for n, r in curve.items()}, MAX_DRAFT + 1)))
 
 
-def measure_step(model: nn.Module, vocab_size: int, context: int = 4, repeats: int = 2) -> float:
+def measure_step(model: nn.Module, vocab_size: int, context: int = 4, repeats: int = 1) -> float:
     """Seconds of one single-token step at a short context (the fastest of
     ``repeats`` after an untimed one, the least disturbed by other work): the
     cheap part of a measurement."""

@@ -162,11 +162,15 @@ def config_from_header(h: GGUFHeader) -> dict:
 
 
 def _check_vocabulary(h: GGUFHeader, rows: int) -> None:
-    """One embedding row per token, as llama.cpp requires: with fewer tokens than
-    rows the model can generate ids the tokenizer cannot decode (IndexError in
-    the middle of a generation), with more the tokenizer makes ids the model has
-    no row for."""
+    """One embedding row per token of a SentencePiece vocabulary, as llama.cpp
+    requires: with fewer tokens than rows the model can generate ids the
+    tokenizer cannot decode (IndexError in the middle of a generation), with
+    more the tokenizer makes ids the model has no row for. (A byte-level BPE
+    tokenizer decodes an id past its vocabulary as nothing, so a file padded
+    only in its embedding still loads.)"""
     tokens = h.metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(h.metadata.get("tokenizer.ggml.model"), str) or h.metadata["tokenizer.ggml.model"] != "llama":
+        return  # not SentencePiece, or not a name at all (the tokenizer's own checks say so)
     if isinstance(tokens, (list, tuple)) and len(tokens) != rows:
         raise ModelLoadError(
             f"GGUF file {str(h.path)!r}: its tokenizer has {len(tokens)} tokens but 'token_embd.weight' has "
