@@ -22,6 +22,7 @@ import argparse
 import ast
 import json
 import logging
+import math
 import operator
 import os
 import sys
@@ -64,8 +65,15 @@ def resolve_model(name: str | None) -> str | Path:
     return path  # load_model reports it clearly
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with each mistake as one line on stderr (``demo.py: error: ...``), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Stream text from a local model with mlx-engine.")
+    p = OneLineParser(description="Stream text from a local model with mlx-engine.")
     p.add_argument(
         "--model",
         help=f"model directory, .gguf file, catalog name, or a name under the LM Studio models folders (default: {me.DEFAULT_MODEL})",
@@ -78,14 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"system message for the chat template (default: {DEFAULT_SYSTEM!r}; '' for none)",
     )
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: off)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="e.g. 1.2; small models loop without one")
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--stop-strings", nargs="*", default=None)
-    p.add_argument("--top-logprobs", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-kv-size", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=200, help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--stop-strings", nargs="*", default=None, help="stop at any of these strings (default: none)")
+    p.add_argument(
+        "--top-logprobs", type=int, default=None, help="print this many alternatives per token, 0-20 (default: none)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
+    p.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="a rotating KV window of this many tokens (default: the model's context)",
+    )
     p.add_argument("--print-prompt-progress", action="store_true", help="show a prompt-processing progress bar")
     p.add_argument(
         "--draft-model", default=None, help="draft model for speculative decoding (a path or a catalog name)"
@@ -171,7 +186,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.images or []:  # before any model loads
         if not Path(name).expanduser().is_file():
             parser.error(f"--images: {name!r} is not a file")
+    try:
+        check_values(args)
+    except ValueError as exc:
+        parser.error(" ".join(str(exc).split()))
     return args
+
+
+def check_values(args: argparse.Namespace) -> None:
+    """What can be checked without a model, checked before one loads
+    (``ValueError`` naming the flag): numbers, files, constraints, the draft."""
+    from mlx_engine.structured import validate_constraint
+
+    for flag, value, ok, allowed in (
+        ("--temp", args.temp, lambda x: x >= 0, ">= 0 (0 is greedy)"),
+        ("--top-p", args.top_p, lambda x: 0 < x <= 1, "in (0, 1]"),
+        ("--repetition-penalty", args.repetition_penalty, lambda x: x > 0, "> 0"),
+    ):
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{flag} must be a finite number, got {value}")
+        if value is not None and not ok(value):
+            raise ValueError(f"{flag} must be {allowed}, got {value}")
+    if args.top_logprobs is not None and not 0 <= args.top_logprobs <= 20:
+        raise ValueError(f"--top-logprobs must be from 0 to 20, got {args.top_logprobs}")
+    if args.stop_strings is not None and "" in args.stop_strings:
+        raise ValueError("--stop-strings: a stop string must not be empty")
+    if args.tools:
+        read_tools(args.tools)
+    files = {flag: read_file(getattr(args, flag), flag) for flag in ("json_schema", "grammar")}
+    if files["json_schema"] is not None:
+        try:
+            json.loads(files["json_schema"])
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-schema: {args.json_schema!r} is not JSON: {exc}") from None
+    try:
+        validate_constraint(json_schema=files["json_schema"], regex=args.regex, grammar=files["grammar"])
+    except me.InvalidArgument as exc:
+        raise ValueError(f"--{exc.param.replace('_', '-')}: {exc}") from None
+    if args.draft_model:
+        found = resolve_model(args.draft_model)
+        if isinstance(found, Path) and not found.exists():
+            raise ValueError(
+                f"--draft-model: {args.draft_model!r} was not found: not a path, a catalog name "
+                f"({', '.join(me.CATALOG)}) or a name under {', '.join(str(d) for d in LMSTUDIO_DIRS)}"
+            )
+
+
+def read_file(name: str | None, flag: str) -> str | None:
+    """The text of the file a flag names (None when not given); ``ValueError`` naming the flag."""
+    if name is None:
+        return None
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--{flag.replace('_', '-')}: {name!r} is not a file")
+    return path.read_text(encoding="utf-8")
 
 
 def uses_chat(kit: me.ModelKit, args: argparse.Namespace) -> bool:
@@ -224,13 +292,10 @@ def read_images(paths: list[str]) -> list[str]:
 def constraints(args: argparse.Namespace) -> dict:
     """Structured-output arguments from --json-schema / --regex / --grammar."""
     out = {"regex": args.regex} if args.regex is not None else {}
-    for flag, key in (("json_schema", "json_schema"), ("grammar", "grammar")):
-        name = getattr(args, flag)
-        if name is not None:
-            path = Path(name).expanduser()
-            if not path.is_file():
-                sys.exit(f"--{flag.replace('_', '-')}: {str(path)!r} is not a file")
-            out[key] = path.read_text(encoding="utf-8")
+    for flag in ("json_schema", "grammar"):
+        text = read_file(getattr(args, flag), flag)
+        if text is not None:
+            out[flag] = text
     return out
 
 
@@ -279,13 +344,10 @@ def run_tool(call: me.ToolCall) -> dict:
 
 
 def read_tools(name: str) -> list[dict]:
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise ValueError(f"--tools: {str(path)!r} is not a file")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_file(name, "tools"))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--tools: {str(path)!r} is not JSON: {exc}") from exc
+        raise ValueError(f"--tools: {name!r} is not JSON: {exc}") from exc
 
 
 def tool_choice(args: argparse.Namespace):
@@ -443,7 +505,7 @@ def chat(kit: me.ModelKit, args: argparse.Namespace) -> int:
     """Multi-turn chat: each turn sends the whole conversation, and the kit's
     prompt cache reuses everything but the newest message."""
     if not uses_chat(kit, args):
-        sys.exit("--chat needs a model with a chat template")
+        raise ValueError("--chat needs a model with a chat template")
     history = system_messages(args)
     print("Chat with the model; an empty line or end of input ends it.", file=sys.stderr)
     while True:

@@ -24,6 +24,7 @@ from .errors import (  # noqa: E402
     DistributedConfigError,
     GenerationInProgressError,
     IncompatibleDraftModelError,
+    InvalidArgument,
     ModelLoadError,
     ShardedKitError,
 )  # noqa: E402
@@ -57,6 +58,7 @@ __all__ = [
     "GenerationStats",
     "GenerationStopCondition",
     "IncompatibleDraftModelError",
+    "InvalidArgument",
     "ModelKit",
     "ModelLoadError",
     "ShardedKitError",

@@ -1,6 +1,33 @@
 """Exceptions raised by the engine. Bad arguments raise ``ValueError`` subclasses
 that name the argument and what is allowed."""
 
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class InvalidArgument(ValueError):
+    """A ``create_generator`` argument is bad.
+
+    ``param`` names it as the caller passed it: the argument (``temp``), or an
+    item inside it (``tools[1].function.name``), so a host can map it to its
+    own field names without reading the message."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@contextmanager
+def argument(param: str) -> Iterator[None]:
+    """Within the block, a plain ``ValueError`` becomes ``InvalidArgument(param)``
+    (one that already names its argument passes through)."""
+    try:
+        yield
+    except InvalidArgument:
+        raise
+    except ValueError as exc:
+        raise InvalidArgument(str(exc), param) from exc
+
 
 class ModelLoadError(ValueError):
     """The model directory is missing, malformed or unsupported."""

@@ -20,6 +20,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .errors import InvalidArgument
+
 logger = logging.getLogger(__name__)
 
 CONSTRAINT_ARGS = ("json_schema", "regex", "grammar")
@@ -34,8 +36,9 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
 
     given = [(n, v) for n, v in zip(CONSTRAINT_ARGS, (json_schema, regex, grammar)) if v is not None]
     if len(given) > 1:
-        raise ValueError(
-            f"{' and '.join(n for n, _ in given)} were both given; pass at most one of {', '.join(CONSTRAINT_ARGS)}"
+        raise InvalidArgument(
+            f"{' and '.join(n for n, _ in given)} were both given; pass at most one of {', '.join(CONSTRAINT_ARGS)}",
+            given[0][0],
         )
     if not given:
         return None
@@ -56,7 +59,22 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
             return name, llguidance.LLMatcher.grammar_from_regex(value)
         return name, llguidance.LLMatcher.grammar_from_lark(value)
     except (ValueError, TypeError, RuntimeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{name} is not valid: {exc}") from exc
+        raise InvalidArgument(f"{name} is not valid: {exc}", name) from exc
+
+
+def validate_constraint(json_schema: Any = None, regex: Any = None, grammar: Any = None) -> None:
+    """Check a constraint without a tokenizer (before any model is loaded):
+    ``InvalidArgument`` naming the argument for one llguidance cannot compile.
+    ``check_grammar`` (with the kit) still runs when the request is made."""
+    import llguidance
+
+    compiled = compile_constraint(json_schema, regex, grammar)
+    if compiled is None:
+        return
+    name, text = compiled
+    error = llguidance.LLMatcher.validate_grammar(text, None)
+    if error:
+        raise InvalidArgument(f"{name} cannot be used: {_describe(error)}", name)
 
 
 # llguidance's view of each kit's tokenizer, kept here (weakly, so it goes with
@@ -111,13 +129,21 @@ def check_grammar(kit, name: str, grammar: str) -> None:
     except BaseException as exc:  # llguidance reports Rust panics as pyo3's PanicException (a BaseException)
         error = f"{type(exc).__name__}: {exc}"
     if error:
-        raise ValueError(f"{name} cannot be used: {_describe(error)}")
+        raise InvalidArgument(f"{name} cannot be used: {_describe(error)}", name)
 
 
 def _describe(error: str) -> str:
     """The first line of llguidance's error (the rest is its parser state), with
     its internal assertions said in words."""
-    first = error.strip().splitlines()[0] if error.strip() else "unknown llguidance error"
+    lines = error.strip().splitlines()
+    first = lines[0] if lines else "unknown llguidance error"
+    if first.endswith(":"):  # a parser's report follows on its own lines (a regex's "unclosed group")
+        detail = []
+        for ln in lines[1:]:
+            if " | " in ln and ln.split(" | ")[0].strip().isdigit():
+                break  # llguidance's echo of the grammar's line
+            detail += [ln.strip()] if ln.strip() else []
+        first = " ".join([first, *detail])
     if "panic" in first or "assertion" in first:
         return f"it is too large or complex for llguidance ({first})"
     if "too many" in first.lower():

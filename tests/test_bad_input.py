@@ -113,8 +113,10 @@ def test_bad_load_options(llama_path):
 )
 def test_bad_generation_arguments(kit, kwargs, match):
     prompt = me.tokenize(kit, "hello")
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         me.create_generator(kit, prompt, **kwargs)
+    # The argument is named as a value too, so a host (the server) maps it without reading the message.
+    assert isinstance(err.value, me.InvalidArgument) and err.value.param == match
     assert generate_ids(kit, prompt, max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
 
 
@@ -152,9 +154,40 @@ def test_tokenize_refuses_lone_surrogates(kit):
     ],
 )
 def test_bad_prompts(kit, prompt, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         me.create_generator(kit, prompt)
+    assert isinstance(err.value, me.InvalidArgument) and err.value.param == "prompt_tokens"
     assert generate_ids(kit, [1, 2, 3], max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(tools=[TOOL, {"type": "function", "function": {"name": "bad name"}}]), "tools[1].function.name"),
+        (dict(tools=[TOOL], tool_choice="sometimes"), "tool_choice"),
+        (dict(tools=[TOOL], tool_choice={"name": ["f"]}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),
+        (dict(tools=[TOOL], regex="a+"), "tools"),
+        (dict(json_schema={"type": "nonsense"}), "json_schema"),
+        (dict(json_schema=3), "json_schema"),
+        (dict(regex="("), "regex"),
+        (dict(grammar="start: nope"), "grammar"),
+        (dict(regex="a", grammar="start: 'a'"), "regex"),
+        (dict(images_b64=["AA"]), "images_b64"),
+        (dict(logit_bias={10**6: 1.0}), "logit_bias"),
+        (dict(logit_bias={1: float("nan")}), "logit_bias"),
+        (dict(structured_drafting="yes"), "structured_drafting"),
+        (dict(auto_speculative="yes"), "auto_speculative"),
+    ],
+)
+def test_invalid_arguments_carry_their_name(kit, kwargs, param):
+    with pytest.raises(me.InvalidArgument) as err:
+        me.create_generator(kit, me.tokenize(kit, "hello"), **kwargs)
+    assert err.value.param == param and isinstance(err.value, ValueError)
 
 
 def test_raising_callbacks_leave_kit_usable(kit):

@@ -20,10 +20,11 @@ def test_defaults_are_plain_decoding():
     assert args.draft_model is None and args.num_draft_tokens is None
 
 
-def test_speculative_flags_parse():
-    args = demo.parse_args(["--auto-speculative", "--prompt-lookup-num-tokens", "6", "--draft-model", "d"])
-    assert args.auto_speculative and args.prompt_lookup_num_tokens == 6 and args.draft_model == "d"
-    assert demo.parse_args(["--draft-model", "d", "--num-draft-tokens", "3"]).num_draft_tokens == 3
+def test_speculative_flags_parse(draft_path):
+    d = str(draft_path)  # checked to exist before any model loads
+    args = demo.parse_args(["--auto-speculative", "--prompt-lookup-num-tokens", "6", "--draft-model", d])
+    assert args.auto_speculative and args.prompt_lookup_num_tokens == 6 and args.draft_model == d
+    assert demo.parse_args(["--draft-model", d, "--num-draft-tokens", "3"]).num_draft_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -96,7 +97,7 @@ def run_demo(args, stdin=None):
 @pytest.mark.parametrize(
     "args, stdin, match",
     [
-        (["--stop-strings", ""], None, "stop_strings"),
+        (["--stop-strings", ""], None, "--stop-strings"),
         (["--temp", "-1"], None, "temp must be >= 0"),
         (["--temp", "nan"], None, "temp must be a finite number"),
         (["--prompt", "-"], "", "standard input was empty"),
@@ -108,6 +109,49 @@ def test_bad_flags_give_one_line_and_exit_2(llama_path, args, stdin, match):
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]  # argparse's own errors come after a usage block
     assert last.startswith("demo.py: error: ") and match in last and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--json-schema", "no-such.json"], "--json-schema: 'no-such.json' is not a file"),
+        (["--grammar", "no-such.lark"], "--grammar: 'no-such.lark' is not a file"),
+        (["--regex", "("], "unclosed group"),
+        (["--temp", "-1"], "--temp must be >= 0"),
+        (["--top-p", "2"], "--top-p must be in (0, 1]"),
+        (["--stop-strings", ""], "--stop-strings"),
+        (["--tools", "no-such.json"], "--tools: 'no-such.json' is not a file"),
+        (["--draft-model", "no/such/draft"], "--draft-model: 'no/such/draft' was not found"),
+    ],
+)
+def test_flag_mistakes_are_found_before_the_model_loads(args, match):
+    """Checked first: the model named here does not exist, yet the flag's mistake is what is reported."""
+    out = run_demo(["--model", "no/such/model", *args])
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("demo.py: error: ") and match in lines[0], out.stderr
+
+
+def test_bad_schema_file_is_one_line(tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text("{not json")
+    out = run_demo(["--model", "no/such/model", "--json-schema", str(schema)])
+    assert out.returncode == 2 and "is not JSON" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_missing_draft_is_not_found_rather_than_incompatible(llama_path, tmp_path):
+    """Past the demo's own check (a folder that exists but holds no model), the SDK says what is wrong."""
+    (tmp_path / "draft").mkdir()
+    out = run_demo(["--model", str(llama_path), "--draft-model", str(tmp_path / "draft"), "--max-tokens", "2"])
+    assert out.returncode == 2 and "not compatible" not in out.stderr and "no config.json" in out.stderr, out.stderr
+
+
+def test_help_explains_every_option():
+    for action in demo.build_parser()._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.dest
+            if action.default not in (None, False, []):
+                assert "default" in action.help, action.dest
 
 
 def test_missing_model_names_the_folders_searched():

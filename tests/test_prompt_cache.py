@@ -5,6 +5,7 @@ output is compared with a fresh kit's."""
 import mlx_engine as me
 
 import json
+import logging
 
 import pytest
 from helpers import generate_ids
@@ -66,7 +67,8 @@ def test_identical_regenerations_do_not_pile_up(kit):
     assert len(kit.prompt_cache.entries) == 1
 
 
-def test_lru_eviction_under_a_byte_budget(llama_path):
+def test_lru_eviction_under_a_byte_budget(llama_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="mlx_engine")
     kit = me.load_model(llama_path)
     turn(kit, A)
     per_entry = kit.prompt_cache.memory_bytes()
@@ -77,6 +79,9 @@ def test_lru_eviction_under_a_byte_budget(llama_path):
         assert kit.prompt_cache.memory_bytes() <= kit.prompt_cache.budget_bytes or len(kit.prompt_cache.entries) == 1
     kept = [kit.tokenizer.decode(e.tokens[:5]) for e in kit.prompt_cache.entries]
     assert not any(k.startswith("for i") for k in kept)  # B, the least recently used, went first
+    # Routine for a host: at DEBUG, never at INFO.
+    evictions = [r for r in caplog.records if "evicted" in r.getMessage()]
+    assert evictions and all(r.levelno == logging.DEBUG for r in evictions)
 
 
 def test_disk_tier_survives_a_restart(llama_path, tmp_path, fresh):

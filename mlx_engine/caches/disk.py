@@ -1,5 +1,9 @@
 """The prompt cache's disk tier: evicted entries as safetensors files.
 
+A hybrid model's entry holds its attention KV and its recurrent state after
+its tokens (the state is read back as the entry's checkpoint), so it serves a
+prompt that extends it.
+
 Each entry is ``<dir>/<identity>/<name>.safetensors`` (the KV layers, written
 with mlx-lm's ``save_prompt_cache``) plus ``<name>.json``, its record (its
 tokens, size and SHA-256; ``name`` is a hash of the tokens). ``identity``
@@ -33,10 +37,10 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
 
 from ..loading.checks import read_safetensors_header
-from .sequence import KVLayout, SequenceCache, common_prefix_length
+from .sequence import KVLayout, SequenceCache, StateLayout, common_prefix_length, flat_layers
 
 logger = logging.getLogger(__name__)
 
@@ -143,12 +147,42 @@ def _parse_record(name: str, raw: bytes) -> _Item:
 
 
 def _savable(cache: SequenceCache) -> bool:
-    """Plain KV layers holding exactly the cache's (known) tokens."""
+    """Plain KV layers holding exactly the cache's (known) tokens, beside
+    recurrent layers holding their state after them (a hybrid model)."""
+    n = len(cache.tokens)
     return (
         bool(cache.tokens)
         and min(cache.tokens) >= 0
-        and all(type(c) is KVCache and c.offset == len(cache.tokens) for c in cache.layers)
+        and all(
+            (type(c) is KVCache and c.offset == n)
+            or (bool(cache.recurrent) and isinstance(c, ArraysCache) and all(a is not None for a in c.cache))
+            for c in flat_layers(cache.layers)
+        )
     )
+
+
+def _save_hybrid(path: Path, cache: SequenceCache) -> None:
+    """A hybrid cache's layers (``CacheList`` opened up): KV layer i as
+    ``i.0``/``i.1``, a recurrent layer's arrays as ``i.s0``, ``i.s1``, ...; the
+    state is the one after the entry's tokens, a checkpoint when read back."""
+    tensors = {}
+    for i, c in enumerate(flat_layers(cache.layers)):
+        if isinstance(c, ArraysCache):
+            tensors.update({f"{i}.s{j}": a for j, a in enumerate(c.cache)})
+        else:
+            tensors[f"{i}.0"], tensors[f"{i}.1"] = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+    mx.save_safetensors(str(path), tensors, metadata={"format": "mlx-engine-hybrid"})
+
+
+def _fill_hybrid(cache: SequenceCache, tensors: dict[str, mx.array], tokens: list[int]) -> None:
+    """Set a fresh hybrid cache from an entry's checked tensors."""
+    for i, c in enumerate(flat_layers(cache.layers)):
+        if isinstance(c, ArraysCache):
+            c.cache = [tensors[f"{i}.s{j}"] for j in range(len(c.cache))]
+        else:
+            c.state = (tensors[f"{i}.0"], tensors[f"{i}.1"], len(tokens))
+    cache.tokens = list(tokens)
+    cache.checkpoint()  # a branch or a rewind may land here
 
 
 class DiskCache:
@@ -157,7 +191,7 @@ class DiskCache:
     def __init__(self, root: str | os.PathLike, identity: str, budget_bytes: int):
         self.dir = Path(root).expanduser() / identity
         self.budget_bytes = budget_bytes
-        self._layout: list[KVLayout | None] | None = None  # the model's, found at the first read
+        self._layout: list[KVLayout | StateLayout | None] | None = None  # the model's, found at the first read
         self._undeletable: set[str] = set()  # entries to ignore quietly (already warned about)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -219,7 +253,10 @@ class DiskCache:
         tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp_data, tmp_record = self.dir / f"{tmp}.safetensors", self.dir / f"{tmp}.json"
         try:
-            save_prompt_cache(str(tmp_data), [_compact(c) for c in cache.layers])
+            if cache.recurrent:
+                _save_hybrid(tmp_data, cache)
+            else:
+                save_prompt_cache(str(tmp_data), [_compact(c) for c in cache.layers])
             with open(tmp_data, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 digest = _sha256(f, size)
@@ -244,11 +281,17 @@ class DiskCache:
             candidates = sorted((c for c in candidates if c[0] > better_than), key=lambda c: -c[0])
             if not candidates or self._model_layout(make) is None:
                 return None
+            if any(isinstance(lay, StateLayout) for lay in self._layout):
+                # A hybrid entry holds its recurrent state at its end only: usable when the prompt extends it.
+                candidates = [c for c in candidates if c[0] == len(c[1].tokens)]
             for _, item in candidates:
                 layers = self._read_checked(item)
                 if layers is not None:
                     cache = make()
-                    cache.layers, cache.tokens = layers, list(item.tokens)
+                    if isinstance(layers, dict):
+                        _fill_hybrid(cache, layers, item.tokens)
+                    else:
+                        cache.layers, cache.tokens = layers, list(item.tokens)
                     _touch(self.dir / f"{item.name}.safetensors")
                     return cache
         except Exception as exc:  # the disk tier only ever saves work: failing to read it is a miss
@@ -257,7 +300,7 @@ class DiskCache:
             )
         return None
 
-    def _model_layout(self, make: Callable[[], SequenceCache]) -> list[KVLayout | None] | None:
+    def _model_layout(self, make: Callable[[], SequenceCache]) -> list[KVLayout | StateLayout | None] | None:
         """What this model's KV layers hold (found once); None when it cannot be
         found, so that no entry is read (and none is deleted for it)."""
         if self._layout is None:
@@ -268,7 +311,7 @@ class DiskCache:
                 self._layout = []
         return self._layout or None
 
-    def _read_checked(self, item: _Item) -> list[KVCache] | None:
+    def _read_checked(self, item: _Item) -> list[KVCache] | dict[str, mx.array] | None:
         path = self.dir / f"{item.name}.safetensors"
         try:
             with _open_regular(path, item.bytes) as f:
@@ -328,10 +371,13 @@ class DiskCache:
         return sum(size for _, size, _ in self._stats())
 
 
-def _read_entry(f: BinaryIO, path: Path, item: _Item, layout: list[KVLayout | None]) -> list[KVCache]:
-    """The layers of the entry open as ``f``: its size, header (against the
-    model's ``layout`` and the recorded tokens) and checksum are checked before
-    any tensor is read; ``ValueError`` says what does not match."""
+def _read_entry(
+    f: BinaryIO, path: Path, item: _Item, layout: list[KVLayout | StateLayout | None]
+) -> list[KVCache] | dict[str, mx.array]:
+    """The layers of the entry open as ``f`` (a hybrid model's: its tensors by
+    name): its size, header (against the model's ``layout`` and the recorded
+    tokens) and checksum are checked before any tensor is read; ``ValueError``
+    says what does not match."""
     size = os.fstat(f.fileno()).st_size
     if size != item.bytes:
         raise ValueError(f"{size} bytes where its record says {item.bytes} (a truncated file?)")
@@ -339,6 +385,10 @@ def _read_entry(f: BinaryIO, path: Path, item: _Item, layout: list[KVLayout | No
     if _sha256(f, size) != item.sha256:
         raise ValueError("checksum mismatch (a corrupt file)")
     f.seek(0)
+    if any(isinstance(lay, StateLayout) for lay in layout):
+        tensors = mx.load(f)
+        mx.eval(list(tensors.values()))  # read now, while the file is open
+        return tensors
     layers = load_prompt_cache(f)
     if any(type(c) is not KVCache or c.offset != len(item.tokens) for c in layers):
         raise ValueError(f"its layers are not plain KV caches holding its {len(item.tokens)} tokens")
@@ -346,27 +396,35 @@ def _read_entry(f: BinaryIO, path: Path, item: _Item, layout: list[KVLayout | No
     return layers
 
 
-def _check_header(tensors: dict, layout: list[KVLayout | None], n: int) -> None:
-    """The tensors an entry declares are exactly this model's KV layers for
-    ``n`` tokens: per layer keys ``i.0``, values ``i.1`` and an optional
-    offset scalar ``i.2``."""
+def _check_header(tensors: dict, layout: list[KVLayout | StateLayout | None], n: int) -> None:
+    """The tensors an entry declares are exactly this model's layers for ``n``
+    tokens: per KV layer keys ``i.0``, values ``i.1`` and an optional offset
+    scalar ``i.2``; per recurrent layer (a hybrid model) its arrays ``i.s0``,
+    ``i.s1``, ... of the model's own shapes."""
     if any(lay is None for lay in layout):
-        raise ValueError("this model's cache has layers that are not plain KV caches")
+        raise ValueError("this model's cache has layers that are neither plain KV caches nor recurrent state")
     held = {name.split(".")[0] for name in tensors}
     if len(held) != len(layout):
         raise ValueError(f"{len(held)} layers; this model has {len(layout)}")
+    allowed = set()
     for i, lay in enumerate(layout):
-        dtype = _SAFETENSORS_DTYPES.get(lay.dtype)
-        for part, dim in ((f"{i}.0", lay.key_dim), (f"{i}.1", lay.value_dim)):
-            info = tensors.get(part)
-            want = (1, lay.heads, n, dim)
-            if info is None or info.shape != want or (dtype is not None and info.dtype != dtype):
+        if isinstance(lay, StateLayout):
+            parts = [(f"{i}.s{j}", shape, dtype) for j, (shape, dtype) in enumerate(zip(lay.shapes, lay.dtypes))]
+        else:
+            parts = [
+                (f"{i}.{j}", (1, lay.heads, n, dim), lay.dtype) for j, dim in enumerate((lay.key_dim, lay.value_dim))
+            ]
+            allowed.add(f"{i}.2")
+            offset = tensors.get(f"{i}.2")
+            if offset is not None and offset.shape != ():
+                raise ValueError(f"tensor {i}.2 (the layer's offset) has shape {list(offset.shape)}")
+        for part, want, dtype in parts:
+            allowed.add(part)
+            info, name = tensors.get(part), _SAFETENSORS_DTYPES.get(dtype)
+            if info is None or tuple(info.shape) != tuple(want) or (name is not None and info.dtype != name):
                 got = "missing" if info is None else f"{info.dtype} {list(info.shape)}"
-                raise ValueError(f"tensor {part} is {got}; this model's for {n} tokens is {dtype} {list(want)}")
-        offset = tensors.get(f"{i}.2")
-        if offset is not None and offset.shape != ():
-            raise ValueError(f"tensor {i}.2 (the layer's offset) has shape {list(offset.shape)}")
-    extra = set(tensors) - {f"{i}.{j}" for i in range(len(layout)) for j in range(3)}
+                raise ValueError(f"tensor {part} is {got}; this model's for {n} tokens is {name} {list(want)}")
+    extra = set(tensors) - allowed
     if extra:
         raise ValueError(f"unexpected tensors {sorted(extra)[:3]}")
 

@@ -11,8 +11,12 @@ A request uses the entry sharing the longest prefix with its prompt:
   the shared prefix, whose KV arrays are slices of the original's (MLX arrays
   are immutable, so the two share storage until one grows), and the original
   stays intact: every earlier point of a conversation is a checkpoint;
+- recurrent layers (hybrid models) cannot be cut back: a branch starts from
+  the latest recurrent-state checkpoint at or before the shared prefix (the
+  end of an earlier prompt or answer, see cache.py), its attention KV sliced
+  to the same position, and the request prefills the rest;
 - caches that cannot be sliced (rotating windows that have wrapped, quantized
-  or recurrent layers) are trimmed in place, as a single-sequence cache would.
+  layers) are trimmed in place, as a single-sequence cache would.
 
 Entries are evicted least recently used first once their KV bytes pass the
 budget; with a disk directory, evicted entries are written there (disk_cache.py)
@@ -27,10 +31,10 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .disk import DiskCache, prepare_root
-from .sequence import UNKNOWN, SequenceCache, common_prefix_length
+from .sequence import UNKNOWN, SequenceCache, common_prefix_length, flat_layers
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +77,14 @@ class CacheHit(NamedTuple):
 
 def cache_bytes(cache: SequenceCache) -> int:
     """KV bytes held by ``cache``: a plain KV layer counts its tokens' share of
-    its buffers (shared storage counts for each holder), other layers their state."""
-    total = 0
-    for layer in cache.layers:
+    its buffers (shared storage counts for each holder), recurrent layers their
+    state with its rewind points and checkpoints, other layers their state."""
+    total = cache.state_bytes()
+    for layer in flat_layers(cache.layers):
         if isinstance(layer, KVCache):
             if layer.keys is not None:
                 total += (layer.keys.nbytes + layer.values.nbytes) * layer.offset // layer.keys.shape[2]
-        else:
+        elif not isinstance(layer, ArraysCache):
             total += sum(a.nbytes for a in _arrays(layer.state))
     return total
 
@@ -93,18 +98,28 @@ def _arrays(state) -> list[mx.array]:
 
 
 def can_branch(cache: SequenceCache) -> bool:
-    """Whether a prefix of ``cache`` can be copied out by slicing (plain KV layers)."""
-    return bool(cache.layers) and all(type(c) is KVCache for c in cache.layers)
+    """Whether a prefix of ``cache`` can be copied out by slicing (plain KV
+    layers) and restoring a kept state (recurrent layers)."""
+    layers = flat_layers(cache.layers)
+    return bool(layers) and all(type(c) is KVCache or isinstance(c, ArraysCache) for c in layers)
 
 
 def branch(cache: SequenceCache, n: int, make: Callable[[], SequenceCache]) -> SequenceCache:
-    """A new entry holding the first ``n`` tokens of ``cache``; the KV arrays are
-    slices of the original's, so nothing is copied until either one grows."""
+    """A new entry holding the first ``n`` tokens of ``cache`` (for recurrent
+    layers: of the latest kept state at or before ``n``, so it may hold fewer);
+    the KV arrays are slices of the original's and the states the original's
+    own, so nothing is copied until either one grows."""
     out = make()
-    for src, dst in zip(cache.layers, out.layers):
-        if src.keys is not None and n:
+    n = cache.restorable(n)
+    state = cache.state_at(n) if cache.recurrent else ()
+    if n == 0 or state is None:
+        return out
+    for src, dst in zip(flat_layers(cache.layers), flat_layers(out.layers)):
+        if type(src) is KVCache and src.keys is not None:
             dst.state = (src.keys[..., :n, :], src.values[..., :n, :], n)
+    out.restore(state)
     out.tokens = list(cache.tokens[:n])
+    out.checkpoints = [(p, s) for p, s in cache.checkpoints if p <= n]
     return out
 
 
@@ -186,6 +201,8 @@ class PromptCache:
         if shared == _known_length(best.tokens):
             return best, "memory"  # the prompt extends this entry
         if shared and can_branch(best):
+            if not best.restorable(shared):
+                return self.make(), "none"  # no recurrent state kept that early: keep the entry whole
             return branch(best, shared, self.make), "branch"
         if not shared and best.tokens:
             return self.make(), "none"  # a new sequence: keep the others
@@ -213,7 +230,7 @@ class PromptCache:
             self.entries = [e for e in self.entries if e is not old]
             if self.disk is not None and old.tokens:
                 self.disk.save(old)
-            logger.info("prompt cache: evicted a %d-token entry", len(old.tokens))
+            logger.debug("prompt cache: evicted a %d-token entry", len(old.tokens))
 
     def memory_bytes(self) -> int:
         return sum(cache_bytes(e) for e in self.entries)

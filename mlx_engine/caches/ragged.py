@@ -14,23 +14,64 @@ round. Rows join (after their prompt is prefilled in their own cache) and leave
 (their keys and values handed back to their cache, for the prompt cache) between
 steps; the first row to join and the last to leave hand their arrays over
 without a copy, so a lone request costs what it did without batching.
+
+Hybrid models' recurrent layers (``ArraysCache``) join too, for the families
+whose layers honour mlx-lm's per-row ``lengths`` (``BATCHED_RECURRENT``): each
+pass sets every row's number of real inputs, so a row's padding (and a row
+riding along with none) never enters its convolution window or its SSM or
+delta-rule state. Before each pass a row's state is kept as its rewind point
+(a lazy slice of the batch's arrays: nothing is copied unless it is used); a
+row rewound by its request (``SequenceCache.rewind_to`` restores the state
+into the row's own, otherwise empty, layers) is written back into its row of
+the batch before the next pass.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
-from .sequence import UNKNOWN, SequenceCache
+from .sequence import UNKNOWN, SequenceCache, flat_layers
 
 STEP = 256  # buffer growth, in positions (as mlx-lm's KVCache)
 
+#: Hybrid families (mlx-lm module names) whose recurrent layers keep padded
+#: rows' state exact given per-row ``lengths``: checked row by row against each
+#: row alone in tests/test_hybrid.py. Not nemotron_h (its Mamba layer does not
+#: pass ``lengths`` to ``ssm_update``, so right padding enters the state) nor
+#: jamba (its Mamba-1 layer ignores the mask): their rows run alone.
+BATCHED_RECURRENT = frozenset({"qwen3_next", "qwen3_5", "lfm2", "mamba2", "granitemoehybrid", "falcon_h1"})
+
 
 def can_batch(cache: SequenceCache) -> bool:
-    """Whether ``cache``'s layers can join a batch (plain, unquantized KV layers)."""
+    """Whether ``cache``'s layers can join a batch: plain, unquantized KV
+    layers, and recurrent ones of the families in ``BATCHED_RECURRENT``."""
     o = cache.options
-    return bool(cache.layers) and o.kv_bits is None and all(type(c) is KVCache for c in cache.layers)
+    layers = flat_layers(cache.layers)
+    if not layers or o.kv_bits is not None:
+        return False
+    if cache.recurrent and type(cache.model).__module__.rsplit(".", 1)[-1] not in BATCHED_RECURRENT:
+        return False
+    return all(type(c) is KVCache or type(c) is ArraysCache for c in layers)
+
+
+class _StateLayer(ArraysCache):
+    """One recurrent layer's state for every row (row b at index b), with the
+    rows' real input counts of the current pass as mlx-lm's ``lengths``."""
+
+
+def _batch_layers(batch: RaggedBatch, template: list) -> list:
+    """The batch's layers, shaped as a cache of this model (``template``)."""
+    out = []
+    for c in template:
+        if isinstance(c, CacheList):
+            out.append(CacheList(*_batch_layers(batch, list(c.caches))))
+        elif isinstance(c, ArraysCache):
+            out.append(_StateLayer(len(c.cache)))
+        else:
+            out.append(_Layer(batch))
+    return out
 
 
 class _Layer:
@@ -79,9 +120,15 @@ class _Layer:
 class RaggedBatch:
     """The rows decoding together on one model: one forward pass per step."""
 
-    def __init__(self, model: nn.Module, num_layers: int):
+    def __init__(self, model: nn.Module, template: list | int):
+        """``template``: a cache of this model (its layers' kinds and nesting),
+        or the number of its layers when they are all plain KV layers."""
         self.model = model
-        self.layers = [_Layer(self) for _ in range(num_layers)]
+        self.layers = _batch_layers(
+            self, [KVCache() for _ in range(template)] if isinstance(template, int) else template
+        )
+        self.flat = flat_layers(self.layers)
+        self.states = [l for l in self.flat if isinstance(l, _StateLayer)]  # recurrent layers (a hybrid model's)
         self.rows: list[SequenceCache] = []
         self.starts: list[int] = []
         self.end = 0
@@ -91,41 +138,75 @@ class RaggedBatch:
         return any(r is cache for r in self.rows)
 
     def join(self, cache: SequenceCache) -> None:
-        """Move ``cache``'s keys and values into a new last row (its layers are
-        left empty until ``leave``). All or nothing: every layer's stacked
-        buffers are built before any is replaced, so a join that fails leaves
-        the batch and ``cache`` as they were."""
+        """Move ``cache``'s keys, values and recurrent state into a new last
+        row (its layers are left empty until ``leave``). All or nothing: every
+        layer's stacked buffers are built before any is replaced, so a join
+        that fails leaves the batch and ``cache`` as they were."""
         n = len(cache.tokens)
-        stacked = [_stack_row(layer, self.rows, kv.keys, kv.values, n) for layer, kv in zip(self.layers, cache.layers)]
-        for layer, kv, (keys, values) in zip(self.layers, cache.layers, stacked):
-            layer.keys, layer.values = keys, values
-            kv.state = (None, None, 0)
+        pairs = list(zip(self.flat, flat_layers(cache.layers)))
+        stacked = [
+            _stack_state(layer, len(self.rows), own.cache)
+            if isinstance(layer, _StateLayer)
+            else _stack_row(layer, self.rows, own.keys, own.values, n)
+            for layer, own in pairs
+        ]
+        for (layer, own), new in zip(pairs, stacked):
+            if isinstance(layer, _StateLayer):
+                layer.cache, own.cache = new, [None] * len(own.cache)
+            else:
+                (layer.keys, layer.values), own.state = new, (None, None, 0)
         self.rows.append(cache)
 
     def leave(self, cache: SequenceCache) -> None:
-        """Hand row ``cache``'s keys and values back to its layers and drop the row."""
+        """Hand row ``cache``'s keys, values and state back to its layers and drop the row."""
+        self._write_restored()
         b = next(i for i, r in enumerate(self.rows) if r is cache)
         n = len(cache.tokens)
         alone = len(self.rows) == 1
         keep = mx.array([i for i in range(len(self.rows)) if i != b])
-        for layer, kv in zip(self.layers, cache.layers):
+        for layer, own in zip(self.flat, flat_layers(cache.layers)):
+            if isinstance(layer, _StateLayer):
+                own.cache = [a if a is None or alone else mx.take(a, mx.array([b]), axis=0) for a in layer.cache]
+                layer.cache = [None if a is None or alone else mx.take(a, keep, axis=0) for a in layer.cache]
+                continue
             if layer.keys is None or n == 0:
-                kv.state = (None, None, 0)
+                own.state = (None, None, 0)
             else:
                 # ``take`` copies, so the row's arrays do not keep the batch's alive.
                 k = layer.keys if alone else mx.take(layer.keys, mx.array([b]), axis=0)
                 v = layer.values if alone else mx.take(layer.values, mx.array([b]), axis=0)
-                kv.state = (k, v, n)
+                own.state = (k, v, n)
             if alone:
                 layer.keys = layer.values = None
             elif layer.keys is not None:
                 layer.keys = mx.take(layer.keys, keep, axis=0)
                 layer.values = mx.take(layer.values, keep, axis=0)
         del self.rows[b]
-        mx.eval(
-            [(kv.keys, kv.values) for kv in cache.layers if kv.keys is not None]
-            + [(l.keys, l.values) for l in self.layers if l.keys is not None]
-        )
+        mx.eval([_arrays_of(l) for l in flat_layers(cache.layers)] + [_arrays_of(l) for l in self.flat])
+
+    def _write_restored(self) -> None:
+        """Rows whose request restored a kept state into their own layers (a
+        rewind) get it written into their row of the batch."""
+        for b, row in enumerate(self.rows):
+            for layer, own in zip(self.flat, flat_layers(row.layers)):
+                if isinstance(layer, _StateLayer) and any(a is not None for a in own.cache):
+                    layer.cache = [_put_row(a, b, r, len(self.rows)) for a, r in zip(layer.cache, own.cache)]
+                    own.cache = [None] * len(own.cache)
+
+    def _prepare_states(self, fed: list[SequenceCache], lengths: list[int], width: int) -> None:
+        """Before a pass: each fed row keeps its state as a rewind point, and
+        the recurrent layers learn every row's real input count."""
+        states = self.states
+        if not states:
+            return
+        self._write_restored()
+        index = {id(c): b for b, c in enumerate(self.rows)}
+        for cache in fed:
+            b = index[id(cache)]
+            cache.add_point(tuple(tuple(None if a is None else a[b : b + 1] for a in l.cache) for l in states))
+        padded = any(n != width for n in lengths)
+        for l in states:
+            l.left_padding, l.lengths = None, mx.array(lengths) if padded else None
 
     def feed(self, inputs: list[tuple[SequenceCache, list[int], mx.array | None]]) -> list[tuple[mx.array, int]]:
         """One forward pass for the rows in ``inputs``: each row's ``known`` ids
@@ -145,7 +226,10 @@ class RaggedBatch:
         self.starts = [len(c.tokens) for c in self.rows]
         self.end = max(self.starts) + width
         self.offset = self.starts[0] if len(self.rows) == 1 else mx.array(self.starts)
+        self._prepare_states([c for c, _, _ in inputs], lengths, width)
         logits = self.model(mx.stack(rows), cache=self.layers)
+        for l in self.states:
+            l.lengths = None
         index = {id(c): b for b, c in enumerate(self.rows)}
         out = []
         for cache, known, lazy in inputs:
@@ -224,3 +308,41 @@ def _fit(a: mx.array | None, batch: int, like: mx.array, width: int) -> mx.array
         pad = mx.zeros((a.shape[0], a.shape[1], width - a.shape[2], a.shape[3]), a.dtype)
         a = mx.concatenate([a, pad], axis=2)
     return a
+
+
+def _arrays_of(layer) -> list:
+    """A layer's arrays, to evaluate: keys and values, or recurrent state."""
+    if isinstance(layer, ArraysCache):
+        return [a for a in layer.cache if a is not None]
+    return [a for a in (layer.keys, layer.values) if a is not None]
+
+
+def _stack_state(layer: _StateLayer, rows: int, own: list) -> list:
+    """The layer's state arrays with a row holding ``own`` appended; a row
+    without a state yet (no tokens) holds zeros, which is what the model starts
+    from; the first row's arrays are adopted as they are."""
+    if not rows:
+        return list(own)
+    out = []
+    for a, r in zip(layer.cache, own):
+        if a is None and r is None:
+            out.append(None)
+            continue
+        like = a if a is not None else r
+        a = mx.zeros((rows,) + like.shape[1:], like.dtype) if a is None else a
+        r = mx.zeros((1,) + like.shape[1:], like.dtype) if r is None else r
+        out.append(mx.concatenate([a, r], axis=0))
+    return out
+
+
+def _put_row(a: mx.array | None, b: int, row: mx.array | None, rows: int) -> mx.array | None:
+    """``a`` (``rows`` rows; None: all zeros) with row ``b`` replaced by
+    ``row`` (a new array: kept states that are slices of the old one stay as
+    they were)."""
+    if row is None:
+        return a
+    if rows == 1:
+        return row
+    if a is None:
+        a = mx.zeros((rows,) + row.shape[1:], row.dtype)
+    return mx.concatenate([a[:b], row, a[b + 1 :]], axis=0)

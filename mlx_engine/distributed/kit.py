@@ -7,6 +7,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 
+from ..caches.sequence import SequenceCache
 from ..kits.text import ModelKit
 from ..runtime import worker
 from .control import ControlServer
@@ -61,6 +62,14 @@ class ShardedModelKit(ModelKit):
         self.shard = info
         self._health = health
         self._control = control
+
+    def new_cache(self, model) -> SequenceCache:
+        """A cache whose recurrent layers (a hybrid model's) keep no earlier
+        state: the followers mirror trims only, so such a cache is never rewound
+        (speculation falls back to plain decoding, prefixes are recomputed)."""
+        cache = super().new_cache(model)
+        cache.keep_rewind_points(0)
+        return cache
 
     def forget_generation(self) -> None:
         """The generation that was running is blocked on a failed rank and will never

@@ -1,5 +1,5 @@
 """Draft-model speculative decoding: the drafter (``DraftModelDrafter``) and its
-batched draft jobs. Checking and loading a draft model is draft_loading.py."""
+batched draft jobs. Checking and loading a draft model is loading.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..caches.ragged import release_row
-from ..caches.sequence import SequenceCache
+from ..caches.sequence import SequenceCache, common_prefix_length
 from ..loading.memory import PREFILL_CHUNK
 from ..speculative import costs, speedup
 from ..speculative.loop import DrafterUnavailable, PendingDrafts
@@ -44,6 +44,9 @@ class DraftModelDrafter:
         self.draft = draft
         self.batched = batched  # drafts with the other requests' (DraftJob) on a kit serving several
         self.cache = cache if cache is not None or draft is None else draft.first_cache  # this request's draft cache
+        if self.cache is not None:
+            # A recurrent draft rewinds to the state after any accepted draft step.
+            self.cache.keep_rewind_points(costs.MAX_MODEL_DRAFT + 2)
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         if draft is not None:
             prior_acceptance = draft.acceptance_prior(prior_acceptance)
@@ -87,6 +90,7 @@ class DraftModelDrafter:
         for i in range(0, len(todo), chunk_size):
             cache.prefill(todo[i : i + chunk_size], on_chunk, chunk_size)
             yield
+        cache.checkpoint()  # a hybrid draft: a regenerated answer resumes here
 
     def propose(self, history: list[int], limit: int) -> mx.array | list[int]:
         self._resolve()
@@ -95,10 +99,10 @@ class DraftModelDrafter:
         if k <= 0:
             return []
         cache = self.cache
-        keep = min(cache.sync_to(history), len(history) - 1)
+        # Back to the accepted history (a recurrent draft to the state after
+        # its last accepted step: one is kept per step), then feed the rest.
+        keep = cache.rewind_to(min(common_prefix_length(cache.tokens, history), len(history) - 1))
         self._catch_up = len(history) - keep
-        if not cache.rewind_to(keep):
-            raise DrafterUnavailable("the draft model's cache cannot be rewound")
         if reason := cache.rewind_limit_reason(len(history) - keep + k):
             raise DrafterUnavailable(f"draft model: {reason}")
         if self.batched:

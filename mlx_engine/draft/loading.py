@@ -1,20 +1,20 @@
 """Draft models in and out of a kit: the compatibility check (vocabulary,
-special tokens, a cache that can rewind), loading and unloading. The draft
+special tokens, a cache whose every layer can rewind: hybrids too), loading and unloading. The draft
 model's weights and cache pool are ``draft_pool.DraftModel``; the drafter that
 uses them is draft_model.py."""
 
 from __future__ import annotations
 
 import gc
-import importlib
-import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
+from ..caches.sequence import layer_rewind_reason
 from ..errors import IncompatibleDraftModelError, ModelLoadError
 from ..loading import model as loading
 from .model import DraftModel
@@ -48,14 +48,16 @@ def _special_ids(tok) -> dict[str, int | None]:
     }
 
 
-def _uses_recurrent_cache(config: dict) -> bool:
-    """True when the architecture keeps state that cannot be trimmed (SSM/linear
-    attention layers); read from its mlx-lm module, not by building the model."""
+def _rewind_reason(config: dict) -> str | None:
+    """Why the draft's cache could not rewind a rejected draft, or None: asked
+    of each layer of the cache the architecture makes (attention layers trim,
+    recurrent ones restore a kept state; cache.layer_rewind_reason). The model
+    is built without its weights: its arrays are lazy, nothing is computed."""
     from mlx_lm.utils import _get_classes
 
-    model_class, _ = _get_classes(config)
-    source = inspect.getsource(importlib.import_module(model_class.__module__))
-    return any(name in source for name in ("ArraysCache", "MambaCache"))
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    return next((r for c in make_prompt_cache(model) if (r := layer_rewind_reason(c))), None)
 
 
 def _compare_vocabularies(main_tok, draft_tok, main_rows: int) -> tuple[list[str], list[str]]:
@@ -117,18 +119,18 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     reasons += vocab_reasons
     notes += _special_notes(kit.tokenizer, draft_tok, main_rows, config.get("vocab_size"))
     try:
-        if _uses_recurrent_cache(config):
-            reasons.append(
-                f"the draft architecture {config['model_type']!r} has recurrent layers whose cache cannot be rewound"
-            )
-    except Exception as exc:  # pragma: no cover - module introspection failure
+        if why := _rewind_reason(config):
+            reasons.append(f"the draft architecture {config['model_type']!r} cannot rewind its cache: {why}")
+    except Exception as exc:  # a config mlx-lm cannot build a model from
         reasons.append(f"could not inspect the draft architecture: {exc}")
     return DraftCompatibility(not reasons, reasons, notes)
 
 
 def load_draft(kit: ModelKit, path: str | Path) -> None:
     """Load a draft model into the kit, replacing any loaded one only once the
-    new one has loaded: a failure leaves the previous draft in place."""
+    new one has loaded: a failure leaves the previous draft in place. A path
+    that is not there is a ``ModelLoadError`` (not found), not an incompatibility."""
+    loading.resolve_model_path(path, "draft model path")
     report = check_draft_model(kit, path)
     if not report:
         raise IncompatibleDraftModelError(

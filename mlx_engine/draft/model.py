@@ -73,7 +73,7 @@ class DraftModel:
         """The batch the draft passes of parallel requests share (None when the
         draft model's caches cannot be batched)."""
         if self.batch is None and can_batch(self.first_cache):
-            self.batch = RaggedBatch(self.model, len(self.first_cache.layers))
+            self.batch = RaggedBatch(self.model, self.first_cache.layers)
         return self.batch
 
     def discard_batch(self) -> None:

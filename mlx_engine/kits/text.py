@@ -161,7 +161,7 @@ class ModelKit:
             return current
         cache = self.cache
         batchable = self.max_parallel > 1 and self.model is not None and cache is not None and can_batch(cache)
-        self._batch = RaggedBatch(self.model, len(cache.layers)) if batchable else None
+        self._batch = RaggedBatch(self.model, cache.layers) if batchable else None
         return self._batch
 
     def discard_batch(self) -> None:

@@ -187,6 +187,8 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
         jobs.append(lambda: kit.remember_sequence(request_id, prepared.cache.tokens))
         jobs.append(lambda: kit.drafting_rows.forget(request_id))
         jobs.append(lambda: release_row(kit.batch, prepared.cache))
+        # The next turn resumes from the end of this answer (recurrent layers; a no-op otherwise).
+        jobs.append(prepared.cache.checkpoint)
         if prepared.draft_drafter is not None:
             jobs.append(lambda: kit.draft.give_back(prepared.draft_drafter.cache))
         if kit.prompt_cache is not None:
@@ -279,6 +281,8 @@ def _process_prompt(
     draft = () if draft_drafter is None else draft_drafter.prefill_prompt(prompt, chunk_done(draft_weight), chunk)
     for _ in zip_longest(main, draft):
         yield TURN
+    # A regenerated answer or an edited next message resumes here (recurrent layers).
+    prepared.cache.checkpoint()
     report(100.0)
 
 

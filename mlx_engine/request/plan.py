@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from ..errors import InvalidArgument
 from ..kits.text import ModelKit
 
 if TYPE_CHECKING:
@@ -62,37 +63,46 @@ def _check_lengths(num_draft_tokens, lookup_tokens, ngrams) -> None:
         ("prompt_lookup_num_tokens", lookup_tokens, MAX_LOOKUP_TOKENS),
     ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
-            raise ValueError(f"{name} must be an integer from 1 to {most} or None, got {value!r}")
+            raise InvalidArgument(f"{name} must be an integer from 1 to {most} or None, got {value!r}", name)
     names = ("prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "prompt_lookup_num_candidates")
     for name, value in zip(names, ngrams):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", name)
     if ngrams[0] > ngrams[1]:
-        raise ValueError(f"prompt_lookup_min_ngram ({ngrams[0]}) must not exceed prompt_lookup_max_ngram ({ngrams[1]})")
+        raise InvalidArgument(
+            f"prompt_lookup_min_ngram ({ngrams[0]}) must not exceed prompt_lookup_max_ngram ({ngrams[1]})",
+            "prompt_lookup_min_ngram",
+        )
 
 
 def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngrams, auto) -> DecodingPlan:
     """The request's plan from its decoding arguments (rules in docs/decoding.md);
     ``ValueError`` naming the argument for any bad or conflicting one."""
     if toggle not in (None, True, False):
-        raise ValueError(f"speculative_decoding_toggle must be True, False or None, got {toggle!r}")
+        raise InvalidArgument(
+            f"speculative_decoding_toggle must be True, False or None, got {toggle!r}", "speculative_decoding_toggle"
+        )
     if not isinstance(auto, bool):
-        raise ValueError(f"auto_speculative must be a bool, got {auto!r}")
+        raise InvalidArgument(f"auto_speculative must be a bool, got {auto!r}", "auto_speculative")
     _check_lengths(num_draft_tokens, lookup_tokens, ngrams)
     has_draft = kit.draft is not None
     if toggle is True and not has_draft:
-        raise ValueError("speculative_decoding_toggle=True requires a draft model; call load_draft_model first")
+        raise InvalidArgument(
+            "speculative_decoding_toggle=True requires a draft model; call load_draft_model first",
+            "speculative_decoding_toggle",
+        )
     if num_draft_tokens is not None and (not has_draft or toggle is False):
-        raise ValueError("num_draft_tokens needs a loaded draft model that this request uses")
+        raise InvalidArgument("num_draft_tokens needs a loaded draft model that this request uses", "num_draft_tokens")
     use_draft = has_draft and toggle is not False
     if auto:
         # The router's lookup length adapts each round, up to the longest draft.
         return DecodingPlan("auto", use_draft, num_draft_tokens, lookup_tokens or MAX_LOOKUP_TOKENS, ngrams)
     if lookup_tokens is not None:
         if toggle is True or num_draft_tokens is not None:
-            raise ValueError(
+            raise InvalidArgument(
                 "prompt_lookup_num_tokens and the draft model (speculative_decoding_toggle=True or num_draft_tokens) "
-                "are both requested; pick one, or pass auto_speculative=True to let the engine choose"
+                "are both requested; pick one, or pass auto_speculative=True to let the engine choose",
+                "prompt_lookup_num_tokens",
             )
         return DecodingPlan(
             "prompt_lookup",

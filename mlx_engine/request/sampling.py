@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from ..errors import InvalidArgument
+
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # MLX seeds with an unsigned 64-bit integer
 # MLX slices the token history with 32-bit indices; any size at least the
@@ -50,18 +52,23 @@ class SamplingParams:
         return self.temp == 0.0
 
 
+def _invalid(name: str, message: str) -> InvalidArgument:
+    """``message`` about ``name`` (``logit_bias key``, ``logit_bias[5]``: an item of the argument)."""
+    return InvalidArgument(message, name.split(" ")[0].split("[")[0])
+
+
 def _number(name: str, value, *, integer: bool = False):
     """``value`` as a Python int or float; ``ValueError`` naming ``name`` unless it
     is a (finite) real number. numpy scalars are accepted; bools are not."""
     ok_types = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, ok_types):
         kind = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        raise _invalid(name, f"{name} must be {kind}, got {value!r}")
     if integer:
         return int(value)
     value = float(value) if not isinstance(value, numbers.Integral) else int(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise _invalid(name, f"{name} must be a finite number, got {value!r}")
     return value
 
 
@@ -71,7 +78,7 @@ def validate_seed(seed, name: str = "seed") -> int | None:
         return None
     seed = _number(name, seed, integer=True)
     if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")
+        raise _invalid(name, f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")
     return seed
 
 
@@ -86,7 +93,7 @@ def _checked(name: str, value, ok: Callable[[float], bool], allowed: str, intege
     if value is None:
         return None
     if not ok(number := _number(name, value, integer=integer)):
-        raise ValueError(f"{name} must be {allowed}, got {number}")
+        raise _invalid(name, f"{name} must be {allowed}, got {number}")
     return number
 
 
@@ -148,12 +155,14 @@ def validate_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float],
     if logit_bias is None:
         return None
     if not isinstance(logit_bias, Mapping):
-        raise ValueError(f"logit_bias must be a dict of token id -> number, got {type(logit_bias).__name__}")
+        raise InvalidArgument(
+            f"logit_bias must be a dict of token id -> number, got {type(logit_bias).__name__}", "logit_bias"
+        )
     pairs = []
     for key, value in logit_bias.items():
         tid = _number("logit_bias key", key, integer=True)
         if not 0 <= tid < vocab_size:
-            raise ValueError(f"logit_bias key {tid} is outside the vocabulary [0, {vocab_size})")
+            raise InvalidArgument(f"logit_bias key {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
         pairs.append((tid, float(_number(f"logit_bias[{tid}]", value))))
     return tuple(sorted(pairs)) or None
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from ..errors import GenerationInProgressError
+from ..errors import GenerationInProgressError, InvalidArgument, argument
 from ..kits.text import ModelKit
 from ..results import GenerationStats
 from ..structured import check_grammar, compile_constraint
@@ -80,8 +80,8 @@ class GenerationOptions:
             if name not in names:
                 close = difflib.get_close_matches(name, names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(
-                    f"create_generator got an unknown argument {name!r}{hint}; it takes: {', '.join(names)}"
+                raise InvalidArgument(
+                    f"create_generator got an unknown argument {name!r}{hint}; it takes: {', '.join(names)}", name
                 )
         return cls(**kwargs)
 
@@ -121,9 +121,10 @@ def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request
     """Check every argument (``o``: create_generator's keyword arguments) against
     the kit; ``ValueError`` naming the first bad one."""
     prompt = validate_prompt(kit, prompt_tokens)
-    images = kit.decode_images(prompt, o.images_b64)
+    with argument("images_b64"):
+        images = kit.decode_images(prompt, o.images_b64)
     if isinstance(o.max_tokens, bool) or not isinstance(o.max_tokens, int) or o.max_tokens <= 0:
-        raise ValueError(f"max_tokens must be a positive integer, got {o.max_tokens!r}")
+        raise InvalidArgument(f"max_tokens must be a positive integer, got {o.max_tokens!r}", "max_tokens")
     params = validate_sampling(
         temp=o.temp,
         top_p=o.top_p,
@@ -139,16 +140,19 @@ def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request
         frequency_penalty=o.frequency_penalty,
         logit_bias=o.logit_bias,
     )
-    stops = StopStringMatcher.validate(o.stop_strings)
+    with argument("stop_strings"):
+        stops = StopStringMatcher.validate(o.stop_strings)
     for name, cb in (("prompt_progress_callback", o.prompt_progress_callback), ("stats_callback", o.stats_callback)):
         if cb is not None and not callable(cb):
-            raise ValueError(f"{name} must be callable or None")
+            raise InvalidArgument(f"{name} must be callable or None", name)
     constraint = compile_constraint(o.json_schema, o.regex, o.grammar)
     tools, constraint = tool_constraint(kit, o.tools, o.tool_choice, o.parallel_tool_calls, constraint)
     if constraint is not None:
         check_grammar(kit, *constraint)
     if not isinstance(o.structured_drafting, bool):
-        raise ValueError(f"structured_drafting must be True or False, got {o.structured_drafting!r}")
+        raise InvalidArgument(
+            f"structured_drafting must be True or False, got {o.structured_drafting!r}", "structured_drafting"
+        )
     plan = choose_plan(
         kit,
         num_draft_tokens=o.num_draft_tokens,
@@ -181,16 +185,17 @@ def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:
     if not kit.cache_options.auto_context or context is None:
         return max_tokens
     if len(prompt) >= context:
-        raise ValueError(
+        raise InvalidArgument(
             f"prompt_tokens: {len(prompt)} tokens do not fit this kit's context of {context} tokens "
-            "(max_kv_size='auto' fitted it to memory); shorten the prompt"
+            "(max_kv_size='auto' fitted it to memory); shorten the prompt",
+            "prompt_tokens",
         )
     return min(max_tokens, context - len(prompt))
 
 
 def validate_request_id(request_id) -> None:
     if request_id is not None and not isinstance(request_id, str):
-        raise ValueError(f"request_id must be a string or None, got {request_id!r}")
+        raise InvalidArgument(f"request_id must be a string or None, got {request_id!r}", "request_id")
 
 
 def require_model(kit: ModelKit) -> None:
@@ -235,7 +240,12 @@ class WhenIdle:
 def validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
     """The prompt as a list of Python ints. Any sequence of integers is accepted
     (ints, numpy or MLX integer scalars, a 1-D integer array); text, mappings and
-    sets are refused."""
+    sets are refused (``InvalidArgument`` naming ``prompt_tokens``)."""
+    with argument("prompt_tokens"):
+        return _prompt_ids(kit, prompt_tokens)
+
+
+def _prompt_ids(kit: ModelKit, prompt_tokens) -> list[int]:
     if isinstance(prompt_tokens, (str, bytes)):
         raise ValueError("prompt_tokens must be a list of token ids; use tokenize(kit, text) for text")
     if isinstance(prompt_tokens, (Mapping, Set)):

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import params
 from .drafts import draft_router
 from .errors import APIError, bad_request, from_engine, from_validation
+from .hosts import AllowedHosts
 from .limits import BodySizeLimit
 from .queue import AdmissionQueue, QueueFullError, ShuttingDownError
 from .responses import Choice, Envelope
@@ -42,6 +43,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URI images
 DEFAULT_QUEUE = 64
 _DISCONNECT_POLL_S = 0.2
+
+
+SHUTDOWN_CUT = APIError(
+    503, "the server is shutting down: the generation was cut short", type="server_error", code="shutting_down"
+)
 
 
 class ClientGone(Exception):
@@ -78,11 +84,23 @@ class Service:
     async def stop(self, wait_s: float = 10.0) -> None:
         """Drain, cancel what still runs and wait (bounded) for its rows."""
         self.drain()
-        for run in list(self.runs):
-            run.cancel()
+        self.cut_running()
         with anyio.move_on_after(wait_s):
             while self.runs:
                 await asyncio.sleep(0.02)
+
+    def cut_running(self) -> None:
+        """Cancel every running request because the server stops: each ends with
+        its final chunk (and an error event saying it was cut), not a dropped connection."""
+        for run in list(self.runs):
+            run.cancel(shutting_down=True)
+
+    async def cut_after(self, grace_s: float) -> None:
+        """Let running requests finish for ``grace_s`` seconds, then cut the rest."""
+        await asyncio.sleep(grace_s)
+        if self.runs:
+            logger.warning("shutdown grace period over: cancelling %d running request(s)", len(self.runs))
+        self.cut_running()
 
 
 def create_app(
@@ -96,6 +114,7 @@ def create_app(
     cors_origins: list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     decoding: str = "auto",
+    allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``kit`` (docs/server.md).
 
@@ -105,7 +124,9 @@ def create_app(
     ``queue_size``: requests that may wait for rows before 429s.
     ``models_dir``: where draft models may be loaded from by path.
     ``cors_origins``: allowed browser origins (none: CORS off).
-    ``decoding``: the default mode (auto, plain, prompt_lookup, draft)."""
+    ``decoding``: the default mode (auto, plain, prompt_lookup, draft).
+    ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
+    hosts.py on DNS rebinding)."""
     rows = kit.max_parallel if max_parallel is None else max_parallel
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
         raise ValueError(
@@ -133,6 +154,8 @@ def create_app(
     app.state.service = service
     _install_errors(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(AllowedHosts, names=list(allowed_hosts))
     if cors_origins:  # added last, so outermost: its headers reach every answer, a 413 included
         app.add_middleware(
             CORSMiddleware,
@@ -174,6 +197,11 @@ def _install_errors(app: FastAPI) -> None:
     async def invalid_body(request, exc: RequestValidationError):
         return from_validation(list(exc.errors())).response()
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request, exc: RecursionError):
+        # Past the nesting limits params.py checks: still the client's input, never a 500.
+        return bad_request("the request nests too deeply to be processed").response()
+
     @app.exception_handler(ClientGone)
     async def client_gone(request, exc: ClientGone):
         return JSONResponse(
@@ -197,12 +225,17 @@ def _add_routes(app: FastAPI, service: Service, auth) -> None:
             **{k: service.outcomes[k] for k in ("completed", "cancelled", "failed")},
         }
 
+    def model_object() -> dict:
+        return {"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine"}
+
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine"}],
-        }
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
+    async def model(model_id: str):
+        service.check_model(model_id)
+        return model_object()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -255,10 +288,7 @@ async def _admit(
     try:
         await run.start(prompt.tokens, kwargs)
     except ValueError as exc:
-        err = from_engine(exc)
-        if err.param == "messages":
-            err.param = prompt_field
-        raise err from exc
+        raise from_engine(exc, prompt_field) from exc
     return run
 
 
@@ -333,6 +363,8 @@ async def _events(
                 offsets[c.index] += len(r.text)
         if include_usage:
             yield _sse(env.usage_chunk(choices, prompt_len))
+        if run.cut_by_shutdown:
+            yield _sse(SHUTDOWN_CUT.body())
         yield "data: [DONE]\n\n"
     finally:
         run.cancel()

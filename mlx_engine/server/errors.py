@@ -3,6 +3,8 @@ with the HTTP status that goes with them."""
 
 from __future__ import annotations
 
+import mlx_engine as me
+
 import re
 
 from fastapi.responses import JSONResponse
@@ -11,11 +13,9 @@ from fastapi.responses import JSONResponse
 _ENGINE_FIELDS = {
     "temp": "temperature",
     "stop_strings": "stop",
-    "prompt_tokens": "messages",
-    "images_b64": "messages",
     "json_schema": "response_format",
-    "top_logprobs": "top_logprobs",
     "speculative_decoding_toggle": "mlx_engine.decoding",
+    "auto_speculative": "mlx_engine.decoding",
     "num_draft_tokens": "mlx_engine.num_draft_tokens",
     "prompt_lookup_num_tokens": "mlx_engine.prompt_lookup_num_tokens",
     "prompt_lookup_min_ngram": "mlx_engine.prompt_lookup_min_ngram",
@@ -24,7 +24,7 @@ _ENGINE_FIELDS = {
     "repetition_context_size": "mlx_engine.repetition_context_size",
     "regex": "mlx_engine.regex",
     "grammar": "mlx_engine.grammar",
-    "messages": "messages",
+    "structured_drafting": "mlx_engine.structured_drafting",
 }
 
 
@@ -56,18 +56,31 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def from_engine(exc: ValueError) -> APIError:
-    """The engine's ``ValueError`` (it names the argument first) as a 400 naming
-    the request field."""
-    message = str(exc)
-    match = re.match(r"([A-Za-z_]+)((?:\[\d+\]|\.[A-Za-z_]+)*)", message)
-    if not match:
-        return bad_request(message)
-    name, path = match.groups()
-    if name in _ENGINE_FIELDS:
-        return bad_request(message, _ENGINE_FIELDS[name])
-    # An item's path as pydantic writes it: ``tools[1].function.name`` -> ``tools.1.function.name``.
-    return bad_request(message, name + re.sub(r"\[(\d+)\]", r".\1", path))
+def from_engine(exc: ValueError, prompt_field: str = "messages") -> APIError:
+    """The engine's ``ValueError`` as a 400 naming the request field: an
+    ``InvalidArgument``'s ``param`` (the SDK's argument, ``tools[1].function.name``)
+    becomes the field (``tools.1.function.name``), and the SDK's argument names in
+    the message become the request's. ``prompt_field``: where the prompt came
+    from (``messages`` or ``prompt``)."""
+    if not isinstance(exc, me.InvalidArgument):
+        return bad_request(str(exc))
+    fields = {**_ENGINE_FIELDS, "prompt_tokens": prompt_field, "images_b64": prompt_field}
+    head, sep, rest = exc.param.partition(".")
+    name, index = head.partition("[")[::2]
+    path = (f".{index.rstrip(']')}" if index else "") + (f".{rest}" if sep else "")
+    param = fields.get(name, name) + path
+    return bad_request(_in_request_terms(str(exc), fields), param)
+
+
+def _in_request_terms(message: str, fields: dict[str, str]) -> str:
+    """``message`` with the SDK's argument names said as the request's fields, in
+    its own words only: what follows the first ``": "`` (a parser's or llguidance's
+    report) is kept as it is."""
+    head, sep, tail = message.partition(": ")
+    head = re.sub(r"images_b64\[(\d+)\]", lambda m: f"image {int(m[1]) + 1} of the request", head)
+    for sdk, field in fields.items():
+        head = re.sub(rf"\b{sdk}\b", field, head)
+    return re.sub(r"tools\[(\d+)\]", r"tools.\1", head) + sep + tail
 
 
 def from_validation(errors: list[dict]) -> APIError:

@@ -19,6 +19,9 @@ from .errors import bad_request, from_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
 
 DEFAULT_LOOKUP_TOKENS = 8
+# Deepest JSON nesting taken in tool schemas and call arguments: far beyond any
+# real schema, far below what recursive parsers and validators survive.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Prompt:
 def chat_prompt(kit: me.ModelKit, req: ChatCompletionRequest) -> Prompt:
     """The conversation rendered with the model's chat template (with the
     request's tools, checked first so a bad one is a 400 before any wait)."""
+    check_nesting(req)
     tools = tool_kwargs(req)
     try:
         validate_tool_request(tools["tools"], tools["tool_choice"], tools["parallel_tool_calls"], tool_format(kit))
@@ -43,6 +47,57 @@ def chat_prompt(kit: me.ModelKit, req: ChatCompletionRequest) -> Prompt:
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
     return Prompt(tokens, images)
+
+
+def check_nesting(req: ChatCompletionRequest) -> None:
+    """A 400 naming the field for JSON nested deeper than ``MAX_JSON_DEPTH`` in
+    what the SDK parses or walks recursively (tool schemas, earlier calls'
+    arguments), before it can exhaust Python's recursion limit."""
+    for i, tool in enumerate(req.tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and "parameters" in fn:
+            _within_depth(fn["parameters"], f"tools.{i}.function.parameters")
+    for i, m in enumerate(req.messages):
+        for j, call in enumerate(m.tool_calls or []):
+            _within_depth(call.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")
+
+
+def _within_depth(value, where: str) -> None:
+    depth = json_text_depth(value) if isinstance(value, str) else json_depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise bad_request(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep", where)
+
+
+def json_depth(value) -> int:
+    """How deeply lists and dicts nest in ``value`` (iteratively: no recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_JSON_DEPTH:  # deeper is refused anyway: stop walking
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def json_text_depth(text: str) -> int:
+    """How deeply arrays and objects nest in JSON text, read without parsing it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
 
 
 def _message(m: Message, i: int, vision: bool, images: list[str]) -> dict:
@@ -93,7 +148,10 @@ def completion_prompt(kit: me.ModelKit, req: CompletionRequest) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
-        return Prompt(me.tokenize(kit, prompt), [])
+        try:
+            return Prompt(me.tokenize(kit, prompt), [])
+        except ValueError as exc:  # text that is not valid Unicode (a lone surrogate)
+            raise bad_request(str(exc), "prompt") from exc
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     return Prompt(list(prompt), [])
@@ -161,6 +219,12 @@ def generator_kwargs(
 ) -> list[dict]:
     """``create_generator``'s keyword arguments for each of the ``n`` choices
     (choice i samples with ``seed + i``, so seeded choices differ and repeat)."""
+    if (req.mlx_engine.decoding or default_mode) == "draft" and kit.draft is None:
+        raise bad_request(
+            "mlx_engine.decoding: 'draft' needs a draft model and none is loaded; load one with "
+            "POST /v1/mlx_engine/draft (or start the server with --draft)",
+            "mlx_engine.decoding",
+        )
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
     top = _top_logprobs(req)
     base = {

@@ -53,6 +53,8 @@ class RequestRun:
         self.request_ids: list[str] = []
         self._live = 0
         self._lock = threading.Lock()
+        self.cut_by_shutdown = False  # cancelled while running because the server stops
+        self._own: Counter = Counter()  # this request's outcomes (for its one log line)
 
     async def start(self, prompt: list[int], kwargs_per_choice: list[dict]) -> None:
         """Create one generator per choice on threads (retrying while the kit is
@@ -93,8 +95,9 @@ class RequestRun:
                     outcome = "cancelled" if result.stop_condition.stop_reason == "user_cancelled" else "completed"
                 self._put(Item(index, result))
         except BaseException as exc:  # noqa: BLE001 - reported to the client, not lost
-            logger.exception("generation %s failed", self.request_ids[index])
+            logger.debug("generation %s failed", self.request_ids[index], exc_info=True)
             self._put(Item(index, error=exc))
+            self._call(self._failed, f"{type(exc).__name__}: {exc}")
         finally:
             gen.close()
             self._put(_END)
@@ -109,15 +112,31 @@ class RequestRun:
         except RuntimeError:  # the loop has closed (process exit): nothing is listening
             pass
 
+    def _failed(self, why: str) -> None:
+        logger.warning("request %s failed: %s", self.request_ids[0], why)
+
     def _ended(self, outcome: str) -> None:
         self.outcomes[outcome] += 1
+        self._own[outcome] += 1
         self.rows.release(1)
         self._live -= 1
         if self._live == 0:
             self.registry.discard(self)
+            if self._own["cancelled"]:
+                cause = "the server is stopping" if self.cut_by_shutdown else "the client left or the host stopped it"
+                logger.info(
+                    "request %s cancelled (%s): %d of %d choices cut short",
+                    self.request_ids[0],
+                    cause,
+                    self._own["cancelled"],
+                    len(self.request_ids),
+                )
 
-    def cancel(self) -> None:
-        """Ask every choice to stop (within one step); safe to call repeatedly."""
+    def cancel(self, shutting_down: bool = False) -> None:
+        """Ask every choice to stop (within one step); safe to call repeatedly.
+        ``shutting_down``: the server stops (the stream says it was cut)."""
+        if shutting_down and self._live:
+            self.cut_by_shutdown = True
         for rid in self.request_ids:
             me.stop_generation(self.kit, rid)
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _CONFIG = ConfigDict(strict=True, extra="ignore")
+# Every stop string is looked for after every token, on the thread all batched
+# requests share: bounded so one request cannot slow the others down.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
 
 
 class _Body(BaseModel):
@@ -118,6 +122,16 @@ class _Sampling(_Body):
     response_format: ResponseFormat | None = None
     user: str | None = None
     mlx_engine: EngineOptions = EngineOptions()
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop):
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(strings)}")
+        if any(len(x) > MAX_STOP_CHARS for x in strings):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return stop
 
 
 class ChatCompletionRequest(_Sampling):

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from ..caches.sequence import flat_layers
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class Measurement:
         self.model, self.vocab_size, self.context, self.repeats = model, vocab_size, context, repeats
         self.cache = None
         self.tokens = None
+        self.back = None  # takes the scratch cache back after a timed pass (_rewinder)
         self.samples: dict[int, list[float]] = {n: [] for n in _SIZES}
         self.passes = 0  # passes run so far, the context prefill excluded
 
@@ -71,6 +74,7 @@ class Measurement:
             self.cache = make_prompt_cache(self.model)
             self.tokens = mx.random.randint(0, self.vocab_size, (self.context + max(_SIZES),), key=mx.random.key(0))
             mx.eval(self.model(self.tokens[: self.context][None], cache=self.cache))
+            self.back = _rewinder(self.cache)
             return self.done
         if self.done:
             return True
@@ -81,11 +85,10 @@ class Measurement:
         mx.eval(out[:, -1])
         if rep:
             self.samples[n].append(time.perf_counter() - t0)
-        for c in self.cache:
-            c.trim(n)
+        self.back(n)
         self.passes += 1
         if self.done:
-            self.cache = self.tokens = None
+            self.cache = self.tokens = self.back = None
         return self.done
 
     def result(self) -> CostModel:
@@ -140,14 +143,31 @@ def measure_step(model: nn.Module, vocab_size: int, context: int = 4, repeats: i
     cache = make_prompt_cache(model)
     tokens = mx.random.randint(0, vocab_size, (context + 1,), key=mx.random.key(2))
     mx.eval(model(tokens[:context][None], cache=cache))
+    back = _rewinder(cache)
     samples = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         mx.eval(model(tokens[context:][None], cache=cache)[:, -1])
         samples.append(time.perf_counter() - t0)
-        for c in cache:
-            c.trim(1)
+        back(1)
     return min(samples[1:])
+
+
+def _rewinder(cache: list):
+    """A function taking the scratch ``cache`` back by n tokens after a timed
+    pass: attention layers are trimmed, recurrent ones (a hybrid's) get back
+    the state they hold now."""
+    layers = flat_layers(cache)
+    start = {id(c): tuple(c.cache) for c in layers if isinstance(c, ArraysCache)}
+
+    def back(n: int) -> None:
+        for c in layers:
+            if isinstance(c, ArraysCache):
+                c.cache = list(start[id(c)])
+            else:
+                c.trim(n)
+
+    return back
 
 
 def _interpolate(timings: dict[int, float], widest: int) -> list[float]:
@@ -179,6 +199,7 @@ def measure_chained_step(
     cache = make_prompt_cache(model)
     prompt = mx.random.randint(0, vocab_size, (context,), key=mx.random.key(1))
     mx.eval(model(prompt[None], cache=cache))
+    back = _rewinder(cache)
     samples = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -188,8 +209,7 @@ def measure_chained_step(
             mx.async_eval(y)
         mx.eval(y)
         samples.append((time.perf_counter() - t0) / chain)
-        for c in cache:
-            c.trim(chain)
+        back(chain)
     samples = sorted(samples[1:])
     return samples[len(samples) // 2]
 

@@ -6,6 +6,11 @@ every position (sample-and-match), drafts are accepted while they equal it, and
 the cache is trimmed back to the accepted prefix. Sampling from the target at each
 position keeps the output distribution exactly the target's, whatever the drafter
 proposes. With no drafter, or a round with no draft, this is plain decoding.
+
+On a hybrid model the recurrent layers cannot be trimmed: a partly accepted
+round restores their state from before the verify pass (cache.py keeps it) and
+the next round's pass feeds the accepted tokens again before its own
+(docs/decoding.md, *Hybrid models*).
 """
 
 from __future__ import annotations
@@ -326,6 +331,8 @@ class _Loop:
     def _launch_free(self, history: list[int], limit: int) -> Launch:
         drafts = self.propose(limit)
         sample, position = self.sampler, len(history)  # row 0 samples the token after history
+        feed = _unfed(self.cache, history)
+        skip = len(feed) - 1  # logits rows of re-fed accepted tokens, not sampled again
         if isinstance(drafts, PendingDrafts) and self.processors:
             drafts = drafts.materialize()
         if isinstance(drafts, (mx.array, PendingDrafts)):
@@ -333,19 +340,21 @@ class _Loop:
                 # The launch's lazy ids are the drafts (pending ones are computed first).
                 return Launch(
                     self.cache,
-                    [history[-1]],
+                    feed,
                     drafts,
                     lambda logits, start, ids: _queue(
-                        ids, start, *sample_rows(logits, [], [], sample, [], 0, position=position)
+                        ids, start, *sample_rows(_after(logits, skip), [], [], sample, [], 0, position=position)
                     ),
                 )
             drafts = drafts.tolist()  # processors need each position's exact context
 
         def finish(logits: mx.array, start: int, ids: None) -> Round:
-            rows = sample_rows(logits, history, drafts, sample, self.processors, self.context_window, position=position)
+            rows = sample_rows(
+                _after(logits, skip), history, drafts, sample, self.processors, self.context_window, position=position
+            )
             return _queue(drafts, start, *rows)
 
-        return Launch(self.cache, [history[-1]] + drafts, None, finish)
+        return Launch(self.cache, feed + drafts, None, finish)
 
     def launch_plain_from(self, token: mx.array) -> Generator[Launch, Round, Round]:
         # Plain decoding without logits processors: build the next step from the
@@ -389,6 +398,9 @@ def _accept(cache: SequenceCache, rnd: Round, sampled: list[int], drafter, secon
     while n < k and sampled[n] == drafts[n]:
         n += 1
     if k:
+        # Attention layers are trimmed to the accepted prefix; recurrent ones
+        # return to the state before the pass, and the next round re-feeds
+        # the accepted tokens (_unfed).
         cache.rewind_to(len(cache.tokens) - (k - n))
     if rnd.forced:
         return n, RoundOutcome(
@@ -413,11 +425,26 @@ def _launch_constrained(cache, history, limit, propose, constraint, sampler, pro
         drafts = drafts.tolist()
     drafts = constraint.allowed_prefix(list(drafts))
     position = len(history)
+    feed = _unfed(cache, history)
+    skip = len(feed) - 1
 
     def finish(logits: mx.array, start: int, ids: None) -> Round:
+        logits = _after(logits, skip)
         mx.async_eval(logits)  # the forward pass runs while the grammar computes the masks
         masks = constraint.masks(drafts)
         rows = sample_rows(logits, history, drafts, sampler, processors, context_window, masks, position=position)
         return _queue(drafts, start, *rows, forced=bool(forced))
 
-    return Launch(cache, [history[-1]] + drafts, None, finish)
+    return Launch(cache, feed + drafts, None, finish)
+
+
+def _after(logits: mx.array, skip: int) -> mx.array:
+    """The logits rows past the ``skip`` re-fed tokens (no slice when there are none)."""
+    return logits[skip:] if skip else logits
+
+
+def _unfed(cache: SequenceCache, history: list[int]) -> list[int]:
+    """The history's ids the cache lacks: its last one, and after a rewind of
+    recurrent layers (which return to the state before the verify pass) the
+    accepted ones before it, fed again in front of the next round's."""
+    return history[min(len(cache.tokens), len(history) - 1) :]

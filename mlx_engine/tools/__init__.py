@@ -10,6 +10,7 @@ parser.py   calls out of the streamed text
 
 from __future__ import annotations
 
+from ..errors import InvalidArgument
 from ..structured import check_grammar, compile_constraint, tokenizer_for
 from .formats import DEFAULT, FORMATS, ToolFormat, detect_format
 from .grammar import build_grammar
@@ -55,9 +56,10 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
     if spec is None or spec.choice == "none":
         return spec, constraint
     if constraint is not None:
-        raise ValueError(
+        raise InvalidArgument(
             f"tools and {constraint[0]} were both given; a tool call's arguments follow the tool's "
-            "own schema, so pass one of them (or tool_choice='none')"
+            "own schema, so pass one of them (or tool_choice='none')",
+            "tools",
         )
     grammar = build_grammar(spec, special_markers(kit, spec.format))
     try:
@@ -67,8 +69,9 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
             try:
                 check_grammar(kit, *compile_constraint(json_schema=tool.parameters))
             except ValueError as exc:
-                raise ValueError(
-                    f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: {exc}"
+                raise InvalidArgument(
+                    f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: {exc}",
+                    f"tools[{i}].function.parameters",
                 ) from exc
         raise
     return spec, ("tools", grammar)

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import InvalidArgument
 from .formats import ToolFormat
 
 NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # whole name: fullmatch (a "$" would allow a trailing newline)
@@ -50,25 +51,32 @@ def validate_tools(tools: Any) -> tuple[Tool, ...]:
     """OpenAI tool definitions (``[{"type": "function", "function": {"name", "description",
     "parameters"}}]``) as ``Tool``s; ``ValueError`` naming the bad item."""
     if not isinstance(tools, (list, tuple)) or not tools:
-        raise ValueError(f"tools must be a non-empty list of tool definitions, got {tools!r}")
+        raise InvalidArgument(f"tools must be a non-empty list of tool definitions, got {tools!r}", "tools")
     out: list[Tool] = []
     for i, item in enumerate(tools):
         where = f"tools[{i}]"
         fn = item.get("function") if isinstance(item, dict) else None
         if not isinstance(fn, dict) or item.get("type", "function") != "function":
-            raise ValueError(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}')
+            raise InvalidArgument(
+                f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', where
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ValueError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+            raise InvalidArgument(
+                f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
+                f"{where}.function.name",
+            )
         if any(t.name == name for t in out):
-            raise ValueError(f"{where}.function.name {name!r} is declared twice")
+            raise InvalidArgument(f"{where}.function.name {name!r} is declared twice", f"{where}.function.name")
         description = fn.get("description") or ""
         if not isinstance(description, str):
-            raise ValueError(f"{where}.function.description must be a string")
+            raise InvalidArgument(f"{where}.function.description must be a string", f"{where}.function.description")
         parameters = fn.get("parameters", EMPTY_PARAMETERS)
         parameters = json_value(parameters, f"{where}.function.parameters")
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise ValueError(f"{where}.function.parameters must be a JSON schema of an object")
+            raise InvalidArgument(
+                f"{where}.function.parameters must be a JSON schema of an object", f"{where}.function.parameters"
+            )
         out.append(Tool(name, description, parameters))
     return tuple(out)
 
@@ -80,13 +88,13 @@ def json_value(value: Any, where: str) -> Any:
     """``value`` (or JSON text) as a JSON value; ``ValueError`` naming ``where``
     for text that is not JSON or a value nested deeper than ``MAX_JSON_DEPTH``."""
     if json_depth(value) > MAX_JSON_DEPTH:
-        raise ValueError(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels")
+        raise InvalidArgument(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels", where)
     if not isinstance(value, str):
         return value
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+        raise InvalidArgument(f"{where} is not valid JSON: {exc}", where) from exc
 
 
 def json_depth(value: Any) -> int:
@@ -129,28 +137,32 @@ def validate_tool_choice(choice: Any, tools: tuple[Tool, ...]) -> tuple[str, str
     named tool (``{"type": "function", "function": {"name": ...}}`` or ``{"name": ...}``)."""
     if isinstance(choice, str):
         if choice not in CHOICES:
-            raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}")
+            raise InvalidArgument(
+                f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}", "tool_choice"
+            )
         return choice, None
     if isinstance(choice, dict):
         fn = choice.get("function")
         if "function" in choice and not isinstance(fn, dict):
-            raise ValueError(f'tool_choice.function must be {{"name": ...}}, got {fn!r}')
+            raise InvalidArgument(f'tool_choice.function must be {{"name": ...}}, got {fn!r}', "tool_choice")
         name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
-        if not isinstance(name, str):
-            raise ValueError(f"tool_choice must name a declared tool with a string, got {name!r}")
+        if not isinstance(name, str):  # a list or an object is no name (and unhashable)
+            raise InvalidArgument(f"tool_choice must name a tool with a string, got {name!r}", "tool_choice")
         if name not in {t.name for t in tools}:
-            raise ValueError(f"tool_choice names {name!r}, which is not one of the declared tools")
+            raise InvalidArgument(f"tool_choice names {name!r}, which is not one of the declared tools", "tool_choice")
         return "named", name
-    raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}")
+    raise InvalidArgument(
+        f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}", "tool_choice"
+    )
 
 
 def validate_tool_request(tools: Any, choice: Any, parallel: Any, fmt: ToolFormat) -> ToolSpec | None:
     """The request's ``ToolSpec``, or None without tools."""
     if not isinstance(parallel, bool):
-        raise ValueError(f"parallel_tool_calls must be True or False, got {parallel!r}")
+        raise InvalidArgument(f"parallel_tool_calls must be True or False, got {parallel!r}", "parallel_tool_calls")
     if tools is None:
         if choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice was given without tools; pass tools=[...]")
+            raise InvalidArgument("tool_choice was given without tools; pass tools=[...]", "tool_choice")
         return None
     checked = validate_tools(tools)
     kind, name = validate_tool_choice("auto" if choice is None else choice, checked)
