@@ -5,6 +5,7 @@ registry (activity.Activity)."""
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -230,13 +231,23 @@ class ModelKit:
         return {"kind": kind, "kit": type(self).__name__, "model": model, **cost_store.machine_identity()}
 
     def _measure_costs_in_background(self) -> None:
-        model = self.model
+        """Measure the widths between requests (cost_background.py). The tasks
+        hold the kit weakly, so a kit dropped without ``unload`` is not kept
+        alive by them, and the record goes where the store was when it started."""
+        model, ref, root = self.model, weakref.ref(self), cost_store.store_dir()
+
+        def finish(measured: costs.CostModel) -> None:
+            kit = ref()
+            if kit is not None:
+                kit.cost_model, kit.cost_source = measured, "measured"
+                cost_store.save(kit.cost_key("forward"), {"seconds": list(measured.seconds)}, root)
+
         self._cost_measurement = BackgroundMeasurement(
             costs.Measurement(model, self.vocab_size),
             self.worker.submit,
-            idle=lambda: self.open_generations == 0,
-            alive=lambda: self.model is model and not worker_exiting(),
-            finish=self._finish_cost_measurement,
+            idle=lambda: (kit := ref()) is not None and kit.open_generations == 0,
+            alive=lambda: (kit := ref()) is not None and kit.model is model and not worker_exiting(),
+            finish=finish,
         )
         self._cost_measurement.start()
 

@@ -66,17 +66,20 @@ def machine_identity() -> dict:
     return ident
 
 
-def _path(key: dict) -> tuple[Path, str] | None:
-    root = store_dir()
+FROM_ENVIRONMENT = "from the environment"  # ``root`` default: store_dir() now
+
+
+def _path(key: dict, root: Path | None | str = FROM_ENVIRONMENT) -> tuple[Path, str] | None:
+    root = store_dir() if root == FROM_ENVIRONMENT else root
     if root is None:
         return None
     text = json.dumps({"v": FORMAT_VERSION, **key}, sort_keys=True)
     return root / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".json"), text
 
 
-def load(key: dict) -> dict | None:
-    """The record stored under ``key`` (its ``value``), or None."""
-    where = _path(key)
+def load(key: dict, root: Path | None | str = FROM_ENVIRONMENT) -> dict | None:
+    """The record stored under ``key`` (its ``value``) in ``root``, or None."""
+    where = _path(key, root)
     if where is None:
         return None
     path, text = where
@@ -94,9 +97,9 @@ def load(key: dict) -> dict | None:
         return None
 
 
-def save(key: dict, value: dict) -> None:
-    """Store ``value`` under ``key`` (atomically; failures are logged, never raised)."""
-    where = _path(key)
+def save(key: dict, value: dict, root: Path | None | str = FROM_ENVIRONMENT) -> None:
+    """Store ``value`` under ``key`` in ``root`` (atomically; failures are logged, never raised)."""
+    where = _path(key, root)
     if where is None:
         return
     path, text = where
