@@ -238,9 +238,9 @@ class ModelKit:
 
         def finish(measured: costs.CostModel) -> None:
             kit = ref()
-            if kit is not None:
-                kit.cost_model, kit.cost_source = measured, "measured"
+            if kit is not None:  # stored first: a reader that sees "measured" finds the record
                 cost_store.save(kit.cost_key("forward"), {"seconds": list(measured.seconds)}, root)
+                kit.cost_model, kit.cost_source = measured, "measured"
 
         self._cost_measurement = BackgroundMeasurement(
             costs.Measurement(model, self.vocab_size),
@@ -252,8 +252,8 @@ class ModelKit:
         self._cost_measurement.start()
 
     def _finish_cost_measurement(self, measured: costs.CostModel) -> None:
-        self.cost_model, self.cost_source = measured, "measured"
         cost_store.save(self.cost_key("forward"), {"seconds": list(measured.seconds)})
+        self.cost_model, self.cost_source = measured, "measured"
 
     def check_architecture(self) -> None:
         """Refuse an architecture mlx-lm cannot build (VisionModelKit: mlx-vlm)."""
