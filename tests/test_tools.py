@@ -296,6 +296,7 @@ def test_required_calls_follow_each_family_syntax(family_kits, family):
         (dict(tools=[WEATHER, WEATHER]), "declared twice"),
         (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice must be one of"),
         (dict(tools=TOOLS, tool_choice={"name": "nope"}), "not one of the declared tools"),
+        (dict(tools=TOOLS, tool_choice={"name": ["a", "list"]}), "must name a tool with a string"),
         (dict(tool_choice="required"), "tool_choice was given without tools"),
         (dict(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls must be True or False"),
         (dict(tools=TOOLS, json_schema={"type": "object"}), "tools and json_schema were both given"),

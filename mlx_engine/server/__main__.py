@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         "between requests before it is closed (default: %(default)s)",
     )
     p.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="keep Claude Code's volatile 'x-anthropic-billing-header:' system line in Messages API prompts "
+        "(default: dropped, so the prompt cache reuses agent turns)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -281,6 +287,7 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit, sock: socket.socket) -> i
         cors_origins=args.cors_origin,
         max_body_bytes=args.max_body_bytes,
         decoding=args.decoding,
+        keep_billing_header=args.keep_billing_header,
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
     )
     if args.draft:

@@ -1,4 +1,6 @@
-"""The ASGI app: OpenAI's chat and completions endpoints over a kit.
+"""The ASGI app: OpenAI's chat and completions endpoints over a kit, and the
+Responses (openai_responses.py) and Messages (anthropic_messages.py) APIs on
+the same core (core.py).
 
 ``create_app(kit, ...)`` builds it from a kit the host already holds (the
 command line, ``python -m mlx_engine.server``, loads one and calls it). Each
@@ -29,11 +31,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import params
+from .anthropic_messages import messages_router
+from .core import ClientGone, admit, collect
 from .drafts import draft_router
-from .errors import APIError, bad_request, from_engine, from_validation
+from .errors import APIError, bad_request, from_validation
 from .hosts import AllowedHosts
 from .limits import BodySizeLimit
-from .queue import AdmissionQueue, QueueFullError, ShuttingDownError
+from .openai_responses import responses_router
+from .queue import AdmissionQueue
 from .responses import Choice, Envelope
 from .runs import RequestRun
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -42,16 +47,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URI images
 DEFAULT_QUEUE = 64
-_DISCONNECT_POLL_S = 0.2
 
 
 SHUTDOWN_CUT = APIError(
     503, "the server is shutting down: the generation was cut short", type="server_error", code="shutting_down"
 )
-
-
-class ClientGone(Exception):
-    """The client disconnected while its request waited."""
 
 
 @dataclass
@@ -114,6 +114,7 @@ def create_app(
     cors_origins: list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     decoding: str = "auto",
+    keep_billing_header: bool = False,
     allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``kit`` (docs/server.md).
@@ -125,6 +126,8 @@ def create_app(
     ``models_dir``: where draft models may be loaded from by path.
     ``cors_origins``: allowed browser origins (none: CORS off).
     ``decoding``: the default mode (auto, plain, prompt_lookup, draft).
+    ``keep_billing_header``: keep Claude Code's volatile first system line in
+    Messages API prompts (default: dropped, so the prompt cache reuses turns).
     ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
     hosts.py on DNS rebinding)."""
     rows = kit.max_parallel if max_parallel is None else max_parallel
@@ -166,6 +169,9 @@ def create_app(
     auth = _auth_dependency(service)
     _add_routes(app, service, auth)
     app.include_router(draft_router(service, auth))
+    # The Responses and Messages APIs: the same core in two more wire formats (core.py).
+    app.include_router(responses_router(service, auth))
+    app.include_router(messages_router(service, keep_billing_header=keep_billing_header))
     return app
 
 
@@ -257,73 +263,15 @@ async def _answer(service: Service, request: Request, body, prompt: params.Promp
     if body.n > service.queue.rows:
         raise bad_request(f"n must be at most {service.queue.rows} (the server's parallel rows)", "n")
     kwargs = params.generator_kwargs(service.kit, body, prompt, service.decoding)
-    run = await _admit(service, request, prompt, kwargs, prompt_field="messages" if chat else "prompt")
+    run = await admit(service, request, prompt, kwargs, prompt_field="messages" if chat else "prompt")
     env = Envelope(service.model_id, chat)
     with_logprobs = params.wants_logprobs(body)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _events(run, env, body.n, len(prompt.tokens), with_logprobs, usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    choices = await _collect(run, request, body.n, with_logprobs)
+    choices = await collect(run, request, body.n, with_logprobs)
     return JSONResponse(env.whole(choices, len(prompt.tokens), with_logprobs))
-
-
-async def _admit(
-    service: Service, request: Request, prompt: params.Prompt, kwargs: list[dict], *, prompt_field: str
-) -> RequestRun:
-    """Wait for rows (429 when the line is full, 503 when stopping), then start."""
-    try:
-        await _unless_disconnected(request, service.queue.acquire(len(kwargs)))
-    except QueueFullError:
-        raise APIError(
-            429,
-            f"the server is busy: {service.queue.waiting} requests are waiting; retry later",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        ) from None
-    except ShuttingDownError:
-        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
-    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes)
-    try:
-        await run.start(prompt.tokens, kwargs)
-    except ValueError as exc:
-        raise from_engine(exc, prompt_field) from exc
-    return run
-
-
-async def _unless_disconnected(request: Request, awaitable) -> None:
-    """Await ``awaitable`` unless the client leaves first (then it is cancelled)."""
-    task = asyncio.ensure_future(awaitable)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ClientGone()
-
-
-async def _collect(run: RequestRun, request: Request, n: int, with_logprobs: bool) -> list[Choice]:
-    """All results of a non-streamed request; a client that leaves cancels it."""
-    choices = [Choice(i) for i in range(n)]
-
-    async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(_DISCONNECT_POLL_S)
-        run.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        async for item in run.items():
-            if item.error is not None:
-                raise APIError(500, f"generation failed: {item.error}", type="server_error")
-            choices[item.index].add(item.result, with_logprobs)
-    finally:
-        watcher.cancel()
-        run.cancel()
-    return choices
 
 
 def _sse(obj) -> str:

@@ -1,0 +1,324 @@
+"""Replayed agent sessions against the server: ``python -m bench.agent_sessions [--turns 10]``.
+
+Two sessions shaped like the coding-agent harnesses' requests, each turn
+re-sending the whole history (docs/server.md, "Coding agents"):
+
+- ``claude-code`` (``POST /v1/messages``, streamed): a system prompt whose
+  first line is Claude Code's ``x-anthropic-billing-header: ...; cch=<changes>;``,
+  tools with ``input_schema``, each turn a ``tool_result`` holding a file
+  re-emitted with an edit, a new instruction, and a system message after it
+  that changes every turn (Claude Code's reminders);
+- ``codex`` (``POST /v1/responses``, streamed, ``store: false``): a long
+  ``developer`` base prompt, function, ``namespace`` and ``web_search`` tools,
+  the earlier output items and ``function_call_output`` items re-sent.
+
+Each session runs twice on a fresh server: as served (the billing line
+dropped), and with its first system line changing every turn (``cold``: for
+Claude Code the operator's ``--keep-billing-header``, for Codex a nonce line),
+so nothing is reused. Per turn: prompt tokens, the prefix it shares with the
+previous turn's prompt (what a cache could reuse), the prompt tokens the server
+reports as reused (``cache_read_input_tokens`` / ``cached_tokens``), and time
+to the first streamed token. Writes ``<out>/agent_sessions.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+from mlx_engine.server import create_app, params  # noqa: E402
+from mlx_engine.server.anthropic_messages import MessagesRequest, internal  # noqa: E402
+from mlx_engine.server.core import internal_request  # noqa: E402
+from mlx_engine.server.openai_responses import chat_tools, input_messages  # noqa: E402
+
+import json  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+
+from .run import machine_info  # noqa: E402
+from .stats import bench_args, write_report  # noqa: E402
+
+MODEL = "agent"
+RULES = [
+    "Read a file before editing it and keep edits minimal.",
+    "Prefer the dedicated tools over shell commands for reading and searching.",
+    "Never commit unless the user asks; explain what you changed in one line.",
+    "Run the tests that cover a change before saying it is done.",
+]
+BASE_PROMPT = "\n".join(f"{i}. {RULES[i % len(RULES)]} (section {i // len(RULES)})" for i in range(48))
+SCHEMA = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 40}}, "required": ["path"]}
+TOOL_NAMES = ("read_file", "edit_file", "run_tests", "grep")
+
+
+def source_file(turn: int) -> str:
+    """A module the agent keeps editing: one line changes per turn."""
+    lines = [f"def step_{i}(x):\n    return x * {i} + {turn if i == turn % 12 else 0}\n" for i in range(12)]
+    return "".join(lines)
+
+
+# -- the sessions ----------------------------------------------------------------------------------
+def claude_turn(turn: int, history: list[dict], cold: bool, max_tokens: int) -> dict:
+    """Turn ``turn``'s body (``max_tokens`` kept short here; Claude Code sends
+    32000, which the server caps by the context): the history, a tool result with the file and a
+    new instruction, and this turn's reminder after it."""
+    header = f"x-anthropic-billing-header: cc_version=2.1.3.{turn:03d}; cc_entrypoint=cli; cch={turn * 7919:05x};"
+    user = {
+        "role": "user",
+        "content": [{"type": "text", "text": f"Change step_{turn % 12} so that it adds {turn}. Then run the tests."}],
+    }
+    reminder = {
+        "role": "system",
+        "content": f"<system-reminder>todo: {turn} of {turn + 3} tasks done</system-reminder>",
+    }
+    return {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "system": [
+            {"type": "text", "text": header},
+            {"type": "text", "text": "You are a coding agent.\n" + BASE_PROMPT},
+        ],
+        "tools": [{"name": n, "description": f"{n} a path", "input_schema": SCHEMA} for n in TOOL_NAMES],
+        "messages": [*history, user, reminder],
+        "mlx_engine": {"decoding": "plain"},
+    }
+
+
+def claude_history(body: dict, answer: list[dict], turn: int) -> list[dict]:
+    """The history the next turn re-sends: this turn's messages (its reminder
+    gone), the answer, and a tool result per call (else the file as text)."""
+    history = body["messages"][:-1] + [{"role": "assistant", "content": answer or [{"type": "text", "text": ""}]}]
+    uses = [b for b in answer if b["type"] == "tool_use"]
+    results = [{"type": "tool_result", "tool_use_id": u["id"], "content": source_file(turn)} for u in uses]
+    return history + [{"role": "user", "content": results or [{"type": "text", "text": source_file(turn)}]}]
+
+
+def codex_turn(turn: int, history: list[dict], cold: bool, max_tokens: int) -> dict:
+    nonce = f"session nonce {turn}\n" if cold else ""
+    user = {
+        "role": "user",
+        "content": [{"type": "input_text", "text": f"Turn {turn}: make step_{turn % 12} add {turn}."}],
+    }
+    return {
+        "model": MODEL,
+        "stream": True,
+        "store": False,
+        "temperature": 0,
+        "max_output_tokens": max_tokens,
+        "input": [
+            {"role": "developer", "content": [{"type": "input_text", "text": nonce + BASE_PROMPT}]},
+            *history,
+            user,
+        ],
+        "tools": [
+            {"type": "function", "name": "shell", "description": "run a command", "parameters": SCHEMA},
+            {
+                "type": "namespace",
+                "name": "files",
+                "description": "file tools",
+                "tools": [{"type": "function", "name": n, "parameters": SCHEMA} for n in TOOL_NAMES[:2]],
+            },
+            {"type": "web_search"},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium"},
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "bench",
+        "mlx_engine": {"decoding": "plain"},
+    }
+
+
+def codex_history(body: dict, output: list[dict], turn: int) -> list[dict]:
+    history = body["input"][1:] + output
+    calls = [o for o in output if o["type"] == "function_call"]
+    outs = [{"type": "function_call_output", "call_id": c["call_id"], "output": source_file(turn)} for c in calls]
+    return history + (outs or [{"role": "user", "content": [{"type": "input_text", "text": source_file(turn)}]}])
+
+
+# -- running them ---------------------------------------------------------------------------------------
+def prompt_tokens(kit: me.ModelKit, api: str, body: dict, keep_header: bool) -> list[int]:
+    """The prompt the server renders for ``body`` (its own translation and rendering, in process)."""
+    if api == "messages":
+        fields, _ = internal(MessagesRequest.model_validate(body), keep_header)
+    else:
+        fields = {"model": MODEL, "messages": input_messages(body["input"]), "tools": chat_tools(body["tools"])[0]}
+    return params.chat_prompt(kit, internal_request(fields)).tokens
+
+
+def stream(http: httpx.Client, url: str, path: str, body: dict) -> tuple[float, list[dict]]:
+    """POST a streamed request; the time to its first text or call piece, and its events."""
+    start, first, events = time.perf_counter(), None, []
+    with http.stream("POST", url + path, json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            if first is None and event["type"] in (
+                "content_block_delta",
+                "response.output_text.delta",
+                "response.function_call_arguments.delta",
+                "content_block_start",
+            ):
+                first = time.perf_counter() - start
+    return (first if first is not None else time.perf_counter() - start), events
+
+
+def anthropic_answer(events: list[dict]) -> tuple[list[dict], int, int]:
+    """The streamed content blocks, prompt tokens and reused prompt tokens."""
+    blocks, args = [], {}
+    for e in events:
+        if e["type"] == "content_block_start":
+            blocks.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta":
+            blocks[e["index"]]["text"] += e["delta"]["text"]
+        elif e["type"] == "content_block_delta":
+            args[e["index"]] = args.get(e["index"], "") + e["delta"]["partial_json"]
+    for i, text in args.items():
+        blocks[i]["input"] = json.loads(text) if text else {}
+    usage = next(e for e in events if e["type"] == "message_delta")["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    return blocks, prompt, usage["cache_read_input_tokens"], usage["mlx_engine"]["time_to_first_token"]
+
+
+def responses_answer(events: list[dict]) -> tuple[list[dict], int, int]:
+    final = events[-1]["response"]
+    usage = final["usage"]
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    return final["output"], usage["input_tokens"], cached, usage["mlx_engine"]["time_to_first_token"]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_session(kit: me.ModelKit, api: str, turns: int, cold: bool, max_tokens: int) -> list[dict]:
+    """One session on a fresh server; a row per turn."""
+    keep = cold and api == "messages"
+    make, extend = (claude_turn, claude_history) if api == "messages" else (codex_turn, codex_history)
+    path = "/v1/messages" if api == "messages" else "/v1/responses"
+    read = anthropic_answer if api == "messages" else responses_answer
+    rows, history, previous = [], [], None
+    with serve(create_app(kit, model_id=MODEL, keep_billing_header=keep)) as url, httpx.Client(timeout=600) as http:
+        for turn in range(1, turns + 1):
+            body = make(turn, history, cold, max_tokens)
+            tokens = prompt_tokens(kit, api, body, keep)
+            ttft, events = stream(http, url, path, body)
+            answer, prompt_len, reused, engine_ttft = read(events)
+            shared = common_prefix(previous, tokens) if previous is not None else 0
+            rows.append(
+                {
+                    "turn": turn,
+                    "prompt": prompt_len,
+                    "rendered": len(tokens),
+                    "shared": shared,
+                    "reused": reused,
+                    "ttft": ttft,
+                    "engine_ttft": engine_ttft,
+                }
+            )
+            history, previous = extend(body, answer, turn), tokens
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(app):
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def report(results: dict, turns: int) -> list[str]:
+    lines = [
+        "# Replayed agent sessions (bench/agent_sessions.py)",
+        "",
+        f"Up to {turns} turns per session, {me.DEFAULT_MODEL}, greedy, plain decoding, streamed. `shared`: prompt",
+        "tokens shared with the previous turn's prompt (what a prefix cache can reuse); `reused`: prompt tokens",
+        "the server reported as reused (the cache also holds the previous answer's tokens, so this can pass",
+        "`shared`); `engine ttft`: the engine's time to first token (prefill; usage.mlx_engine); `client ttft`:",
+        "seconds to the first streamed piece (a call's first piece comes some tokens later). `cold`: the first system",
+        "line changes every turn (Claude Code with `--keep-billing-header`; Codex with a nonce line).",
+        "",
+    ]
+    for name, rows in results.items():
+        lines += [
+            f"## {name}",
+            "",
+            "| turn | prompt | shared | reused | reused / shared | reused / prompt | engine ttft s | client ttft s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            ratio = f"{r['reused'] / r['shared']:.3f}" if r["shared"] else "-"
+            cells = [
+                r["turn"],
+                r["prompt"],
+                r["shared"],
+                r["reused"],
+                ratio,
+                f"{r['reused'] / r['prompt']:.3f}",
+                f"{r['engine_ttft']:.2f}",
+                f"{r['ttft']:.2f}",
+            ]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        later = rows[1:]
+        if later:
+            shared, reused = sum(r["shared"] for r in later), sum(r["reused"] for r in later)
+            lines += [
+                "",
+                f"turns 2-{len(rows)}: {reused} of {shared} shared tokens reused ({reused / max(shared, 1):.1%})",
+                "",
+            ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args(
+        "python -m bench.agent_sessions",
+        __doc__.splitlines()[0],
+        reps=1,
+        max_tokens=24,
+        argv=argv,
+        extra=lambda p: (
+            p.add_argument("--turns", type=int, default=10),
+            p.add_argument("--cold-turns", type=int, default=None, help="turns of the cold sessions (default --turns)"),
+        ),
+    )
+    kit = me.load_model(me.DEFAULT_MODEL)
+    results = {}
+    for api, label in (("messages", "claude-code"), ("responses", "codex")):
+        for cold in (False, True):
+            turns = (args.cold_turns or args.turns) if cold else args.turns
+            results[f"{label}{' (cold)' if cold else ''}"] = run_session(kit, api, turns, cold, args.max_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "agent_sessions.json").write_text(
+        json.dumps({"machine": machine_info(), "sessions": results}, indent=1)
+    )
+    return write_report(report(results, args.turns), args.out, "agent_sessions.md")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

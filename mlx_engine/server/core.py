@@ -1,0 +1,232 @@
+"""The one core the three wire formats share.
+
+Chat completions, the Responses API (openai_responses.py) and the Messages API
+(anthropic_messages.py) all become the same internal request, a
+``ChatCompletionRequest``: messages as the chat template takes them, tools,
+constraints, sampling and decoding. From there the prompt, ``create_generator``'s
+arguments (params.py), admission (queue.py) and the generations (runs.py) are
+the same code for all three; each wire format only translates its body in and
+its events out, with its own error and stop-reason vocabulary at the edge.
+"""
+
+from __future__ import annotations
+
+import mlx_engine as me
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from fastapi import Request
+from pydantic import ValidationError
+
+from . import params
+from .errors import APIError, from_engine, from_validation
+from .queue import QueueFullError, ShuttingDownError
+from .responses import Choice
+from .runs import RequestRun
+from .schemas import ChatCompletionRequest, Message
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.2
+# A stream with nothing to send for this long (a long prompt prefilling) gets a
+# keep-alive event, so clients and proxies with idle timeouts keep waiting.
+HEARTBEAT_S = 5.0
+# Prompts at least this long log their prefill progress (every quarter).
+PROGRESS_LOG_TOKENS = 2048
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+@dataclass
+class Turn:
+    """One request in the internal form: the chat request a wire format was
+    translated into, its rendered prompt and ``create_generator``'s arguments."""
+
+    body: ChatCompletionRequest
+    prompt: params.Prompt
+    kwargs: list[dict]
+
+
+def internal_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The internal request from a wire format's translation; a value the chat
+    request refuses is a 400 naming the internal field."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise from_validation(list(exc.errors())) from None
+
+
+async def prepare(
+    service, body: ChatCompletionRequest, too_long: Callable[[int, int], APIError], label: str = ""
+) -> Turn:
+    """Render the prompt off the loop, refuse one that leaves no room in the
+    context with ``too_long(prompt_tokens, context)`` (each API's own error),
+    and build the generation arguments."""
+    prompt = await render(service.kit, body)
+    context = service.kit.context_length
+    if context is not None and len(prompt.tokens) >= context:
+        raise too_long(len(prompt.tokens), context)
+    kwargs = params.generator_kwargs(service.kit, body, prompt, service.decoding)
+    if len(prompt.tokens) >= PROGRESS_LOG_TOKENS:
+        kwargs = [{**kw, "prompt_progress_callback": _progress_logger(label, len(prompt.tokens))} for kw in kwargs]
+    return Turn(body, prompt, kwargs)
+
+
+async def render(kit: me.ModelKit, body: ChatCompletionRequest) -> params.Prompt:
+    """The prompt of ``body``. System messages stay where the client put them
+    (agents add one per turn after the history; moving it to the top would
+    change the prefix every turn and defeat the prompt cache); a template that
+    refuses them there gets them merged into the first system message."""
+    try:
+        return await anyio.to_thread.run_sync(params.chat_prompt, kit, body)
+    except APIError:
+        hoisted = _hoist_system(body)
+        if hoisted is None:
+            raise
+        logger.info("the chat template refused system messages after the first turn; merged them at the top")
+        return await anyio.to_thread.run_sync(params.chat_prompt, kit, hoisted)
+
+
+def _hoist_system(body: ChatCompletionRequest) -> ChatCompletionRequest | None:
+    """``body`` with every system message after the first position merged into
+    a leading one; None when there is none to move."""
+    msgs = body.messages
+    late = [i for i, m in enumerate(msgs) if i > 0 and m.role in ("system", "developer")]
+    if not late:
+        return None
+    system = [m for i, m in enumerate(msgs) if m.role in ("system", "developer") and (i == 0 or i in late)]
+    text = "\n\n".join(_text_of(m.content) for m in system)
+    rest = [m for i, m in enumerate(msgs) if not (m.role in ("system", "developer") and (i == 0 or i in late))]
+    merged = Message(role="system", content=text)
+    return body.model_copy(update={"messages": [merged, *rest]})
+
+
+def _text_of(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(getattr(p, "text", "") for p in content)
+
+
+def _progress_logger(label: str, prompt_len: int) -> Callable[[float], None]:
+    """A ``prompt_progress_callback`` that logs each quarter of a long prefill."""
+    logged = [0]
+
+    def report(percent: float) -> None:
+        quarter = int(percent // 25)
+        if quarter > logged[0]:
+            logged[0] = quarter
+            logger.info("%s: prefill %d%% of %d prompt tokens", label or "request", min(100, quarter * 25), prompt_len)
+
+    return report
+
+
+async def admit(
+    service, request: Request, prompt: params.Prompt, kwargs: list[dict], *, prompt_field: str
+) -> RequestRun:
+    """Wait for rows (429 when the line is full, 503 when stopping), then start."""
+    try:
+        await unless_disconnected(request, service.queue.acquire(len(kwargs)))
+    except QueueFullError:
+        raise APIError(
+            429,
+            f"the server is busy: {service.queue.waiting} requests are waiting; retry later",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from None
+    except ShuttingDownError:
+        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
+    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes)
+    try:
+        await run.start(prompt.tokens, kwargs)
+    except ValueError as exc:
+        raise from_engine(exc, prompt_field) from exc
+    return run
+
+
+async def unless_disconnected(request: Request, awaitable) -> None:
+    """Await ``awaitable`` unless the client leaves first (then it is cancelled)."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+
+
+async def collect(run: RequestRun, request: Request, n: int, with_logprobs: bool) -> list[Choice]:
+    """All results of a non-streamed request; a client that leaves cancels it."""
+    choices = [Choice(i) for i in range(n)]
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        run.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        async for item in run.items():
+            if item.error is not None:
+                raise APIError(500, f"generation failed: {item.error}", type="server_error")
+            choices[item.index].add(item.result, with_logprobs)
+    finally:
+        watcher.cancel()
+        run.cancel()
+    return choices
+
+
+async def with_heartbeat(items: AsyncIterator, interval: float | None = None) -> AsyncIterator:
+    """``items``, with a ``None`` whenever ``interval`` seconds (default
+    ``HEARTBEAT_S``) pass without one: the stream's cue to send a keep-alive."""
+    interval = HEARTBEAT_S if interval is None else interval
+    it = items.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+
+@dataclass
+class Counts:
+    """A finished generation's token counts, as every API reports them."""
+
+    prompt: int
+    cached: int
+    output: int
+
+
+def counts(choice: Choice, prompt_len: int) -> Counts:
+    stats = choice.stats
+    if stats is None:
+        return Counts(prompt_len, 0, 0)
+    return Counts(stats.prompt_tokens or prompt_len, stats.cached_tokens, stats.generated_tokens)
+
+
+def sse(obj: Any, event: str | None = None) -> str:
+    """One server-sent event (with an ``event:`` line when named)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
