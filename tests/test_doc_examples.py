@@ -37,8 +37,8 @@ NOT_RUN = {
 }
 #: Blocks that continue the prose's running example: they use a loaded kit.
 CONTEXT = {("docs/api.md", 4), ("docs/api.md", 6)}
-#: The README's block that talks to a server started with the command above it.
-SERVER_CLIENT = ("README.md", 1)
+#: The README's blocks that talk to a server started with the command above them.
+SERVER_CLIENTS = {("README.md", 1), ("README.md", 2)}
 #: docs/server.md's create_app example (it serves until stopped).
 SERVER_APP = ("docs/server.md", 0)
 
@@ -60,7 +60,7 @@ RUN = [(key, src) for key, src in BLOCKS if key not in NOT_RUN]
 def test_every_block_is_run_or_skipped_for_a_reason():
     keys = {key for key, _ in BLOCKS}
     assert set(NOT_RUN) <= keys, f"NOT_RUN names blocks that no longer exist: {set(NOT_RUN) - keys}"
-    assert CONTEXT | {SERVER_CLIENT, SERVER_APP} <= keys
+    assert CONTEXT | SERVER_CLIENTS | {SERVER_APP} <= keys
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_example_runs(key, src, smollm, request, monkeypatch, capsys):
     namespace: dict = {"__name__": "__doc_example__"}
     if key in CONTEXT:
         namespace.update(me=me, json=json, kit=smollm)
-    if key == SERVER_CLIENT:
+    if key in SERVER_CLIENTS:
         url = request.getfixturevalue("served_kit")
         src = src.replace("http://127.0.0.1:8080", url)
     if key == SERVER_APP:
@@ -101,7 +101,7 @@ def test_example_runs(key, src, smollm, request, monkeypatch, capsys):
         assert namespace["kit"].draft is None  # unloaded again
         assert namespace["lookup_text"] and namespace["auto_text"]
         assert "draft_model" in out
-    if key == SERVER_CLIENT:
+    if key in SERVER_CLIENTS:
         assert out.strip()
     if key == ("docs/api.md", 4):
         assert set(json.loads(namespace["text"])) == {"name", "age"}
