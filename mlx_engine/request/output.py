@@ -190,20 +190,7 @@ def results(
     """Streamed results for the loop's tokens, ending with exactly one final
     result: an end token, a stop string, a complete grammar, the token limit or
     cancellation. The loop's launches pass through (their rounds back in)."""
-    stream = TextStream(kit.tokenizer.detokenizer, req.stop_strings)
-    calls = _ToolCalls(req)
-    tally = SpeculationTally(facts.decoding_mode, facts.mode_reason, router)
-    n, t_first = 0, None
-    first_round = None  # tokens before the first launch after the first token: the first round's
-
-    def stats_now():
-        return build_stats(facts, tally, n, t_start, t_first, n if first_round is None else first_round)
-
-    def finish(text: str, tokens: list[Token], tops, stop) -> GenerationResult:
-        text, made, deltas = calls.split(text, final=True)
-        stats = stats_now()
-        return final_result(text, tokens, tops, calls.stop_reason(stop), stats, req.stats_cb, (made, deltas))
-
+    out = _Output(kit, req, facts, router, t_start)
     rnd: Round | None = None
     while True:
         try:
@@ -212,39 +199,68 @@ def results(
             return
         rnd = None
         if isinstance(step, Launch):
-            if t_first is not None and first_round is None:
-                first_round = n
+            out.launched()
             rnd = yield step  # a forward pass, for the scheduler; its round goes back to the loop
             continue
-        t_first = t_first or time.perf_counter()
+        out.t_first = out.t_first or time.perf_counter()
         if stop_requested():
-            yield finish(stream.finish().text, [], None, "user_cancelled")
+            yield out.finish(out.stream.finish().text, [], None, "user_cancelled")
             return
-        n += 1
-        tally.add(step)
+        result, final = out.on_step(step)
+        yield result
+        if final:
+            return
+
+
+class _Output:
+    """One request's output state: its text stream, tool calls, speculation
+    tally, token count and times; ``finish`` builds the final result."""
+
+    def __init__(self, kit: ModelKit, req: Request, facts: PromptFacts, router: AutoRouter | None, t_start: float):
+        self.kit, self.req, self.facts, self.t_start = kit, req, facts, t_start
+        self.stream = TextStream(kit.tokenizer.detokenizer, req.stop_strings)
+        self.calls = _ToolCalls(req)
+        self.tally = SpeculationTally(facts.decoding_mode, facts.mode_reason, router)
+        self.n, self.t_first = 0, None
+        self.first_round: int | None = None  # tokens before the first launch after the first token
+
+    def launched(self) -> None:
+        if self.t_first is not None and self.first_round is None:
+            self.first_round = self.n
+
+    def stats(self) -> GenerationStats:
+        first_round = self.n if self.first_round is None else self.first_round
+        return build_stats(self.facts, self.tally, self.n, self.t_start, self.t_first, first_round)
+
+    def finish(self, text: str, tokens: list[Token], tops, stop) -> GenerationResult:
+        text, made, deltas = self.calls.split(text, final=True)
+        stop = self.calls.stop_reason(stop)
+        return final_result(text, tokens, tops, stop, self.stats(), self.req.stats_cb, (made, deltas))
+
+    def on_step(self, step: Step) -> tuple[GenerationResult, bool]:
+        """The result for one token, and whether it is the final one."""
+        kit, req = self.kit, self.req
+        self.n += 1
+        self.tally.add(step)
         tok = step.token
         if tok in kit.eos_token_ids:
-            tail = stream.finish()
+            tail = self.stream.finish()
             reason = "stop_string" if tail.stop_string else "eos_token"
-            yield finish(tail.text, [], None, GenerationStopCondition(reason, tail.stop_string, [tok]))
-            return
+            return self.finish(tail.text, [], None, GenerationStopCondition(reason, tail.stop_string, [tok])), True
         token = Token(tok, kit.tokenizer.decode([tok]), step.logprob, step.from_draft)
         tops = [_top_logprobs(kit, step.logprobs, req.params.top_logprobs)] if req.params.top_logprobs else None
         last = step.at_limit  # the loop counts max_tokens; this stage only ends the text there
-        event = stream.push(tok, final=last or step.completes_grammar)
+        event = self.stream.push(tok, final=last or step.completes_grammar)
         if event.stop_string is not None:
             stop = GenerationStopCondition("stop_string", event.stop_string, event.stop_tokens)
-            yield finish(event.text, [token], tops, stop)
-            return
+            return self.finish(event.text, [token], tops, stop), True
         if step.completes_grammar or last:
-            yield finish(event.text, [token], tops, "grammar_complete" if step.completes_grammar else "token_limit")
-            return
-        text, made, deltas = calls.split(event.text)
-        if calls.repeated:  # the model repeated a call of this answer: it has nothing more to add
-            stats = stats_now()
-            yield final_result(text, [token], tops, "tool_calls", stats, req.stats_cb, (made, deltas))
-            return
-        yield GenerationResult(text, [token], tops, tool_calls=made, tool_call_deltas=deltas)
+            stop = "grammar_complete" if step.completes_grammar else "token_limit"
+            return self.finish(event.text, [token], tops, stop), True
+        text, made, deltas = self.calls.split(event.text)
+        if self.calls.repeated:  # the model repeated a call of this answer: it has nothing more to add
+            return final_result(text, [token], tops, "tool_calls", self.stats(), req.stats_cb, (made, deltas)), True
+        return GenerationResult(text, [token], tops, tool_calls=made, tool_call_deltas=deltas), False
 
 
 class _ToolCalls:
