@@ -290,7 +290,9 @@ def _decode(kit: ModelKit, req: Request, prepared: _Prepared, sampler: Sampler) 
     """The one verify/accept/rewind loop for this request."""
     constraint = None
     if req.grammar is not None:
-        constraint = GrammarConstraint(kit, req.grammar, draft_forced=req.structured_drafting)
+        constraint = GrammarConstraint(
+            kit, req.grammar, draft_forced=req.structured_drafting, source=req.grammar_source
+        )
     return decode(
         prepared.cache,
         list(prepared.prompt),
