@@ -155,9 +155,10 @@ class GrammarConstraint:
     """One request's grammar state: masks for verify passes, draft checks,
     forced tokens, and advancing by the tokens the loop emits."""
 
-    def __init__(self, kit, grammar: str, draft_forced: bool = True):
+    def __init__(self, kit, grammar: str, draft_forced: bool = True, source: str = "grammar"):
         import llguidance
 
+        self.source = source  # the argument the grammar came from, named by a failure
         self.vocab_size = kit.vocab_size
         self.draft_forced = draft_forced
         self.eos_ids = set(kit.eos_token_ids)
@@ -165,8 +166,12 @@ class GrammarConstraint:
         self._raise_on_error()
 
     def _raise_on_error(self) -> None:
+        """A matcher in error: the grammar hit one of llguidance's limits past the
+        positions ``check_grammar`` probes (a huge rule after a choice, say). The
+        request's argument is at fault, not the engine: ``InvalidArgument``."""
         if self.matcher.is_error():
-            raise RuntimeError(f"structured output: the grammar matcher failed: {self.matcher.get_error()}")
+            error = _describe(self.matcher.get_error())
+            raise InvalidArgument(f"{self.source} cannot be used: {error}", self.source)
 
     @property
     def complete(self) -> bool:
@@ -201,6 +206,7 @@ class GrammarConstraint:
             llguidance.numpy.fill_next_token_bitmask(self.matcher, bits, i)
             if i < len(drafts):
                 if not self.matcher.consume_token(drafts[i]):
+                    self._raise_on_error()  # a limit reached while checking the drafts
                     raise RuntimeError(f"structured output: draft token {drafts[i]} was checked but not accepted")
                 consumed += 1
         if consumed:

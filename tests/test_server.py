@@ -1072,3 +1072,15 @@ def _up(url) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_generation_failing_on_its_argument_is_a_400_naming_the_field():
+    """A grammar that reaches one of llguidance's limits mid-generation is the
+    request's fault (tests/test_structured.py): a 400 naming the request's field,
+    while any other failure of a running generation stays a 500."""
+    from mlx_engine.server.errors import from_failure
+
+    err = from_failure(me.InvalidArgument("regex cannot be used: too many expressions", "regex"))
+    assert (err.status, err.param, err.type) == (400, "mlx_engine.regex", "invalid_request_error")
+    assert "mlx_engine.regex cannot be used" in err.message
+    assert from_failure(RuntimeError("boom")).status == 500

@@ -180,6 +180,21 @@ def test_bad_constraints_are_refused_before_model_work(kit, kwargs, argument):
     assert len(generate_ids(kit, prompt, max_tokens=3)[0]) == 3  # still usable
 
 
+@requires_default_model
+@pytest.mark.parametrize("kwargs, argument", [({"regex": "(x|y)a{1000000}"}, "regex")])
+def test_a_limit_past_the_first_position_is_the_arguments_error(smollm, kwargs, argument):
+    """A grammar whose huge part follows a choice passes the up-front probe (it
+    looks at the first position); the limit llguidance reaches later is still the
+    argument's error (InvalidArgument naming it), not an engine failure, and the
+    kit stays usable."""
+    prompt = me.apply_chat_template(smollm, [{"role": "user", "content": "Say x."}])
+    with pytest.raises(me.InvalidArgument, match=f"{argument} cannot be used") as err:
+        for _ in me.create_generator(smollm, prompt, max_tokens=20, temp=0.0, **kwargs):
+            pass
+    assert err.value.param == argument
+    assert len(generate_ids(smollm, prompt, max_tokens=3)[0]) == 3  # still usable
+
+
 def test_vision_kit_takes_constraints(tmp_path):
     kit = me.load_model(make_qwen2_vl(tmp_path / "qwen2_vl"))
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color?"}]}]
@@ -244,3 +259,18 @@ def test_mask_covers_padded_vocabulary(draft_path, llama_path):
     masks = c.masks([])
     assert masks.shape == (1, kit.vocab_size)
     assert not mx.any(masks[0, len(kit.tokenizer.get_vocab()) :]).item()
+
+
+@pytest.mark.parametrize("kwargs", [{"regex": "(yes|no)"}, {"json_schema": {"type": "boolean"}}])
+def test_logprobs_under_a_constraint_are_finite(kit, kwargs):
+    """Masked alternatives are not reported (they used to come back as -inf)."""
+    import math
+
+    prompt = me.tokenize(kit, "hello")
+    results = list(me.create_generator(kit, prompt, max_tokens=8, top_logprobs=5, **kwargs))
+    tokens = [t for r in results for t in r.tokens]
+    tops = [top for r in results for top in (r.top_logprobs or [])]
+    assert tokens and len(tops) == len(tokens)
+    assert all(math.isfinite(t.logprob) for t in tokens)
+    assert all(math.isfinite(x.logprob) for top in tops for x in top)
+    assert any(len(top) < 5 for top in tops)  # fewer alternatives than asked: the rest were masked

@@ -205,7 +205,7 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
 
 def _prepare(kit: ModelKit, req: Request) -> _Prepared:
     """Expand the prompt, reuse the cached prefix, plan against the cache and
-    build the drafter (timing the one-off cost measurement apart)."""
+    build the drafter (timing the cost set-up apart)."""
     expanded = kit.expand_prompt(req.prompt, req.images)  # a vision kit expands its images here
     prompt = expanded.ids
     entry, hit = kit.prompt_cache.select(expanded.keys[:-1])  # the cached sequence sharing the longest prefix
@@ -290,7 +290,9 @@ def _decode(kit: ModelKit, req: Request, prepared: _Prepared, sampler: Sampler) 
     """The one verify/accept/rewind loop for this request."""
     constraint = None
     if req.grammar is not None:
-        constraint = GrammarConstraint(kit, req.grammar, draft_forced=req.structured_drafting)
+        constraint = GrammarConstraint(
+            kit, req.grammar, draft_forced=req.structured_drafting, source=req.grammar_source
+        )
     return decode(
         prepared.cache,
         list(prepared.prompt),

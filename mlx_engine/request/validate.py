@@ -113,6 +113,7 @@ class Request:
     stats_cb: StatsCallback | None
     plan: DecodingPlan
     grammar: str | None  # llguidance grammar of a structured-output constraint (or of the tools)
+    grammar_source: str | None  # the argument it came from: json_schema, regex, grammar or tools
     structured_drafting: bool
     tools: ToolSpec | None = None  # tools whose calls are parsed out of the text
 
@@ -173,6 +174,7 @@ def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request
         o.stats_callback,
         plan,
         None if constraint is None else constraint[1],
+        None if constraint is None else constraint[0],
         o.structured_drafting,
         tools,
     )

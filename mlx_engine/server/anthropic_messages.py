@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .core import admit, collect, counts, internal_request, prepare, render, sse, with_heartbeat
-from .errors import APIError, bad_request, from_validation
+from .errors import APIError, bad_request, from_failure, from_validation
 from .responses import Choice, engine_stats
 from .runs import RequestRun
 from .schemas import EngineOptions
@@ -436,7 +436,7 @@ async def _events(run: RequestRun, mid: str, model: str, prompt_len: int) -> Asy
                 yield PING
                 continue
             if item.error is not None:
-                yield sse(AnthropicError(500, f"generation failed: {item.error}").body(), "error")
+                yield sse(AnthropicError.of(from_failure(item.error)).body(), "error")
                 return
             choice.add(item.result, False)
             for e in writer.feed(item.result):

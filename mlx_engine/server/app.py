@@ -36,7 +36,7 @@ from . import params
 from .anthropic_messages import messages_router
 from .core import ClientGone, admit, collect
 from .drafts import draft_router
-from .errors import APIError, bad_request, from_validation
+from .errors import APIError, bad_request, from_failure, from_validation
 from .host import ModelHost
 from .hosts import AllowedHosts
 from .limits import BodySizeLimit
@@ -317,7 +317,7 @@ async def _events(
                 yield _sse(env.chunk(i, role=True, with_usage=include_usage))
         async for item in run.items():
             if item.error is not None:
-                yield _sse(APIError(500, f"generation failed: {item.error}", type="server_error").body())
+                yield _sse(from_failure(item.error).body())
                 continue
             c, r = choices[item.index], item.result
             entries = c.add(r, with_logprobs)

@@ -24,7 +24,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from . import params
-from .errors import APIError, from_engine, from_validation
+from .errors import APIError, from_engine, from_failure, from_validation
 from .queue import QueueFullError, ShuttingDownError
 from .responses import Choice
 from .runs import RequestRun
@@ -178,7 +178,7 @@ async def collect(run: RequestRun, request: Request, n: int, with_logprobs: bool
     try:
         async for item in run.items():
             if item.error is not None:
-                raise APIError(500, f"generation failed: {item.error}", type="server_error")
+                raise from_failure(item.error)
             choices[item.index].add(item.result, with_logprobs)
     finally:
         watcher.cancel()

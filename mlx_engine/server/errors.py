@@ -56,6 +56,15 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def from_failure(exc: BaseException, prompt_field: str = "messages") -> APIError:
+    """A generation that failed while it ran: the request's fault (a ``ValueError``,
+    e.g. a grammar that reached one of llguidance's limits past the positions
+    checked up front) as a 400 naming the field, anything else a 500."""
+    if isinstance(exc, ValueError):
+        return from_engine(exc, prompt_field)
+    return APIError(500, f"generation failed: {exc}", type="server_error")
+
+
 def from_engine(exc: ValueError, prompt_field: str = "messages") -> APIError:
     """The engine's ``ValueError`` as a 400 naming the request field: an
     ``InvalidArgument``'s ``param`` (the SDK's argument, ``tools[1].function.name``)

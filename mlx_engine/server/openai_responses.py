@@ -26,7 +26,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .core import Counts, admit, collect, counts, internal_request, prepare, sse, with_heartbeat
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, from_failure
 from .responses import Choice, engine_stats
 from .runs import RequestRun
 from .schemas import EngineOptions
@@ -562,9 +562,8 @@ async def _events(run: RequestRun, head: Head, prompt_len: int, keep, spaces: se
                 yield ": keep-alive\n\n"
                 continue
             if item.error is not None:
-                failed = head.obj(
-                    "failed", [], error={"code": "server_error", "message": f"generation failed: {item.error}"}
-                )
+                err = from_failure(item.error)
+                failed = head.obj("failed", [], error={"code": err.code or err.type, "message": err.message})
                 yield writer.event("response.failed", response=failed)
                 return
             choice.add(item.result, False)
