@@ -1,4 +1,6 @@
-"""``python -m mlx_engine.server --model NAME|PATH``: load a kit and serve it.
+"""``python -m mlx_engine.server [--model NAME|PATH] [--models-dir DIR]``:
+serve the catalog's models and those of ``--models-dir`` by name, loading them
+on demand (host.py); ``--model`` is loaded at start.
 
 Start-up mistakes (an option out of range, a port in use, a model that is not
 there) are checked before the model loads where they can be, and each is one
@@ -6,8 +8,8 @@ line on stderr with exit status 2.
 
 SIGTERM or SIGINT: stop accepting, let running generations finish for
 ``--shutdown-grace`` seconds, cut the rest (each stream still gets its final
-chunk, an error event saying it was cut, and ``[DONE]``), unload the kit
-(writing the prompt cache's disk tier, if any) and exit 0.
+chunk, an error event saying it was cut, and ``[DONE]``), unload the models
+(writing the prompt caches' disk tier, if any) and exit 0.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import uvicorn  # noqa: E402
 
 from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE, create_app  # noqa: E402
 from .connections import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connection_limits  # noqa: E402
+from .host import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions, ModelHost  # noqa: E402
 from .hosts import LOOPBACK_NAMES  # noqa: E402
 
 logger = logging.getLogger("mlx_engine.server")
@@ -76,7 +80,11 @@ def _context(text: str):
 def build_parser() -> argparse.ArgumentParser:
     """The command line; every option says its default."""
     p = _Parser(PROG, description="OpenAI-compatible server for mlx-engine (docs/server.md)")
-    p.add_argument("--model", required=True, help="catalog name, model directory or .gguf file (required)")
+    p.add_argument(
+        "--model",
+        help="model loaded at start: catalog name, model directory or .gguf file (default: none; "
+        "models load when a request names them)",
+    )
     p.add_argument(
         "--model-id", help="the name clients pass as `model` (default: the catalog name, else the file or folder name)"
     )
@@ -97,8 +105,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", help=f"require this bearer token (default: ${API_KEY_ENV}, else no key)")
     p.add_argument(
-        "--models-dir", help="the only folder draft models may be loaded from by path over HTTP (default: none)"
+        "--models-dir",
+        help="folder of models served by name; the only folder draft models may be loaded from by path (default: none)",
     )
+    p.add_argument(
+        "--ttl",
+        type=_bounded(float, 0),
+        help=f"idle seconds before a model is unloaded; 0: never (default: {DEFAULT_TTL_S:g} for models loaded "
+        "on demand, never for --model)",
+    )
+    p.add_argument(
+        "--memory-budget", type=_bounded(int, 1), help="bytes loaded models may hold (default: half of physical memory)"
+    )
+    p.add_argument("--max-loaded", type=_bounded(int, 1), help="models loaded at once (default: no limit)")
+    p.add_argument(
+        "--load-wait",
+        type=_bounded(float, 0.1),
+        default=DEFAULT_LOAD_WAIT_S,
+        help="seconds a request waits for its model to load before a 503 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-catalog",
+        action="store_true",
+        help="serve only --model and --models-dir, not the catalog (default: the catalog too)",
+    )
+    p.add_argument("--no-metrics", action="store_true", help="no GET /metrics (default: served)")
     p.add_argument(
         "--cors-origin",
         action="append",
@@ -178,6 +209,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.draft and not args.model:
+        parser.error("--draft needs --model (other models get a draft over HTTP: POST /v1/mlx_engine/models/load)")
     if args.decoding == "draft" and not args.draft:
         parser.error("--decoding draft needs a draft model: pass --draft NAME|PATH")
     if args.models_dir is not None and not os.path.isdir(os.path.expanduser(args.models_dir)):
@@ -227,7 +260,7 @@ class GracefulServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, service, grace_s: float):
         super().__init__(config)
-        self.service, self.grace_s = service, grace_s
+        self.service, self.grace_s = service, grace_s  # a Service or a ModelHost: drain() and cut_after()
 
     async def shutdown(self, sockets=None) -> None:
         self.service.drain()
@@ -243,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sock = bind(args.host, args.port)
-        kit = _load(args)
+        kit = _load(args) if args.model else None
     except StartupError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -275,12 +308,21 @@ def _load(args: argparse.Namespace) -> me.ModelKit:
     return kit
 
 
-def _serve(args: argparse.Namespace, kit: me.ModelKit, sock: socket.socket) -> int:
+def _host(args: argparse.Namespace) -> ModelHost:
+    """The model host: the catalog's and --models-dir's models, and the start model."""
+    defaults = LoadOptions(args.context, args.max_parallel, args.compute_dtype, prompt_cache_dir=args.prompt_cache_dir)
+    ttl = DEFAULT_TTL_S if args.ttl is None else (args.ttl or None)
+    limits = HostLimits(ttl, args.memory_budget, args.max_loaded, args.load_wait)
+    dirs = [args.models_dir] if args.models_dir else []
+    return ModelHost(models_dirs=dirs, catalog=not args.no_catalog, defaults=defaults, limits=limits)
+
+
+def _serve(args: argparse.Namespace, kit: me.ModelKit | None, sock: socket.socket) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without an API key: anyone who can reach it can use the model", args.host)
+    host = _host(args)
     app = create_app(
-        kit,
-        model_id=args.model_id or _default_id(args.model),
+        host,
         api_key=args.api_key,
         queue_size=args.queue,
         models_dir=args.models_dir,
@@ -289,18 +331,21 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit, sock: socket.socket) -> i
         decoding=args.decoding,
         keep_billing_header=args.keep_billing_header,
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
+        metrics=not args.no_metrics,
     )
-    if args.draft:
-        app.state.service.draft_name = args.draft
+    if kit is not None:
+        # Loaded on purpose: no idle TTL (as LM Studio's explicit loads) unless --ttl names one.
+        options = replace(host.defaults, draft=args.draft, ttl=args.ttl or math.inf)
+        host.add_kit(args.model_id or _default_id(args.model), kit, managed=True, options=options, draft=args.draft)
     config = uvicorn.Config(
         app,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_grace + _CLOSE_MARGIN_S,
         **connection_limits(args.max_connections, args.idle_timeout),
     )
-    server = GracefulServer(config, app.state.service, args.shutdown_grace)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    logger.info("serving %r on http://%s:%d", app.state.service.model_id, host, sock.getsockname()[1])
+    server = GracefulServer(config, host, args.shutdown_grace)
+    address = f"[{args.host}]" if ":" in args.host else args.host
+    logger.info("serving %d known models on http://%s:%d", len(host.entries), address, sock.getsockname()[1])
     # uvicorn re-raises the signal it caught once it has stopped; these handlers
     # make that a no-op, so a requested stop exits 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -309,11 +354,7 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit, sock: socket.socket) -> i
     finally:  # a caller running main() in-process gets its handlers back
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    try:
-        me.unload(kit)
-    except me.GenerationInProgressError:  # a generation outlived the grace period and the wait for it
-        logger.warning("a generation was still ending at exit; the kit was not unloaded")
-    logger.info("stopped")
+    logger.info("stopped")  # the app's lifespan has unloaded the models (ModelHost.stop)
     return 0
 
 

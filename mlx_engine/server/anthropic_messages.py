@@ -482,18 +482,19 @@ def _check_key(expected: str | None, request: Request) -> None:
         raise AnthropicError(401, "invalid x-api-key: send 'x-api-key: KEY' or 'Authorization: Bearer KEY'")
 
 
-def messages_router(service, *, keep_billing_header: bool = False) -> APIRouter:
-    """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``."""
+def messages_router(host, api_key: str | None, *, keep_billing_header: bool = False) -> APIRouter:
+    """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``; the model's
+    service comes from the host (host.py: loaded when needed)."""
     router = APIRouter()
 
     async def translated(request: Request, model: type[_Body]):
-        _check_key(service.api_key, request)
+        _check_key(api_key, request)
         body = await _parse(request, model)
         try:
-            service.check_model(body.model)
+            host.lookup(body.model)
         except APIError as err:
             raise AnthropicError(
-                404, f"model: {body.model!r} is not served here; GET /v1/models lists {service.model_id!r}"
+                404, f"model: {body.model!r} is not served here; GET /v1/models lists the models served"
             ) from err
         fields, sources = internal(body, keep_billing_header)
         return body, internal_request(fields), sources
@@ -504,13 +505,16 @@ def messages_router(service, *, keep_billing_header: bool = False) -> APIRouter:
         mid = f"msg_{uuid.uuid4().hex}"
         try:
             body, chat, sources = await translated(request, MessagesRequest)
-            turn = await prepare(service, chat, _too_long, mid)
-            run = await admit(service, request, turn.prompt, turn.kwargs, prompt_field="messages")
-            prompt_len = len(turn.prompt.tokens)
-            if body.stream:
-                events = _events(run, mid, service.model_id, prompt_len)
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            choice = (await collect(run, request, 1, False))[0]
+            async with host.kit_for(body.model) as service:
+                turn = await prepare(service, chat, _too_long, mid)
+                run = await admit(service, request, turn.prompt, turn.kwargs, prompt_field="messages")
+                prompt_len = len(turn.prompt.tokens)
+                if body.stream:
+                    events = _events(run, mid, service.model_id, prompt_len)
+                    return StreamingResponse(
+                        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                    )
+                choice = (await collect(run, request, 1, False))[0]
         except APIError as err:
             return _edge(err, sources).response()
         except AnthropicError as err:
@@ -521,8 +525,9 @@ def messages_router(service, *, keep_billing_header: bool = False) -> APIRouter:
     async def count_tokens(request: Request):
         sources: list[int] = []
         try:
-            _, chat, sources = await translated(request, CountTokensRequest)
-            prompt = await render(service.kit, chat)
+            body, chat, sources = await translated(request, CountTokensRequest)
+            async with host.kit_for(body.model) as service:
+                prompt = await render(service.kit, chat)
         except APIError as err:
             return _edge(err, sources).response()
         except AnthropicError as err:

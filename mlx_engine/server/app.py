@@ -1,12 +1,14 @@
-"""The ASGI app: OpenAI's chat and completions endpoints over a kit, and the
-Responses (openai_responses.py) and Messages (anthropic_messages.py) APIs on
+"""The ASGI app: OpenAI's chat and completions endpoints over one kit or several,
+and the Responses (openai_responses.py) and Messages (anthropic_messages.py) APIs on
 the same core (core.py).
 
-``create_app(kit, ...)`` builds it from a kit the host already holds (the
-command line, ``python -m mlx_engine.server``, loads one and calls it). Each
-handler reads: check the model, build the prompt and arguments off the loop
-(params.py), wait for rows (queue.py), start the generations on threads
-(runs.py), then answer whole or as server-sent events (responses.py).
+``create_app(kit, ...)`` builds it from a kit the host already holds, from
+several (``{id: kit}``), or from a ``ModelHost`` that loads and unloads models
+by name itself (host.py; the command line, ``python -m mlx_engine.server``,
+builds one). Each handler reads: get the model's service from the host
+(``host.kit_for``, loading it when needed), build the prompt and arguments off
+the loop (params.py), wait for rows (queue.py), start the generations on
+threads (runs.py), then answer whole or as server-sent events (responses.py).
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Mapping
 
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import params
@@ -35,8 +37,11 @@ from .anthropic_messages import messages_router
 from .core import ClientGone, admit, collect
 from .drafts import draft_router
 from .errors import APIError, bad_request, from_failure, from_validation
+from .host import ModelHost
 from .hosts import AllowedHosts
 from .limits import BodySizeLimit
+from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
+from .models_routes import models_router
 from .openai_responses import responses_router
 from .queue import AdmissionQueue
 from .responses import Choice, Envelope
@@ -67,15 +72,7 @@ class Service:
     draft_name: str | None = None
     runs: set = field(default_factory=set)  # RequestRun objects with a generation still open
     outcomes: Counter = field(default_factory=Counter)  # generations completed / cancelled / failed
-
-    def check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise APIError(
-                404,
-                f"model {model!r} is not served here; GET /v1/models lists {self.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
+    metrics: Metrics | None = None  # counts each generation's results (GET /metrics)
 
     def drain(self) -> None:
         """Stop admitting: queued and new requests get 503; running ones go on."""
@@ -104,7 +101,7 @@ class Service:
 
 
 def create_app(
-    kit: me.ModelKit,
+    kit: me.ModelKit | Mapping[str, me.ModelKit] | ModelHost,
     *,
     model_id: str | None = None,
     api_key: str | None = None,
@@ -114,51 +111,61 @@ def create_app(
     cors_origins: list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     decoding: str = "auto",
+    metrics: bool = True,
     keep_billing_header: bool = False,
     allowed_hosts: list[str] | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app serving ``kit`` (docs/server.md).
+    """The OpenAI-compatible app (docs/server.md) serving ``kit``: one kit, a
+    mapping of model ids to kits the embedding host manages (never unloaded
+    here), or a ``ModelHost`` that loads and unloads models by name itself.
 
-    ``model_id``: the name clients pass as ``model`` (default: the model
-    folder's or file's name). ``api_key``: required as a bearer token when set.
-    ``max_parallel``: rows the server uses (default and at most the kit's);
-    ``queue_size``: requests that may wait for rows before 429s.
-    ``models_dir``: where draft models may be loaded from by path.
-    ``cors_origins``: allowed browser origins (none: CORS off).
+    ``model_id``: the name clients pass as ``model`` for a single kit (default:
+    the model folder's or file's name). ``api_key``: required as a bearer token
+    when set. ``max_parallel``: rows the server uses per kit (default and at
+    most the kit's); ``queue_size``: requests that may wait for rows before
+    429s, per model. ``models_dir``: where draft models may be loaded from by
+    path. ``cors_origins``: allowed browser origins (none: CORS off).
     ``decoding``: the default mode (auto, plain, prompt_lookup, draft).
+    ``metrics``: serve ``GET /metrics`` (Prometheus).
     ``keep_billing_header``: keep Claude Code's volatile first system line in
     Messages API prompts (default: dropped, so the prompt cache reuses turns).
     ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
     hosts.py on DNS rebinding)."""
-    rows = kit.max_parallel if max_parallel is None else max_parallel
-    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
-        raise ValueError(
-            f"max_parallel must be an integer from 1 to the kit's max_parallel ({kit.max_parallel}), got {max_parallel!r}"
+    _check_arguments(kit, max_parallel, queue_size, decoding)
+    host = kit if isinstance(kit, ModelHost) else ModelHost(catalog=False)
+    app_metrics = Metrics(host) if metrics else None
+
+    def make_service(k: me.ModelKit, mid: str, draft: str | None) -> Service:
+        rows = k.max_parallel if max_parallel is None else min(max_parallel, k.max_parallel)
+        queue = AdmissionQueue(rows, queue_size)
+        folder = Path(models_dir) if models_dir else None
+        return Service(
+            k, mid, queue, api_key or None, folder, decoding, draft, outcomes=host.outcomes, metrics=app_metrics
         )
-    if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
-        raise ValueError(f"queue_size must be a non-negative integer, got {queue_size!r}")
-    if decoding not in ("auto", "plain", "prompt_lookup", "draft"):
-        raise ValueError(f"decoding must be auto, plain, prompt_lookup or draft, got {decoding!r}")
-    service = Service(
-        kit,
-        model_id or Path(kit.model_path).name,
-        AdmissionQueue(rows, queue_size),
-        api_key or None,
-        Path(models_dir) if models_dir else None,
-        decoding,
-    )
+
+    host.attach(make_service, app_metrics.event if app_metrics else None)
+    service = None
+    if isinstance(kit, me.ModelKit):
+        service = host.add_kit(model_id or Path(kit.model_path).name, kit)
+    elif not isinstance(kit, ModelHost):
+        for mid, k in kit.items():
+            host.add_kit(str(mid), k)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        host.start()
         yield
-        await service.stop()
+        await host.stop()
 
     app = FastAPI(title="mlx-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.service = service
+    app.state.host = host
+    app.state.service = service  # a single kit's (None for several): what embedders of one kit used
     _install_errors(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if allowed_hosts is not None:
         app.add_middleware(AllowedHosts, names=list(allowed_hosts))
+    if app_metrics is not None:
+        app.add_middleware(RequestCounter, metrics=app_metrics)
     if cors_origins:  # added last, so outermost: its headers reach every answer, a 413 included
         app.add_middleware(
             CORSMiddleware,
@@ -166,17 +173,46 @@ def create_app(
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    auth = _auth_dependency(service)
-    _add_routes(app, service, auth)
-    app.include_router(draft_router(service, auth))
+    auth = _auth_dependency(api_key or None)
+    _add_routes(app, host, auth)
+    app.include_router(draft_router(host, Path(models_dir) if models_dir else None, auth))
+    app.include_router(models_router(host, Path(models_dir) if models_dir else None, auth))
     # The Responses and Messages APIs: the same core in two more wire formats (core.py).
-    app.include_router(responses_router(service, auth))
-    app.include_router(messages_router(service, keep_billing_header=keep_billing_header))
+    app.include_router(responses_router(host, auth))
+    app.include_router(messages_router(host, api_key or None, keep_billing_header=keep_billing_header))
+    if app_metrics is not None:
+
+        @app.get("/metrics", dependencies=[Depends(auth)])
+        async def scrape():
+            return Response(app_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
     return app
 
 
-def _auth_dependency(service: Service):
-    expected = service.api_key.encode() if service.api_key else None
+def _check_arguments(kit, max_parallel, queue_size, decoding) -> None:
+    """``ValueError`` naming the first bad argument of ``create_app``."""
+    if isinstance(kit, me.ModelKit):
+        rows = kit.max_parallel if max_parallel is None else max_parallel
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
+            raise ValueError(
+                f"max_parallel must be an integer from 1 to the kit's max_parallel ({kit.max_parallel}), got {max_parallel!r}"
+            )
+    elif not isinstance(kit, ModelHost) and (
+        not isinstance(kit, Mapping) or not kit or not all(isinstance(k, me.ModelKit) for k in kit.values())
+    ):
+        raise ValueError("kit must be a ModelKit, a non-empty mapping of model ids to ModelKits, or a ModelHost")
+    elif max_parallel is not None and (
+        isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1
+    ):
+        raise ValueError(f"max_parallel must be a positive integer or None, got {max_parallel!r}")
+    if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
+        raise ValueError(f"queue_size must be a non-negative integer, got {queue_size!r}")
+    if decoding not in ("auto", "plain", "prompt_lookup", "draft"):
+        raise ValueError(f"decoding must be auto, plain, prompt_lookup or draft, got {decoding!r}")
+
+
+def _auth_dependency(api_key: str | None):
+    expected = api_key.encode() if api_key else None
 
     async def check(request: Request) -> None:
         if expected is None:
@@ -220,42 +256,31 @@ def _install_errors(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail), type=kind).response()
 
 
-def _add_routes(app: FastAPI, service: Service, auth) -> None:
+def _add_routes(app: FastAPI, host: ModelHost, auth) -> None:
     @app.get("/health")
     async def health():
+        queues = [e.service.queue for e in host.loaded()]
         return {
-            "status": "stopping" if service.queue.closed else "ok",
-            "model": service.model_id,
-            "running": service.queue.running,
-            "waiting": service.queue.waiting,
-            **{k: service.outcomes[k] for k in ("completed", "cancelled", "failed")},
+            "status": "stopping" if host.closed or any(q.closed for q in queues) else "ok",
+            "model": host.primary,
+            "running": sum(q.running for q in queues),
+            "waiting": sum(q.waiting for q in queues),
+            **{k: host.outcomes[k] for k in ("completed", "cancelled", "failed")},
         }
-
-    def model_object() -> dict:
-        return {"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine"}
-
-    @app.get("/v1/models", dependencies=[Depends(auth)])
-    async def models():
-        return {"object": "list", "data": [model_object()]}
-
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
-    async def model(model_id: str):
-        service.check_model(model_id)
-        return model_object()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request):
-        service.check_model(body.model)
-        prompt = await anyio.to_thread.run_sync(params.chat_prompt, service.kit, body)
-        return await _answer(service, request, body, prompt, chat=True)
+        async with host.kit_for(body.model, ttl=body.ttl) as service:
+            prompt = await anyio.to_thread.run_sync(params.chat_prompt, service.kit, body)
+            return await _answer(service, request, body, prompt, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request):
-        service.check_model(body.model)
         if body.echo:
             raise bad_request("echo is not supported", "echo")
-        prompt = await anyio.to_thread.run_sync(params.completion_prompt, service.kit, body)
-        return await _answer(service, request, body, prompt, chat=False)
+        async with host.kit_for(body.model, ttl=body.ttl) as service:
+            prompt = await anyio.to_thread.run_sync(params.completion_prompt, service.kit, body)
+            return await _answer(service, request, body, prompt, chat=False)
 
 
 async def _answer(service: Service, request: Request, body, prompt: params.Prompt, *, chat: bool):

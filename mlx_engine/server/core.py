@@ -143,7 +143,8 @@ async def admit(
         ) from None
     except ShuttingDownError:
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
-    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes)
+    observer = service.metrics.observer(service.model_id) if service.metrics is not None else None
+    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes, observer)
     try:
         await run.start(prompt.tokens, kwargs)
     except ValueError as exc:

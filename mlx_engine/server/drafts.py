@@ -1,5 +1,7 @@
 """Runtime draft management over HTTP: the SDK's ``load_draft_model``,
-``check_draft_model`` and ``unload_draft_model`` as endpoints.
+``check_draft_model`` and ``unload_draft_model`` as endpoints, for the model
+served at start (the host's ``primary``; other models take a draft when loaded,
+``POST /v1/mlx_engine/models/load``).
 
 A draft is named by catalog name, or by a path that must lie inside the
 operator's ``--models-dir`` (symlinks resolved first), so no request can make
@@ -60,47 +62,60 @@ def _not_found(message: str) -> APIError:
     return APIError(404, message, param="model", type="not_found_error", code="model_not_found")
 
 
-def draft_router(service, auth) -> APIRouter:
+def draft_router(host, models_dir: Path | None, auth) -> APIRouter:
     """``/v1/mlx_engine/draft``: GET state, POST load, DELETE unload;
     ``/v1/mlx_engine/draft/check``: POST compatibility report."""
     router = APIRouter(prefix="/v1/mlx_engine/draft", dependencies=[Depends(auth)])
-    kit = service.kit
 
-    def state() -> dict:
-        return {"loaded": kit.draft is not None, "model": service.draft_name if kit.draft is not None else None}
+    def primary():
+        if host.primary is None:
+            raise APIError(
+                404,
+                "no model was named at start; give a model its draft with POST /v1/mlx_engine/models/load",
+                code="model_not_found",
+            )
+        return host.kit_for(host.primary)  # loaded again if it was unloaded, and busy meanwhile
+
+    def state(service) -> dict:
+        loaded = service.kit.draft is not None
+        return {"loaded": loaded, "model": service.draft_name if loaded else None}
 
     @router.get("")
     async def get_draft():
-        return state()
+        async with primary() as service:
+            return state(service)
 
     @router.post("/check")
     async def check_draft(body: DraftRequest):
-        target = resolve_draft(body.model, service.models_dir)
-        report = await anyio.to_thread.run_sync(me.check_draft_model, kit, target)
+        target = resolve_draft(body.model, models_dir)
+        async with primary() as service:
+            report = await anyio.to_thread.run_sync(me.check_draft_model, service.kit, target)
         return {"model": body.model, "compatible": report.compatible, "reasons": list(report.reasons)}
 
     @router.post("")
     async def load_draft(body: DraftRequest):
-        target = resolve_draft(body.model, service.models_dir)
-        try:
-            await anyio.to_thread.run_sync(me.load_draft_model, kit, target)
-        except me.IncompatibleDraftModelError as exc:
-            raise APIError(400, f"model: {exc}", param="model", code="incompatible_draft_model") from exc
-        except me.GenerationInProgressError as exc:
-            raise _busy(exc) from exc
-        except ValueError as exc:  # ModelLoadError included
-            raise bad_request(f"model: {exc}", "model") from exc
-        service.draft_name = body.model
-        return state()
+        target = resolve_draft(body.model, models_dir)
+        async with primary() as service:
+            try:
+                await anyio.to_thread.run_sync(me.load_draft_model, service.kit, target)
+            except me.IncompatibleDraftModelError as exc:
+                raise APIError(400, f"model: {exc}", param="model", code="incompatible_draft_model") from exc
+            except me.GenerationInProgressError as exc:
+                raise _busy(exc) from exc
+            except ValueError as exc:  # ModelLoadError included
+                raise bad_request(f"model: {exc}", "model") from exc
+            service.draft_name = body.model
+            return state(service)
 
     @router.delete("")
     async def unload_draft():
-        try:
-            await anyio.to_thread.run_sync(me.unload_draft_model, kit)
-        except me.GenerationInProgressError as exc:
-            raise _busy(exc) from exc
-        service.draft_name = None
-        return state()
+        async with primary() as service:
+            try:
+                await anyio.to_thread.run_sync(me.unload_draft_model, service.kit)
+            except me.GenerationInProgressError as exc:
+                raise _busy(exc) from exc
+            service.draft_name = None
+            return state(service)
 
     return router
 

@@ -471,14 +471,18 @@ class EventWriter:
 
 
 # -- the endpoints -----------------------------------------------------------------------------------
-def responses_router(service, auth, store_size: int = DEFAULT_STORE_SIZE) -> APIRouter:
-    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``."""
+def responses_router(host, auth, store_size: int = DEFAULT_STORE_SIZE) -> APIRouter:
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``; the
+    model's service comes from the host (host.py: loaded when needed)."""
     router = APIRouter(dependencies=[Depends(auth)])
     store = ResponseStore(store_size)
 
     @router.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
-        service.check_model(body.model)
+        async with host.kit_for(body.model) as service:
+            return await respond(service, body, request)
+
+    async def respond(service, body: ResponsesRequest, request: Request):
         history: list[dict] = []
         if body.previous_response_id is not None:
             stored = store.get(body.previous_response_id)

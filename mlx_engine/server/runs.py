@@ -46,8 +46,16 @@ class RequestRun:
     """The ``n`` generations of one HTTP request (its choices), from creation to
     the last row given back."""
 
-    def __init__(self, kit: me.ModelKit, rows: AdmissionQueue, registry: set["RequestRun"], outcomes: Counter):
+    def __init__(
+        self,
+        kit: me.ModelKit,
+        rows: AdmissionQueue,
+        registry: set["RequestRun"],
+        outcomes: Counter,
+        observer: Callable[[int, me.GenerationResult], None] | None = None,
+    ):
         self.kit, self.rows, self.registry, self.outcomes = kit, rows, registry, outcomes
+        self.observer = observer  # sees every result on the pump thread (metrics.RunObserver)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Item | object] = asyncio.Queue()
         self.request_ids: list[str] = []
@@ -93,6 +101,8 @@ class RequestRun:
             for result in gen:
                 if result.stop_condition is not None:
                     outcome = "cancelled" if result.stop_condition.stop_reason == "user_cancelled" else "completed"
+                if self.observer is not None:
+                    self.observer(index, result)
                 self._put(Item(index, result))
         except BaseException as exc:  # noqa: BLE001 - reported to the client, not lost
             logger.debug("generation %s failed", self.request_ids[index], exc_info=True)

@@ -121,6 +121,7 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1)
     response_format: ResponseFormat | None = None
     user: str | None = None
+    ttl: float | None = Field(None, gt=0)  # LM Studio's: idle seconds before this model is unloaded
     mlx_engine: EngineOptions = EngineOptions()
 
     @field_validator("stop")
