@@ -7,6 +7,7 @@ setup_blas()
 
 from .api import (  # noqa: E402
     apply_chat_template,
+    check_tools,
     create_generator,
     is_draft_model_compatible,
     load_draft_model,
@@ -32,6 +33,7 @@ from .kits.text import ModelKit  # noqa: E402
 from .kits.vision import VisionModelKit  # noqa: E402
 from .loading import catalog  # noqa: E402  (models known by name: lookup, draft_for)
 from .loading.catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
+from .request.validate import GenerationOptions  # noqa: E402  (create_generator's arguments and defaults)
 from .results import (  # noqa: E402
     GenerationResult,
     GenerationStats,
@@ -47,6 +49,8 @@ __all__ = [
     "catalog",
     "DEFAULT_MODEL",
     "apply_chat_template",
+    "check_tools",
+    "GenerationOptions",
     "BlasStatus",
     "CallbackError",
     "ChatTemplateLimitError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -15,7 +16,7 @@ from . import tools as tools_module
 from .caches.prompt import PromptCacheOptions
 from .caches.sequence import CacheOptions
 from .draft.loading import check_draft_model, load_draft, unload_draft
-from .errors import ChatTemplateLimitError
+from .errors import ChatTemplateLimitError, GenerationInProgressError
 from .kits.images import validate_max_image_pixels
 from .kits.text import KitOptions, ModelKit, validate_max_parallel, validate_suffix_memory
 from .kits.vision import VisionModelKit
@@ -23,7 +24,14 @@ from .loading import model as loading
 from .loading.chat_template import check_render
 from .request.pipeline import Generation
 from .request.sampling import validate_seed
-from .request.validate import GenerationOptions, WhenIdle, require_model, validate_request, validate_request_id
+from .request.validate import (
+    GenerationOptions,
+    WhenIdle,
+    require_model,
+    validate_admission_timeout,
+    validate_request,
+    validate_request_id,
+)
 from .results import GenerationResult
 from .runtime import worker
 from .runtime.scheduler import Scheduler
@@ -204,6 +212,13 @@ def stop_generation(kit: ModelKit, request_id: str) -> bool:
 
 
 # -- generation ---------------------------------------------------------------
+def check_tools(kit: ModelKit, tools, tool_choice=None, parallel_tool_calls: bool = True) -> None:
+    """Check ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as
+    ``create_generator`` will, without generating, so a host can refuse a bad
+    request before queueing it; ``InvalidArgument`` naming the bad one."""
+    tools_module.validate_tool_request(tools, tool_choice, parallel_tool_calls, tools_module.tool_format(kit))
+
+
 def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iterator[GenerationResult]:
     """Stream the continuation of ``prompt_tokens``.
 
@@ -213,7 +228,8 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
     result carrying ``stop_condition`` and ``stats``. Closing it, or
     ``stop_generation(kit, request_id)``, cancels. A kit serves up to its
     ``max_parallel`` generations at once, decoded together; creating one more
-    while that many are open raises ``GenerationInProgressError``. Decoding modes are described in docs/decoding.md.
+    while that many are open raises ``GenerationInProgressError``, or, with
+    ``admission_timeout`` (seconds), waits for one to end first. Decoding modes are described in docs/decoding.md.
     ``images_b64`` (vision kits, docs/vision.md): base64 images, one per image
     placeholder token in ``prompt_tokens``, decoded and checked here.
     ``json_schema`` / ``regex`` / ``grammar`` (Lark) constrain the output
@@ -237,7 +253,7 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
         prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
     validate_request_id(opts.request_id)
     thread = _worker_of(kit)
-    generation = thread.call(_start, kit, prompt_tokens, opts)
+    generation = _admitted(kit, thread, prompt_tokens, opts)
     if kit.max_parallel == 1:
         return WorkerIterator(thread, generation.alone())
     return RequestStream(thread, _scheduler_of(kit, thread), generation, generation.request_id)
@@ -250,6 +266,20 @@ create_generator.__signature__ = inspect.signature(create_generator).replace(
         *GenerationOptions.keyword_parameters(),
     ]
 )
+
+
+def _admitted(kit: ModelKit, thread: worker.MLXWorker, prompt_tokens, opts: GenerationOptions) -> Generation:
+    """The validated generation, waiting up to ``admission_timeout`` for a free
+    slot on the kit's own registry (woken when a request ends, not polled)."""
+    wait = validate_admission_timeout(opts.admission_timeout)
+    deadline = time.monotonic() + (wait or 0.0)
+    while True:
+        try:
+            return thread.call(_start, kit, prompt_tokens, opts)
+        except GenerationInProgressError:
+            left = deadline - time.monotonic()
+            if wait is None or left <= 0 or not kit.activity.wait_for_room(kit.max_parallel, left):
+                raise
 
 
 def _start(kit: ModelKit, prompt_tokens, options: GenerationOptions) -> Generation:

@@ -7,6 +7,7 @@ from mlx_engine.runtime.scheduler import MAX_BACKLOG
 from mlx_engine.speculative.costs import CostModel
 
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -713,3 +714,37 @@ def test_lookup_rows_draft_together_in_a_batch_and_stay_exact(llama_path, monkey
     assert kit.drafting_rows.beside(None, 1) == []
     _, alone = run(board_on=False)  # each row priced alone: no draft pays for a 4-row batch
     assert sum(f.stats.drafted_tokens for f in alone) == 0
+
+
+@pytest.mark.parametrize("max_parallel", [1, 2])
+def test_admission_timeout_waits_for_a_slot_to_free(llama_path, max_parallel):
+    """With every slot open, ``admission_timeout`` waits on the kit's own
+    registry (woken when a generation ends) instead of refusing at once; without
+    it, or when no slot frees in time, GenerationInProgressError as before."""
+    kit = me.load_model(llama_path, max_parallel=max_parallel)
+    prompt = me.tokenize(kit, "def add(a, b):\n")
+    held = [me.create_generator(kit, prompt, max_tokens=4) for _ in range(max_parallel)]
+    with pytest.raises(me.GenerationInProgressError):
+        me.create_generator(kit, prompt, max_tokens=4)
+    with pytest.raises(me.GenerationInProgressError):
+        me.create_generator(kit, prompt, max_tokens=4, admission_timeout=0.2)
+    got = []
+    waiter = threading.Thread(
+        target=lambda: got.append(me.create_generator(kit, prompt, max_tokens=4, admission_timeout=60))
+    )
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and not got  # still waiting: every slot is open
+    held[0].close()
+    waiter.join(30)
+    assert not waiter.is_alive() and len(got) == 1
+    for gen in held[1:] + got:
+        gen.close()
+    assert len(generate_ids(kit, prompt, max_tokens=4)[0]) == 4  # every slot free again
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "1", True])
+def test_admission_timeout_is_checked(kit, bad):
+    with pytest.raises(me.InvalidArgument, match="admission_timeout") as err:
+        me.create_generator(kit, [1, 2], admission_timeout=bad)
+    assert err.value.param == "admission_timeout"

@@ -17,9 +17,19 @@ class Activity:
     closed, started or not."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
+    freed: threading.Condition = field(init=False)  # notified whenever a request ends
     active: set[str] = field(default_factory=set)
     known: set[str] = field(default_factory=set)
     cancelled: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.freed = threading.Condition(self.lock)
+
+    def wait_for_room(self, capacity: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until fewer than ``capacity`` requests
+        are open; whether there is room now (another caller may still take it)."""
+        with self.freed:
+            return self.freed.wait_for(lambda: len(self.known) < capacity, timeout)
 
     def register(self, request_id: str, capacity: int = 1) -> None:
         with self.lock:
@@ -42,6 +52,7 @@ class Activity:
             self.active.discard(request_id)
             self.known.discard(request_id)
             self.cancelled.discard(request_id)
+            self.freed.notify_all()
 
     def cancel(self, request_id: str) -> bool:
         """Ask ``request_id`` to stop; False when no such request exists."""

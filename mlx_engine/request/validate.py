@@ -71,6 +71,9 @@ class GenerationOptions:
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # Seconds to wait for a free slot while max_parallel generations are open
+    # (None: GenerationInProgressError at once). Waited for on the caller's thread.
+    admission_timeout: float | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> GenerationOptions:
@@ -198,6 +201,17 @@ def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:
 def validate_request_id(request_id) -> None:
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidArgument(f"request_id must be a string or None, got {request_id!r}", "request_id")
+
+
+def validate_admission_timeout(timeout) -> float | None:
+    """``admission_timeout``: None, or seconds (a finite number >= 0) to wait for a free slot."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout < float("inf"):
+        raise InvalidArgument(
+            f"admission_timeout must be None or a finite number of seconds >= 0, got {timeout!r}", "admission_timeout"
+        )
+    return float(timeout)
 
 
 def require_model(kit: ModelKit) -> None:

@@ -21,7 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from mlx_engine.results import GenerationResult, GenerationStats
+    from mlx_engine import GenerationResult, GenerationStats
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,6 @@ back from ``create_generator`` as ``ValueError`` and is mapped the same way.
 from __future__ import annotations
 
 import mlx_engine as me
-from mlx_engine.request.validate import DEFAULT_MAX_TOKENS
-from mlx_engine.tools import tool_format, validate_tool_request
 
 from dataclasses import dataclass
 
@@ -36,7 +34,7 @@ def chat_prompt(kit: me.ModelKit, req: ChatCompletionRequest) -> Prompt:
     check_nesting(req)
     tools = tool_kwargs(req)
     try:
-        validate_tool_request(tools["tools"], tools["tool_choice"], tools["parallel_tool_calls"], tool_format(kit))
+        me.check_tools(kit, tools["tools"], tools["tool_choice"], tools["parallel_tool_calls"])
     except ValueError as exc:
         raise from_engine(exc) from exc
     vision = isinstance(kit, me.VisionModelKit)
@@ -162,7 +160,7 @@ def token_budget(kit: me.ModelKit, prompt_len: int, asked: int | None) -> int:
     prompt; the whole remaining context when nothing was asked."""
     context = kit.context_length
     if context is None:
-        return asked or DEFAULT_MAX_TOKENS
+        return asked or me.GenerationOptions.max_tokens  # the SDK's default
     room = context - prompt_len
     if room <= 0:
         raise bad_request(

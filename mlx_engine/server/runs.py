@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 
 _END = object()
 # While a host that embeds the server holds rows of the kit itself, the kit can
-# refuse a generation the queue admitted; retry at this interval.
-_BUSY_RETRY_S = 0.05
+# refuse a generation the queue admitted: it then waits on the kit's own
+# admission (woken when a generation ends), in slices of this many seconds so a
+# request cancelled meanwhile stops waiting.
+_ADMISSION_SLICE_S = 0.5
 
 
 @dataclass
@@ -88,11 +90,12 @@ class RequestRun:
             ).start()
 
     async def _create(self, prompt: list[int], kwargs: dict):
+        kwargs = {**kwargs, "admission_timeout": _ADMISSION_SLICE_S}
         while True:
             try:
                 return await anyio.to_thread.run_sync(lambda: me.create_generator(self.kit, prompt, **kwargs))
             except me.GenerationInProgressError:
-                await asyncio.sleep(_BUSY_RETRY_S)
+                continue  # still full after a slice: the await above is where a cancellation lands
 
     def _pump(self, index: int, gen) -> None:
         """Thread: iterate one generator, hand results to the loop, close it."""
