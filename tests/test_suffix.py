@@ -88,8 +88,7 @@ def test_drafter_prefers_the_longer_of_its_own_and_the_memory_match():
     memory = SuffixMemory(key=2)
     memory.record("earlier", [40, 41, 42, 43, 44, 45, 46, 47])
     drafter = SuffixDrafter(8, memory, "now")
-    assert drafter.propose([40, 41, 42, 43], 8) == [44, 45, 46, 47]
-    assert drafter.strength == 4
+    assert drafter.propose_match([40, 41, 42, 43], 8) == ([44, 45, 46, 47], 4)
     # The request's own history repeats "42 43" with a longer agreeing context.
     own = SuffixDrafter(8, memory, "own")
     assert own.propose([9, 42, 43, 1, 2, 9, 42, 43], 8)[:3] == [1, 2, 9]

@@ -8,6 +8,7 @@ costs a few dictionary probes whatever the history length.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 from .batch_pricing import BatchPricing
 
@@ -160,6 +161,14 @@ def density_score(tokens: list[int], min_length: int = 256, ngram: int = 3, full
     return share * ramp
 
 
+class Match(NamedTuple):
+    """A lookup's drafts and the strength of the match they come from
+    (``NGramIndex.strength``; 0: none)."""
+
+    drafts: list[int]
+    strength: int
+
+
 class PromptLookupDrafter:
     """A drafter that copies continuations of the current suffix from the
     history, and, when the history has none, from ``memory``: other token
@@ -187,7 +196,6 @@ class PromptLookupDrafter:
         # what pays for the batch (the router prices its own lengths).
         self.batch_pricing = batch_pricing
         self.index = NGramIndex(min_ngram, max_ngram)
-        self.strength = 0  # the last peek's match strength (NGramIndex.strength)
         self.memory = None
         if memory:
             self.memory = NGramIndex(max(min_ngram, self.MEMORY_MIN_NGRAM), max(max_ngram, self.MEMORY_MIN_NGRAM))
@@ -225,26 +233,35 @@ class PromptLookupDrafter:
         return max(bound, self.index.max_ngram) if self.memory is not None else bound
 
     def propose(self, history: list[int], limit: int) -> list[int]:
-        drafts = self.peek(history, min(self.num_tokens, limit))
-        drafts = drafts[: self.match_length_cap()]
-        if self.batch_pricing is not None:
-            drafts = drafts[: self.batch_pricing.draft_length(self.strength, len(drafts))]
-        return drafts
+        return self.propose_match(history, limit).drafts
 
-    def match_length_cap(self) -> int | None:
-        """The most drafts the last peek's match may propose (None: all N)."""
+    def propose_match(self, history: list[int], limit: int) -> Match:
+        """This round's drafts, cut to what the match may propose
+        (``match_length_cap``) and, in a batch, to what pays; with the match's strength."""
+        m = self.match(history, min(self.num_tokens, limit))
+        drafts = m.drafts[: self.match_length_cap(m.strength)]
+        if self.batch_pricing is not None:
+            drafts = drafts[: self.batch_pricing.draft_length(m.strength, len(drafts))]
+        return Match(drafts, m.strength)
+
+    def match_length_cap(self, strength: int) -> int | None:
+        """The most drafts a match of ``strength`` may propose (None: all N)."""
         return None
 
     def peek(self, history: list[int], n: int) -> list[int]:
-        """Up to ``n`` tokens lookup would draft after ``history`` (the router's
-        shadow drafts use this with its own length)."""
+        """Up to ``n`` tokens lookup would draft after ``history``."""
+        return self.match(history, n).drafts
+
+    def match(self, history: list[int], n: int) -> Match:
+        """Up to ``n`` tokens lookup would draft after ``history``, and the
+        strength of the match they come from (the router's shadow drafts and
+        weak-match rule use it with their own lengths)."""
         self.index.extend(history)
         drafts = self.index.lookup(n, self.num_candidates)
-        self.strength = self.index.strength
-        if not drafts and self.memory is not None:
-            drafts = self.memory.lookup(n, self.num_candidates, suffix=history[-self.index.max_ngram :])
-            self.strength = self.memory.strength
-        return drafts
+        if drafts or self.memory is None:
+            return Match(drafts, self.index.strength)
+        drafts = self.memory.lookup(n, self.num_candidates, suffix=history[-self.index.max_ngram :])
+        return Match(drafts, self.memory.strength)
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         pass  # a fixed length; the router adapts lookup lengths

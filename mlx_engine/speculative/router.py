@@ -31,7 +31,7 @@ from . import costs
 from .batch_pricing import COPYING, BatchPricing, LookupPricing, strength_acceptance
 from .loop import Drafts
 from .policy import rejection_cap
-from .prompt_lookup import PromptLookupDrafter, density_score
+from .prompt_lookup import Match, PromptLookupDrafter, density_score
 from .speedup import AcceptanceModel, best_draft_length
 
 logger = logging.getLogger(__name__)
@@ -232,9 +232,9 @@ class AutoRouter:
             drafts = self._lookup_round(history, limit)
             return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
         if self.mode == Mode.PROBE:
-            drafts = self.lookup.propose(history, limit)
-            drafts = drafts[: self._probe_length(len(drafts))]
-            self._round_weak = self._is_weak(drafts)
+            m = self.lookup.propose_match(history, limit)
+            drafts = m.drafts[: self._probe_length(len(m.drafts), m.strength)]
+            self._round_weak = self._is_weak(Match(drafts, m.strength))
             if self._round_weak and self._weak_length(len(drafts)) == 0:
                 self._round_weak = False
                 drafts = []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
@@ -248,7 +248,7 @@ class AutoRouter:
             return self.draft_drafter.propose(history, limit)
         return []
 
-    def _probe_length(self, available: int) -> int:
+    def _probe_length(self, available: int, strength: int) -> int:
         """A probe round's length: ``lookup_k`` (growing while drafts are
         accepted whole), or longer where the match is so strong that its expected
         acceptance (strength_acceptance) pays for a longer draft: a copy is then
@@ -256,7 +256,7 @@ class AutoRouter:
         pays for the batch."""
         if not available:
             return 0
-        strong = best_draft_length(strength_acceptance(self.lookup.strength), self.lookup_costs, available)[0]
+        strong = best_draft_length(strength_acceptance(strength), self.lookup_costs, available)[0]
         k = min(available, max(self.lookup_k, strong))
         if self._lookup_pricing().rows > 1:
             # In a batch the probe's drafts widen every row's pass: only what pays for the batch.
@@ -284,9 +284,10 @@ class AutoRouter:
         if not self._lookup_earns():
             return []
         max_k = rejection_cap(self._rejected_at, self.max_lookup)
-        drafts = self.lookup.peek(history, min(max_k, limit))
-        if not drafts or self._is_weak(drafts):
+        m = self.lookup.match(history, min(max_k, limit))
+        if not m.drafts or self._is_weak(m):
             return []
+        drafts = m.drafts
         k, speedup = best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), len(drafts))
         evidence = 1 + self.s.thin_evidence / self.shadow_positions
         return drafts[:k] if k and speedup > evidence * max(1.0, self._draft_speedup()) else []
@@ -317,8 +318,9 @@ class AutoRouter:
         token: leaving lookup is _watch_lookup's decision) or, for a weak match,
         from weak matches' acceptance (none when they do not pay)."""
         max_k = rejection_cap(self._rejected_at, self.max_lookup)
-        drafts = self.lookup.peek(history, min(max_k, limit))
-        self._round_weak = self._is_weak(drafts)
+        m = self.lookup.match(history, min(max_k, limit))
+        drafts = m.drafts
+        self._round_weak = self._is_weak(m)
         if self._round_weak:
             k = self._weak_length(max_k)
         else:
@@ -349,9 +351,9 @@ class AutoRouter:
         # Only a row that is copying counts the rows copying beside it (BatchPricing.draft_length).
         return LookupPricing(table, rows, b.beside(rows) if self._copying else [])
 
-    def _is_weak(self, drafts: list[int]) -> bool:
-        """Whether ``drafts``, the last lookup's, come from a weak match (RouterSettings.weak_match)."""
-        return bool(drafts) and self.lookup.strength <= self.s.weak_match
+    def _is_weak(self, m: Match) -> bool:
+        """Whether lookup's drafts ``m`` come from a weak match (RouterSettings.weak_match)."""
+        return bool(m.drafts) and m.strength <= self.s.weak_match
 
     def _weak_length(self, max_k: int) -> int:
         """The draft length a weak match pays for (0: none), from weak matches' record."""
@@ -453,10 +455,10 @@ class AutoRouter:
         # matches: lookup's own round would have drafted this position in that
         # shadow's round, and a shadow per copied token would count every phrase
         # copied from the prompt many times over.
-        if not open_ and (drafts := self.lookup.peek(history, self.max_lookup)):
+        if not open_ and (m := self.lookup.match(history, self.max_lookup)).drafts:
             # A weak match's shadow teaches the weak-match record, not the
             # shadow record: lookup would not draft it the way it drafts the rest.
-            self._shadows.append((len(history), drafts, 0, self._is_weak(drafts)))
+            self._shadows.append((len(history), m.drafts, 0, self._is_weak(m)))
 
     def _consider_lookup(self) -> None:
         """Switch to prompt lookup when its shadow record promises clearly more

@@ -38,7 +38,7 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from .batch_pricing import BatchPricing
-from .prompt_lookup import PromptLookupDrafter
+from .prompt_lookup import Match, PromptLookupDrafter
 
 #: Default bound on the tokens a kit's suffix memory holds: about 185 bytes of
 #: Python objects a token on text (12 MB), up to about 430 where almost no pair
@@ -273,8 +273,8 @@ class SuffixDrafter(PromptLookupDrafter):
     instead when it is longer (an earlier answer to this very prompt matches the
     whole prompt and answer so far). The running history is recorded into the
     memory under ``name`` as it grows, so concurrent and later requests draft
-    from it. ``strength`` is the match length of the source used (the router's
-    weak-match rule reads it)."""
+    from it. A match's ``strength`` is the match length of the source used (the
+    router's weak-match rule uses it)."""
 
     name = "suffix"
 
@@ -293,24 +293,23 @@ class SuffixDrafter(PromptLookupDrafter):
         self.request_name = request_name
         self.last_match = NO_MATCH  # the memory's answer to the last peek
 
-    def match_length_cap(self) -> int:
+    def match_length_cap(self, strength: int) -> int:
         """SuffixDecoding's adaptive length for every match: at most one draft
         token per matched token (a one-token match, right about a quarter of the
         time, drafts one token, not N; a long copy drafts up to N). The memory's
         own query already keeps to it."""
-        return max(1, self.strength)
+        return max(1, strength)
 
     def next_strength_bound(self, history: list[int]) -> int:
         """As prompt lookup's, the suffix memory's matches included."""
         return max(super().next_strength_bound(history), self.suffix_memory.next_match_bound(history))
 
-    def peek(self, history: list[int], n: int) -> list[int]:
-        own = super().peek(history, n)
-        own_strength = self.strength
+    def match(self, history: list[int], n: int) -> Match:
+        """The longer of the request's own lookup match and the suffix memory's."""
+        own = super().match(history, n)
         self.suffix_memory.record(self.request_name, history)
-        match = self.suffix_memory.query(history, n) if n > 0 else NO_MATCH
-        self.last_match = match
-        if match.drafts and (not own or match.match_length > own_strength):
-            self.strength = match.match_length
-            return match.drafts
+        found = self.suffix_memory.query(history, n) if n > 0 else NO_MATCH
+        self.last_match = found
+        if found.drafts and (not own.drafts or found.match_length > own.strength):
+            return Match(found.drafts, found.match_length)
         return own
