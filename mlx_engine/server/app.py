@@ -32,12 +32,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import params
 from .anthropic_messages import messages_router
-from .core import ClientGone, admit, collect
+from .core import ClientGone, admit, collect, fit_context
 from .drafts import draft_router
 from .errors import APIError, bad_request, from_validation
 from .hosts import AllowedHosts
 from .limits import BodySizeLimit
 from .openai_responses import responses_router
+from .overflow import check_policy
 from .queue import AdmissionQueue
 from .responses import Choice, Envelope
 from .runs import RequestRun
@@ -65,6 +66,7 @@ class Service:
     models_dir: Path | None = None
     decoding: str = "auto"
     draft_name: str | None = None
+    context_overflow: str = "error"  # or "truncate-middle" (overflow.py)
     runs: set = field(default_factory=set)  # RequestRun objects with a generation still open
     outcomes: Counter = field(default_factory=Counter)  # generations completed / cancelled / failed
 
@@ -116,6 +118,7 @@ def create_app(
     decoding: str = "auto",
     keep_billing_header: bool = False,
     allowed_hosts: list[str] | None = None,
+    context_overflow: str = "error",
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``kit`` (docs/server.md).
 
@@ -129,7 +132,8 @@ def create_app(
     ``keep_billing_header``: keep Claude Code's volatile first system line in
     Messages API prompts (default: dropped, so the prompt cache reuses turns).
     ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
-    hosts.py on DNS rebinding)."""
+    hosts.py on DNS rebinding). ``context_overflow``: ``error`` refuses a
+    prompt over the context; ``truncate-middle`` cuts its middle (overflow.py)."""
     rows = kit.max_parallel if max_parallel is None else max_parallel
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
         raise ValueError(
@@ -139,6 +143,7 @@ def create_app(
         raise ValueError(f"queue_size must be a non-negative integer, got {queue_size!r}")
     if decoding not in ("auto", "plain", "prompt_lookup", "draft"):
         raise ValueError(f"decoding must be auto, plain, prompt_lookup or draft, got {decoding!r}")
+    check_policy(context_overflow)
     service = Service(
         kit,
         model_id or Path(kit.model_path).name,
@@ -146,6 +151,7 @@ def create_app(
         api_key or None,
         Path(models_dir) if models_dir else None,
         decoding,
+        context_overflow=context_overflow,
     )
 
     @asynccontextmanager
@@ -246,8 +252,10 @@ def _add_routes(app: FastAPI, service: Service, auth) -> None:
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request):
         service.check_model(body.model)
-        prompt = await anyio.to_thread.run_sync(params.chat_prompt, service.kit, body)
-        return await _answer(service, request, body, prompt, chat=True)
+        fitted = await anyio.to_thread.run_sync(
+            fit_context, service, body, lambda b: params.chat_prompt(service.kit, b)
+        )
+        return await _answer(service, request, fitted.body, fitted.prompt, chat=True, truncated=fitted.dropped)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request):
@@ -258,13 +266,13 @@ def _add_routes(app: FastAPI, service: Service, auth) -> None:
         return await _answer(service, request, body, prompt, chat=False)
 
 
-async def _answer(service: Service, request: Request, body, prompt: params.Prompt, *, chat: bool):
+async def _answer(service: Service, request: Request, body, prompt: params.Prompt, *, chat: bool, truncated: int = 0):
     """Admit the request, start its choices, answer whole or streamed."""
     if body.n > service.queue.rows:
         raise bad_request(f"n must be at most {service.queue.rows} (the server's parallel rows)", "n")
     kwargs = params.generator_kwargs(service.kit, body, prompt, service.decoding)
     run = await admit(service, request, prompt, kwargs, prompt_field="messages" if chat else "prompt")
-    env = Envelope(service.model_id, chat)
+    env = Envelope(service.model_id, chat, truncated)
     with_logprobs = params.wants_logprobs(body)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
