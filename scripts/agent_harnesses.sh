@@ -37,8 +37,11 @@ model_provider = "mlx-engine"
 name = "mlx-engine"
 base_url = "$URL/v1"
 wire_api = "responses"
+# A long prompt's prefill on a CPU can pass Codex's 5-minute stream idle
+# timeout (SSE keep-alive comments do not reset it): allow an hour.
+stream_idle_timeout_ms = 3600000
 TOML
-  (cd "$WORK" && timeout 900 "$WORK/node_modules/.bin/codex" exec --skip-git-repo-check "Say hello in one word." \
+  (cd "$WORK" && timeout 1800 "$WORK/node_modules/.bin/codex" exec --skip-git-repo-check "Say hello in one word." \
     >"$WORK/codex.out" 2>&1)
   echo "codex exit status: $?"
   tail -20 "$WORK/codex.out"
