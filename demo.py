@@ -403,16 +403,14 @@ def progress_bar():
 def print_stats(s: me.GenerationStats, stop: me.GenerationStopCondition) -> None:
     lines = [
         f"Time to first token: {s.time_to_first_token:.2f}s",
-        f"Prompt: {s.prompt_tokens} tokens ({s.cached_tokens} reused from cache), {s.prompt_tps:.1f} tok/s",
-        f"Generated: {s.generated_tokens} tokens, {s.generation_tps:.1f} tok/s",
+        f"Prompt: {s.prompt_tokens} tokens ({s.cached_tokens} reused from cache), {rate(s.prompt_tps)}",
+        f"Generated: {s.generated_tokens} tokens, {rate(s.generation_tps)}",
         f"Total time: {s.total_time:.2f}s",
         f"Stop reason: {stop.stop_reason}" + (f" ({stop.stop_string!r})" if stop.stop_string else ""),
         decoding_line(s),
     ]
     if s.setup_time >= 0.005:
-        lines.insert(
-            2, f"One-off cost measurement: {s.setup_time:.2f}s (in the time to first token, not the prompt rate)"
-        )
+        lines.insert(2, f"Cost set-up: {s.setup_time:.2f}s (in the time to first token, not the prompt rate)")
     if s.drafted_tokens:
         lines += [
             f"Drafted/accepted tokens: {s.drafted_tokens}/{s.accepted_tokens}",
@@ -424,6 +422,11 @@ def print_stats(s: me.GenerationStats, stop: me.GenerationStopCondition) -> None
     lines += [f"Mode switch: {m}" for m in s.mode_switches]
     lines.append(f"Peak memory: {s.peak_memory / 2**20:.1f} MiB")
     print("\n\nGeneration stats:", *(f" - {line}" for line in lines), sep="\n")
+
+
+def rate(tps: float | None) -> str:
+    """A rate for the statistics lines; None (nothing was timed) says so."""
+    return "rate n/a" if tps is None else f"{tps:.1f} tok/s"
 
 
 def decoding_line(s: me.GenerationStats) -> str:
@@ -553,7 +556,7 @@ def parallel(kit: me.ModelKit, args: argparse.Namespace) -> int:
             total += final.stats.generated_tokens
             s = final.stats
             print(
-                f"    ({s.generated_tokens} tokens, {s.generation_tps:.1f} tok/s, first token after {s.time_to_first_token:.2f} s; {decoding_line(s)})\n"
+                f"    ({s.generated_tokens} tokens, {rate(s.generation_tps)}, first token after {s.time_to_first_token:.2f} s; {decoding_line(s)})\n"
             )
     print(f"{n} requests, {total} tokens in {seconds:.2f} s: {total / seconds:.1f} tok/s aggregate", file=sys.stderr)
     return 0 if all(a[1] is not None for a in answers) else 1

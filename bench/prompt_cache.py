@@ -143,7 +143,8 @@ def lookup_memory(kit, reps: int) -> str:
         kit.prompt_cache.active.reset()
         _, ids_own, s_own = ttft(kit, second, max_tokens=160, prompt_lookup_num_tokens=8)
         assert ids_mem == ids_own, "lookup memory changed greedy output"
-        ratios.append(s_mem.generation_tps / s_own.generation_tps)
+        if s_mem.generation_tps and s_own.generation_tps:  # None: no token after the first round
+            ratios.append(s_mem.generation_tps / s_own.generation_tps)
     return (
         f"the same question in a second chat, prompt lookup: {statistics.median(ratios):.2f}x generation tok/s "
         f"with lookup memory (median of {reps}; accepted {s_mem.accepted_tokens}/{s_mem.drafted_tokens} drafts "

@@ -256,7 +256,7 @@ def analyse(
             }
             row["gen_ratio"] = row["gen_tps"] / base_gen if base_gen > 0 else float("nan")
             row["e2e_speedup"] = base_total / row["total_s"] if row["total_s"] > 0 else float("nan")
-            row["reported_gen_tps"] = _median([r.reported.get("generation_tps", float("nan")) for r in rs])
+            row["reported_gen_tps"] = _median([r.reported.get("generation_tps") or float("nan") for r in rs])
             stats = [r.engine_stats for r in rs if r.engine_stats]
             if stats:
                 drafted = sum(st["drafted_tokens"] for st in stats)

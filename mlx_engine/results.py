@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-StopReason = Literal["eos_token", "stop_string", "token_limit", "user_cancelled", "grammar_complete"]
+StopReason = Literal["eos_token", "stop_string", "token_limit", "user_cancelled", "grammar_complete", "tool_calls"]
 
 
 class Token(NamedTuple):
@@ -85,10 +85,10 @@ class GenerationStats:
     cache_source: str = "none"  # where they came from: none | memory | branch | disk (docs/api.md)
     cache_entries: int = 0  # cached sequences the kit holds in memory, this one included
     time_to_first_token: float = 0.0
-    prompt_tps: float = 0.0  # over the prompt tokens actually processed (setup_time excluded)
-    setup_time: float = 0.0  # one-off cost measurement for draft/auto decoding, within time_to_first_token
+    prompt_tps: float | None = None  # over the prompt tokens processed (setup_time excluded); None: all cached
+    setup_time: float = 0.0  # finding forward costs for draft/auto decoding, within time_to_first_token
     generated_tokens: int = 0
-    generation_tps: float = 0.0  # excludes time to first token
+    generation_tps: float | None = None  # tokens after the first round, from the first token on; None: no such tokens
     total_time: float = 0.0
     peak_memory: int = 0
     # Speculative decoding.

@@ -2,11 +2,17 @@
 
 import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from fixtures.tiny_models import make_model, make_tokenizer  # noqa: E402
+
+# Measured forward costs (speculative/cost_store.py) go to a directory of this run,
+# not the user's cache, so every run measures as a fresh machine would.
+os.environ.setdefault("MLX_ENGINE_COST_DIR", tempfile.mkdtemp(prefix="mlx-engine-costs-"))
 
 
 @pytest.fixture(scope="session")

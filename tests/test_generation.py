@@ -282,3 +282,16 @@ def test_quantized_kv_cache(llama_path, models_dir):
     assert len(ids) == 8
     ids2, final2 = generate_ids(kit, prompt + ids, max_tokens=4)
     assert final2.stats.cached_tokens == len(prompt) + len(ids) - 1
+
+
+def test_rates_cover_work_done_or_are_none(kit):
+    """A fully cached prompt has no prompt rate (not 0.0); an answer whose tokens all
+    came in its first round has no generation rate (it used to be a huge number)."""
+    prompt = prompt_of(kit)
+    first = list(me.create_generator(kit, prompt, max_tokens=12, temp=0.0))[-1].stats
+    assert first.prompt_tps is not None and first.prompt_tps > 0
+    assert first.generation_tps is not None and first.generation_tps > 0
+    again = list(me.create_generator(kit, prompt, max_tokens=12, temp=0.0))[-1].stats
+    assert again.cached_tokens == len(prompt) - 1 and again.prompt_tps is None
+    one = list(me.create_generator(kit, prompt, max_tokens=1, temp=0.0))[-1].stats
+    assert one.generated_tokens == 1 and one.generation_tps is None

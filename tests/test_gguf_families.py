@@ -20,6 +20,8 @@ from fixtures.gguf_families import (
     gguf_tensors,
     make_family,
     reference_model,
+    spm_metadata,
+    spm_model,
     write_gguf,
 )
 
@@ -236,3 +238,50 @@ def test_q4_k_bytes_written_from_the_format_decode_exactly(tmp_path):
     assert np.array_equal(np.array(kit.model.model.layers[0].mlp.down_proj.weight), exact)
     ids = me.tokenize(kit, PROMPT)
     assert mx.abs(_logits(kit.model, ids) - _logits(model, ids)).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("extra_rows", [16, -16])
+def test_tokens_and_embedding_rows_must_agree(tmp_path, extra_rows):
+    """A SentencePiece file whose token list is shorter than its embedding used to
+    load, then fail with IndexError on a generated id past the tokenizer (a
+    logit_bias forced it); llama.cpp refuses such a file too."""
+    tok = spm_metadata(spm_model(tmp_path / "spm"))
+    n = len(tok["tokenizer.ggml.tokens"])
+    model, config = reference_model("llama", n + extra_rows)
+    path = write_gguf(
+        tmp_path / "m.gguf", "llama", gguf_tensors(model, config, "llama"), {**arch_metadata("llama", config), **tok}
+    )
+    with pytest.raises(me.ModelLoadError, match=rf"{n} tokens.*{n + extra_rows} rows"):
+        me.load_model(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_derived_merges_are_the_converters(tmp_path, arch):
+    from mlx_engine.loading.gguf.tokenizer import derived_merges
+
+    from transformers.tokenization_utils_base import generate_merges
+
+    tok = spm_metadata(spm_model(tmp_path / "spm"))
+    tokens, scores = list(tok["tokenizer.ggml.tokens"]), [float(s) for s in tok["tokenizer.ggml.scores"]]
+    tokens += ["\u2581" + "ab" * 300, "  "]  # a long token that splits, and gemma's spelling of spaces
+    scores += [-1000.0, -1001.0]
+    if arch == "gemma3":
+        spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranking = {t: -i for i, t in enumerate(spelled)}
+    else:
+        spelled, ranking = tokens, dict(zip(tokens, scores))
+    want = generate_merges({t: i for i, t in enumerate(spelled)}, ranking)
+    assert derived_merges(arch, tokens, scores) == [f"{a} {b}" for a, b in want]
+
+
+def test_a_very_long_sentencepiece_token_loads(tmp_path):
+    """One 1M-character token made loading quadratic (over 300 s): the converter
+    tried every split of it."""
+    tok = spm_metadata(spm_model(tmp_path / "spm"))
+    tok["tokenizer.ggml.tokens"] = list(tok["tokenizer.ggml.tokens"][:-1]) + ["\u2581" + "x" * 1_000_000]
+    model, config = reference_model("llama", len(tok["tokenizer.ggml.tokens"]))
+    path = write_gguf(
+        tmp_path / "m.gguf", "llama", gguf_tensors(model, config, "llama"), {**arch_metadata("llama", config), **tok}
+    )
+    kit = me.load_model(path, vocab_only=True)
+    assert me.tokenize(kit, "hello")

@@ -312,15 +312,102 @@ def test_sampling_modes_work_with_prompt_lookup(kit):
     assert final.stats.decoding_mode == "prompt_lookup"
 
 
-def test_cost_model_is_measured_once_per_kit(kit):
+def wait_until(condition, timeout=120.0):
+    """Poll ``condition``; the bound only turns a hang into a failure."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_cost_model_is_estimated_then_measured_between_requests_and_stored(llama_path, tmp_path, monkeypatch):
+    from mlx_engine.speculative import cost_store, costs
+
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
+    # The first request must not measure every width before its first token.
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured all widths inside a request"))
+    kit = me.load_model(llama_path)
     prompt = me.tokenize(kit, "for i in range(10):\n    print(i, i * i)\n" * 8)
     generate_ids(kit, prompt, max_tokens=4, auto_speculative=True)
+    assert kit.cost_source in ("estimate", "measured")  # measured if idle passes already ran
+    wait_until(lambda: kit.cost_source == "measured")
     cm = kit.cost_model
-    assert cm is not None and cm.step() > 0
     rel = [cm.relative(n) for n in range(1, 18)]
     assert rel[0] == 1.0 and rel == sorted(rel)
     generate_ids(kit, prompt, max_tokens=4, auto_speculative=True)
     assert kit.cost_model is cm
+    record = cost_store.load(kit.cost_key("forward"))
+    assert record == {"seconds": list(cm.seconds)}
+    me.unload(kit)
+
+    # A new kit of the same model on the same machine reads it: nothing is timed.
+    monkeypatch.setattr(costs, "measure_step", lambda *a, **k: pytest.fail("timed a step despite a stored record"))
+    again = me.load_model(llama_path)
+    generate_ids(again, prompt, max_tokens=4, auto_speculative=True)
+    assert again.cost_source == "stored" and again.cost_model == cm
+    me.unload(again)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"not json", b'{"key": "other", "value": {"seconds": [1]}}', b"\xff\xfe", b"[]", b"{}", b"x" * 100_000],
+)
+def test_a_bad_cost_record_is_measured_again_and_replaced(llama_path, tmp_path, monkeypatch, content):
+    from mlx_engine.speculative import cost_store
+
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
+    kit = me.load_model(llama_path)
+    key = kit.cost_key("forward")
+    cost_store.save(key, {"seconds": [1.0]})
+    [path] = tmp_path.glob("*.json")
+    path.write_bytes(content)
+    assert cost_store.load(key) is None
+    prompt = me.tokenize(kit, "a b c a b c a b c")
+    generate_ids(kit, prompt, max_tokens=3, auto_speculative=True)
+    assert kit.cost_source in ("estimate", "measured")
+    wait_until(lambda: kit.cost_source == "measured")
+    assert cost_store.load(key) == {"seconds": list(kit.cost_model.seconds)}
+    me.unload(kit)
+
+
+def test_cost_records_of_invalid_values_or_other_keys_are_misses(tmp_path, monkeypatch):
+    from mlx_engine.kits.text import costs_from_record
+    from mlx_engine.speculative import cost_store, costs
+
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
+    n = costs.MAX_DRAFT + 1
+    good = [0.01 * (1 + i / 10) for i in range(n)]
+    assert costs_from_record({"seconds": good}) == costs.CostModel(tuple(good))
+    for bad in ([float("nan")] * n, [-1.0] * n, good[:-1], list(reversed(good)), ["1"] * n, [True] * n, None):
+        assert costs_from_record({"seconds": bad}) is None
+    cost_store.save({"kind": "a"}, {"seconds": good})
+    assert cost_store.load({"kind": "a"}) == {"seconds": good}
+    assert cost_store.load({"kind": "b"}) is None
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary file, renamed
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", "")  # the store off
+    cost_store.save({"kind": "c"}, {"seconds": good})
+    assert cost_store.load({"kind": "a"}) is None and len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_draft_step_cost_is_stored(llama_path, draft_path, tmp_path, monkeypatch):
+    from mlx_engine.speculative import cost_store, costs
+
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
+    kit = me.load_model(llama_path)
+    me.load_draft_model(kit, draft_path)
+    prompt = me.tokenize(kit, "a b c a b c a b c")
+    generate_ids(kit, prompt, max_tokens=3)
+    step = kit.draft.step_cost
+    assert cost_store.load(kit.cost_key("draft_step", kit.draft.path)) == {"seconds": step}
+    me.unload(kit)
+    monkeypatch.setattr(costs, "measure_chained_step", lambda *a, **k: pytest.fail("measured a stored draft step"))
+    again = me.load_model(llama_path)
+    me.load_draft_model(again, draft_path)
+    generate_ids(again, prompt, max_tokens=3)
+    assert again.draft.step_cost == step
+    me.unload(again)
 
 
 def test_router_switches_to_lookup_when_output_starts_repeating(llama_path):

@@ -244,3 +244,18 @@ def test_mask_covers_padded_vocabulary(draft_path, llama_path):
     masks = c.masks([])
     assert masks.shape == (1, kit.vocab_size)
     assert not mx.any(masks[0, len(kit.tokenizer.get_vocab()) :]).item()
+
+
+@pytest.mark.parametrize("kwargs", [{"regex": "(yes|no)"}, {"json_schema": {"type": "boolean"}}])
+def test_logprobs_under_a_constraint_are_finite(kit, kwargs):
+    """Masked alternatives are not reported (they used to come back as -inf)."""
+    import math
+
+    prompt = me.tokenize(kit, "hello")
+    results = list(me.create_generator(kit, prompt, max_tokens=8, top_logprobs=5, **kwargs))
+    tokens = [t for r in results for t in r.tokens]
+    tops = [top for r in results for top in (r.top_logprobs or [])]
+    assert tokens and len(tops) == len(tokens)
+    assert all(math.isfinite(t.logprob) for t in tokens)
+    assert all(math.isfinite(x.logprob) for top in tops for x in top)
+    assert any(len(top) < 5 for top in tops)  # fewer alternatives than asked: the rest were masked

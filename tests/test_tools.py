@@ -278,7 +278,7 @@ def test_required_calls_follow_each_family_syntax(family_kits, family):
         )
         ids = [t.id for r in results for t in r.tokens]
         calls = [c for r in results for c in r.tool_calls]
-        assert results[-1].stop_condition.stop_reason == "grammar_complete"
+        assert results[-1].stop_condition.stop_reason == "tool_calls"
         assert len(calls) == 1 and "".join(r.text for r in results) == ""
         jsonschema.validate(calls[0].arguments, TINY_SCHEMAS[calls[0].name])
         # The raw output is the family's own syntax: its parser reads the same call.
@@ -360,7 +360,7 @@ def test_calls_are_valid_and_the_same_in_every_mode(smollm, choice, question):
     for mode, results in runs.items():
         ids = [t.id for r in results for t in r.tokens]
         calls = [c for r in results for c in r.tool_calls]
-        assert results[-1].stop_condition.stop_reason == "grammar_complete", mode
+        assert results[-1].stop_condition.stop_reason == "tool_calls", mode
         assert len(calls) == 1 and "".join(r.text for r in results) == "", mode
         if isinstance(choice, dict):
             assert calls[0].name == "get_weather"
@@ -550,6 +550,109 @@ def test_auto_opens_a_call_mid_answer_in_every_mode(tmp_path):
         assert [t.id for r in results for t in r.tokens] == reference, mode
         assert "".join(r.text for r in results) == "ok ", mode
         calls = [c for r in results for c in r.tool_calls]
-        assert len(calls) == 1 and results[-1].stop_condition.stop_reason == "grammar_complete", mode
+        assert len(calls) == 1 and results[-1].stop_condition.stop_reason == "tool_calls", mode
         jsonschema.validate(calls[0].arguments, TINY_SCHEMAS[calls[0].name])
         assert rebuild(results) == {0: (calls[0].id, calls[0].name, calls[0].arguments)}
+
+
+# -- tool calls that end (issue 39) ---------------------------------------------------
+def test_a_repeated_call_ends_the_answer_and_is_not_streamed():
+    stream = ToolCallStream(FORMATS["hermes"], NAMES, streamed=True)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "23 * 19"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
+    outs = [stream.feed(piece) for piece in (call, "\n", other, "\n", call[:30], call[30:])]
+    made = [c for o in outs for c in o.calls]
+    assert [c.arguments["expression"] for c in made] == ["23 * 19", "1 + 1"]
+    assert [o.repeated for o in outs] == [False] * 5 + [True]
+    sent = {d.index for o in outs for d in o.deltas}
+    assert sent == {0, 1}  # the repeat's name and arguments were never sent
+    assert "".join(o.text for o in outs) == ""
+
+
+@requires_default_model
+@pytest.mark.parametrize(
+    "choice",
+    ["required", "auto", {"type": "function", "function": {"name": "calculator"}}, {"name": "get_weather"}],
+)
+def test_forced_and_parallel_calls_end_with_tool_calls(smollm, choice):
+    """The default model repeats a call until max_tokens unless the engine ends the answer."""
+    prompt = weather_prompt(smollm, "Compute 23 * 19.")
+    results = list(me.create_generator(smollm, prompt, max_tokens=300, temp=0.0, tools=TOOLS, tool_choice=choice))
+    calls = [c for r in results for c in r.tool_calls]
+    if choice == "auto" and not calls:
+        pytest.skip("the model answered in text")
+    assert results[-1].stop_condition.stop_reason == "tool_calls"
+    keys = [(c.name, c.arguments_json) for c in calls]
+    assert len(keys) == len(set(keys)) >= 1  # no identical repeat
+    if isinstance(choice, dict):
+        assert len(calls) == 1  # a named choice is one call
+    assert rebuild(results) == {c.index: (c.id, c.name, c.arguments) for c in calls}
+    assert "".join(r.text for r in results) == ""
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def deep_list(depth: int) -> list:
+    out: list = []
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tools=[{"type": "function", "function": {"name": "get_weather\n"}}]), r"tools\[0\]\.function\.name"),
+        (dict(tools=TOOLS, tool_choice={"name": ["get_weather"]}), "tool_choice"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": {"a": 1}}}), "tool_choice"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": "get_weather"}), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": DEEP}}]), r"tools\[0\]"),
+        (dict(tools=[{"name": "get_weather", "parameters": {"type": "object"}}]), r"tools\[0\] must be"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}, "extra": DEEP}]), None),
+        (dict(tools="get_weather"), "tools must be"),
+        (dict(tools={"get_weather": WEATHER}), "tools must be"),
+    ],
+)
+def test_malformed_tools_and_choices_are_value_errors(kit, kwargs, match):
+    prompt = me.tokenize(kit, "hi")
+    if match is None:  # accepted: an unknown key is ignored
+        me.create_generator(kit, prompt, max_tokens=1, **kwargs).close()
+        return
+    with pytest.raises(ValueError, match=match):
+        me.create_generator(kit, prompt, max_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "tool_calls, match",
+    [
+        ("get_weather", r"messages\[1\]\.tool_calls must be a list"),
+        ({"function": {"name": "get_weather"}}, r"messages\[1\]\.tool_calls must be a list"),
+        (["get_weather"], r"messages\[1\]\.tool_calls\[0\]"),
+        ([{"function": "get_weather"}], r"messages\[1\]\.tool_calls\[0\]\.function"),
+        ([{"function": {"name": 3, "arguments": "{}"}}], r"messages\[1\]\.tool_calls\[0\]\.function\.name"),
+        ([{"function": {"name": "f", "arguments": 3}}], r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
+        ([{"function": {"name": "f", "arguments": DEEP}}], r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
+        ([{"function": {"name": "f", "arguments": {"b": deep_list(5000)}}}], r"tool_calls\[0\]\.function\.arguments"),
+    ],
+)
+@pytest.mark.parametrize("family", ["default", "hermes"])
+def test_malformed_tool_history_is_a_value_error(family_kits, family, tool_calls, match):
+    kit = me.load_model(family_kits[family], vocab_only=True)
+    messages = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": tool_calls}]
+    with pytest.raises(ValueError, match=match):
+        me.apply_chat_template(kit, messages, tools=TOOLS)
+
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cut", ["<", "<tool", "<tool_call", "\n<tool_c", "\n<"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_call_cut_inside_its_opening_marker_is_not_text(cut, streamed):
+    newline = cut[: len(cut) - len(cut.lstrip("\n"))]  # text before the marker stays text
+    for before, text in (("", newline), (CALL, ""), ("Sure. ", "Sure. " + newline)):
+        stream = ToolCallStream(FORMATS["hermes"], NAMES, streamed=streamed)
+        pieces = [stream.feed(before), stream.feed(cut), stream.finish()]
+        assert "".join(p.text for p in pieces) == text
+        assert len([c for p in pieces for c in p.calls]) == (1 if before == CALL else 0)

@@ -35,6 +35,11 @@ class ShardedModelKit(ModelKit):
     has failed; ``unload`` releases the followers."""
 
     shard: ShardInfo
+    background_cost_measurement = False  # every rank takes part in each pass: measured at once
+
+    def cost_key(self, kind: str, path=None) -> dict:
+        """A stored cost record also depends on how the model is split."""
+        return {**super().cost_key(kind, path), "ranks": self.shard.size, "parallelism": self.shard.parallelism}
 
     def attach_shard(
         self,

@@ -10,7 +10,7 @@ import mlx.nn as nn
 
 from ..caches.ragged import RaggedBatch, can_batch, release_row
 from ..caches.sequence import SequenceCache, common_prefix_length
-from ..speculative import costs
+from ..speculative import cost_store, costs
 
 
 @dataclass
@@ -44,11 +44,21 @@ class DraftModel:
             return default
         return self.accepted_seen / self.drafted_seen
 
-    def chained_step_seconds(self, vocab_size: int) -> float:
-        """Seconds per draft step as a drafter chains them, measured once per
-        loaded draft."""
+    def chained_step_seconds(self, vocab_size: int, key: dict | None = None) -> float:
+        """Seconds per draft step as a drafter chains them, found once per loaded
+        draft: the record stored under ``key`` (cost_store.py), else measured and
+        stored there."""
         if self.step_cost is None:
-            self.step_cost = costs.measure_chained_step(self.model, vocab_size)
+            record = (cost_store.load(key) if key is not None else None) or {}
+            stored = cost_store.positive_floats([record.get("seconds")], 1)
+            if stored is not None:
+                self.step_cost = stored[0]
+            else:
+                # Short (12 draft steps): it is paid in a request's time to first
+                # token, and timed rounds correct what it misses.
+                self.step_cost = costs.measure_chained_step(self.model, vocab_size, context=32, repeats=2)
+                if key is not None:
+                    cost_store.save(key, {"seconds": self.step_cost})
         return self.step_cost
 
     def lend(self, prompt: list[int], make) -> SequenceCache:

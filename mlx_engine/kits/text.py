@@ -5,6 +5,7 @@ registry (activity.Activity)."""
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -19,8 +20,10 @@ from ..caches.sequence import CacheOptions, SequenceCache
 from ..draft.model import DraftModel  # re-exported: tests import it from here
 from ..loading import model as loading
 from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
-from ..speculative import costs
+from ..runtime.worker import shutting_down
+from ..speculative import cost_store, costs
 from ..speculative.batch_pricing import DraftingRows
+from ..speculative.cost_background import BackgroundMeasurement
 from ..speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 from .registry import Activity
 
@@ -78,6 +81,9 @@ class ModelKit:
     """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
 
     _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
+    # Whether forward costs are measured between requests (after an estimate) rather
+    # than at once; a sharded kit measures at once, every rank taking part.
+    background_cost_measurement = True
 
     def __init__(self, model_path: str | Path, options: KitOptions = KitOptions()):
         self._init_files(loading.resolve_model_path(model_path), options)
@@ -188,6 +194,8 @@ class ModelKit:
         self.draft: DraftModel | None = None
         self.compute_dtype: mx.Dtype | None = None
         self.cost_model: costs.CostModel | None = None  # see forward_costs
+        self.cost_source: str | None = None  # where cost_model came from: stored, estimate, measured
+        self._cost_measurement: BackgroundMeasurement | None = None
         # What earlier requests produced, for suffix drafting (speculative/suffix.py).
         self.suffix_memory = SuffixMemory(options.suffix_memory_tokens) if options.suffix_memory_tokens else None
         # What the batch's lookup rows can draft, so each prices its drafts with the others'.
@@ -199,11 +207,53 @@ class ModelKit:
         self._scheduler = None  # scheduler.Scheduler, made with the first parallel request
 
     def forward_costs(self) -> costs.CostModel:
-        """The model's measured forward-pass costs by width, measured once per
-        kit (when speculation first needs them) and kept until unload."""
+        """The model's forward-pass costs by width, found once per kit when
+        speculation first needs them and kept until unload: a record an earlier
+        process stored for this model and machine (cost_store.py); else an
+        estimate from one timed step, measured properly between this kit's
+        requests (cost_background.py) and then stored. docs/decoding.md, "Round costs"."""
         if self.cost_model is None:
-            self.cost_model = costs.measure(self.model, self.vocab_size)
+            stored = costs_from_record(cost_store.load(self.cost_key("forward")))
+            if stored is not None:
+                self.cost_model, self.cost_source = stored, "stored"
+            elif not self.background_cost_measurement or self.worker is None:
+                self._finish_cost_measurement(costs.measure(self.model, self.vocab_size))
+            else:
+                step = costs.measure_step(self.model, self.vocab_size)
+                self.cost_model, self.cost_source = costs.estimate(step), "estimate"
+                logger.info("forward costs estimated from a %.2f ms step; measuring them between requests", step * 1e3)
+                self._measure_costs_in_background()
         return self.cost_model
+
+    def cost_key(self, kind: str, path: Path | None = None) -> dict:
+        """What a stored cost record of this kit (``path``: its draft's) depends on."""
+        model = model_identity(path or self.model_path, self.compute_dtype, self.cache_options)
+        return {"kind": kind, "kit": type(self).__name__, "model": model, **cost_store.machine_identity()}
+
+    def _measure_costs_in_background(self) -> None:
+        """Measure the widths between requests (cost_background.py). The tasks
+        hold the kit weakly, so a kit dropped without ``unload`` is not kept
+        alive by them, and the record goes where the store was when it started."""
+        model, ref, root = self.model, weakref.ref(self), cost_store.store_dir()
+
+        def finish(measured: costs.CostModel) -> None:
+            kit = ref()
+            if kit is not None:  # stored first: a reader that sees "measured" finds the record
+                cost_store.save(kit.cost_key("forward"), {"seconds": list(measured.seconds)}, root)
+                kit.cost_model, kit.cost_source = measured, "measured"
+
+        self._cost_measurement = BackgroundMeasurement(
+            costs.Measurement(model, self.vocab_size),
+            self.worker.submit,
+            idle=lambda: (kit := ref()) is not None and kit.open_generations == 0,
+            alive=lambda: (kit := ref()) is not None and kit.model is model and not worker_exiting(),
+            finish=finish,
+        )
+        self._cost_measurement.start()
+
+    def _finish_cost_measurement(self, measured: costs.CostModel) -> None:
+        cost_store.save(self.cost_key("forward"), {"seconds": list(measured.seconds)})
+        self.cost_model, self.cost_source = measured, "measured"
 
     def check_architecture(self) -> None:
         """Refuse an architecture mlx-lm cannot build (VisionModelKit: mlx-vlm)."""
@@ -291,6 +341,18 @@ class ModelKit:
             self.cost_model = None
             self.suffix_memory = None  # earlier requests' tokens: nothing to draft for any more
             mx.clear_cache()
+
+
+def costs_from_record(record: dict | None) -> costs.CostModel | None:
+    """A stored forward-cost record as a CostModel, or None if it is not a valid one."""
+    seconds = cost_store.positive_floats((record or {}).get("seconds"), costs.MAX_DRAFT + 1)
+    if seconds is None or seconds != sorted(seconds):
+        return None
+    return costs.CostModel(tuple(seconds))
+
+
+def worker_exiting() -> bool:
+    return shutting_down.is_set()
 
 
 def _head_dim(config: dict) -> int | None:

@@ -205,7 +205,7 @@ def _clean_up(kit: ModelKit, request_id: str, steps, prepared: _Prepared | None)
 
 def _prepare(kit: ModelKit, req: Request) -> _Prepared:
     """Expand the prompt, reuse the cached prefix, plan against the cache and
-    build the drafter (timing the one-off cost measurement apart)."""
+    build the drafter (timing the cost set-up apart)."""
     expanded = kit.expand_prompt(req.prompt, req.images)  # a vision kit expands its images here
     prompt = expanded.ids
     entry, hit = kit.prompt_cache.select(expanded.keys[:-1])  # the cached sequence sharing the longest prefix

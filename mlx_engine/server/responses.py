@@ -13,6 +13,7 @@ FINISH_REASONS = {
     "eos_token": "stop",
     "stop_string": "stop",
     "grammar_complete": "stop",
+    "tool_calls": "tool_calls",
     "token_limit": "length",
     "user_cancelled": "stop",
 }

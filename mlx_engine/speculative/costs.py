@@ -4,7 +4,10 @@ draft lengths and modes (speedup.py weighs them against acceptance).
 Speculation pays when (expected tokens per round) / (cost of a round) beats one
 token per single-token step. Both sides depend on the machine, the model and the
 dtype (on MLX's CPU backend a 9-token verify can cost several single steps), so
-they are measured once per model and cached on the kit.
+they are measured once per model and machine (kept on disk by cost_store.py):
+a kit that has no record starts from an estimate (one timed step and the
+device's typical curve, ``estimate``) and measures the widths between its
+requests (``Measurement``, one pass at a time).
 """
 
 from __future__ import annotations
@@ -46,31 +49,108 @@ class CostModel:
         return ", ".join(f"v{n}={self.relative(n):.2f}" for n in (2, 4, 8, 16, 32))
 
 
+class Measurement:
+    """Timing forward passes of several widths on a scratch cache, one pass per
+    ``step()``, so it can run between a kit's requests without holding one up
+    for more than a pass. Each width is timed ``repeats`` times after one
+    untimed pass over every width (the first calls of a shape are slower), the
+    widths interleaved so drift in machine load hits all alike."""
+
+    def __init__(self, model: nn.Module, vocab_size: int, context: int = 128, repeats: int = 5):
+        self.model, self.vocab_size, self.context, self.repeats = model, vocab_size, context, repeats
+        self.cache = None
+        self.tokens = None
+        self.back = None  # takes the scratch cache back after a timed pass (_rewinder)
+        self.samples: dict[int, list[float]] = {n: [] for n in _SIZES}
+        self.passes = 0  # passes run so far, the context prefill excluded
+
+    @property
+    def done(self) -> bool:
+        return self.passes >= (self.repeats + 1) * len(_SIZES)
+
+    def step(self) -> bool:
+        """Run the next pass (the first call prefills the context); True once done."""
+        if self.cache is None:
+            self.cache = make_prompt_cache(self.model)
+            self.tokens = mx.random.randint(0, self.vocab_size, (self.context + max(_SIZES),), key=mx.random.key(0))
+            mx.eval(self.model(self.tokens[: self.context][None], cache=self.cache))
+            self.back = _rewinder(self.cache)
+            return self.done
+        if self.done:
+            return True
+        rep, n = divmod(self.passes, len(_SIZES))
+        n = _SIZES[n]
+        t0 = time.perf_counter()
+        out = self.model(self.tokens[self.context : self.context + n][None], cache=self.cache)
+        mx.eval(out[:, -1])
+        if rep:
+            self.samples[n].append(time.perf_counter() - t0)
+        self.back(n)
+        self.passes += 1
+        if self.done:
+            self.cache = self.tokens = self.back = None
+        return self.done
+
+    def result(self) -> CostModel:
+        timings = {n: sorted(xs)[len(xs) // 2] for n, xs in self.samples.items()}
+        seconds = _interpolate(timings, MAX_DRAFT + 1)
+        cm = CostModel(_non_decreasing(seconds))
+        logger.info("measured forward costs: step=%.2f ms, %s", cm.step() * 1e3, cm.summary())
+        return cm
+
+
 def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int = 5) -> CostModel:
-    """Time forward passes of several widths on a scratch cache."""
+    """Time forward passes of several widths on a scratch cache (all at once)."""
+    m = Measurement(model, vocab_size, context, repeats)
+    while not m.step():
+        pass
+    return m.result()
+
+
+def _non_decreasing(seconds: list[float]) -> tuple[float, ...]:
+    """Cost is non-decreasing in width; timing noise should not say otherwise."""
+    out = list(seconds)
+    for i in range(1, len(out)):
+        out[i] = max(out[i], out[i - 1])
+    return tuple(out)
+
+
+#: An n-token pass in single steps before this machine's widths are measured:
+#: (width, relative cost) points, linear between. CPU: the median of the
+#: measurements of the default model on the development machine (MLX's CPU
+#: backend, OpenBLAS); GPU: a flatter curve (wide passes cost little more than
+#: one token there). Only a start: timed rounds re-price drafts within a few
+#: rounds, and the measurement replaces it once it has run between requests.
+ESTIMATED_WIDTHS = {
+    "cpu": {1: 1.0, 2: 1.28, 4: 1.40, 8: 1.51, 16: 1.75, 33: 2.54},
+    "gpu": {1: 1.0, 2: 1.05, 4: 1.08, 8: 1.15, 16: 1.3, 33: 1.7},
+}
+
+
+def estimate(step_seconds: float, device_type: str | None = None) -> CostModel:
+    """A cost model from one measured single step and the device's typical
+    curve (``ESTIMATED_WIDTHS``): what a kit uses until its widths are measured."""
+    if device_type is None:
+        device_type = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    curve = ESTIMATED_WIDTHS["gpu" if device_type == "gpu" else "cpu"]
+    return CostModel(_non_decreasing(_interpolate({n: step_seconds * r for n, r in curve.items()}, MAX_DRAFT + 1)))
+
+
+def measure_step(model: nn.Module, vocab_size: int, context: int = 4, repeats: int = 1) -> float:
+    """Seconds of one single-token step at a short context (the fastest of
+    ``repeats`` after an untimed one, the least disturbed by other work): the
+    cheap part of a measurement."""
     cache = make_prompt_cache(model)
-    rng = mx.random.randint(0, vocab_size, (context + max(_SIZES),), key=mx.random.key(0))
-    mx.eval(model(rng[:context][None], cache=cache))
+    tokens = mx.random.randint(0, vocab_size, (context + 1,), key=mx.random.key(2))
+    mx.eval(model(tokens[:context][None], cache=cache))
     back = _rewinder(cache)
-    samples: dict[int, list[float]] = {n: [] for n in _SIZES}
-    # One untimed pass over every width first (the first calls of a shape are
-    # slower), then the widths interleaved so drift in machine load hits all alike.
-    for rep in range(repeats + 1):
-        for n in _SIZES:
-            t0 = time.perf_counter()
-            out = model(rng[context : context + n][None], cache=cache)
-            mx.eval(out[:, -1])
-            if rep:
-                samples[n].append(time.perf_counter() - t0)
-            back(n)
-    timings = {n: sorted(xs)[len(xs) // 2] for n, xs in samples.items()}
-    seconds = _interpolate(timings, MAX_DRAFT + 1)
-    # Cost is non-decreasing in width; timing noise should not say otherwise.
-    for i in range(1, len(seconds)):
-        seconds[i] = max(seconds[i], seconds[i - 1])
-    cm = CostModel(tuple(seconds))
-    logger.info("measured forward costs: step=%.2f ms, %s", cm.step() * 1e3, cm.summary())
-    return cm
+    samples = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        mx.eval(model(tokens[context:][None], cache=cache)[:, -1])
+        samples.append(time.perf_counter() - t0)
+        back(1)
+    return min(samples[1:])
 
 
 def _rewinder(cache: list):

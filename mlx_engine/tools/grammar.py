@@ -60,13 +60,19 @@ def _objects(spec: ToolSpec, markup: _Markup) -> list[str]:
     return lines
 
 
+def several_calls(spec: ToolSpec) -> bool:
+    """Whether an answer may hold more than one call: a named choice is one call
+    (OpenAI's meaning), as is any answer with ``parallel_tool_calls=False``."""
+    return spec.parallel and spec.choice != "named"
+
+
 def _body_and_repeat(spec: ToolSpec, markup: _Markup) -> tuple[str, str]:
     """What follows a call's opening, and what may follow the first call."""
     name, fmt = spec.format.name, spec.format
     if name in ("hermes", "default"):
         return f'body: "\\n" obj "\\n" {markup(fmt.close)}', f'("\\n" {markup(fmt.open)} body)*'
     if name == "mistral":
-        return ('body: "[" obj ("," " " obj)* "]"' if spec.parallel else 'body: "[" obj "]"'), ""
+        return ('body: "[" obj ("," " " obj)* "]"' if several_calls(spec) else 'body: "[" obj "]"'), ""
     if name == "mistral_v11":
         return "body: obj", f"({markup(fmt.open)} body)*"
     return "body: obj", '("; " obj)*'  # llama3
@@ -79,7 +85,7 @@ def build_grammar(spec: ToolSpec, specials: dict[str, int] | None = None) -> str
         return None
     markup = _Markup(specials or {})
     body, repeat = _body_and_repeat(spec, markup)
-    if not spec.parallel:
+    if not several_calls(spec):
         repeat = ""
     fmt = spec.format
     lines = ["%llguidance {}"]

@@ -1,7 +1,10 @@
 """Tool calls out of generated text, per family, streamed.
 
 ``ToolCallStream`` takes the text as it is generated and returns the text safe
-to show and the calls completed so far. Text that might open a call is held
+to show and the calls completed so far. A call identical (name and arguments)
+to one already made in the same answer is never useful, and small models repeat
+a call until the token limit: it is dropped and reported (``repeated``) so the
+answer ends there. Text that might open a call is held
 back, as stop strings are (stop_strings.py); a call's markup never reaches the
 text. A call is returned only whole and valid: a JSON object naming a declared
 tool, with an object of arguments. Anything else that looked like a call (bad
@@ -26,6 +29,7 @@ class ToolText(NamedTuple):
     text: str  # safe to show now
     calls: list[ToolCall]  # completed now
     deltas: list[ToolCallDelta]  # pieces of calls sent now
+    repeated: bool = False  # a call identical to an earlier one of the answer was completed: the answer is over
 
 
 def _call_object(obj: Any, names: set[str] | None) -> tuple[str, dict] | None:
@@ -161,8 +165,10 @@ class ToolCallStream:
 
     ``streamed=True`` (a grammar holds the calls) sends each call's name and
     argument fragments as they are generated; a call cut short then ends with
-    its deltas sent and no call. Otherwise a call is sent whole, in one delta,
-    once it is known to be valid, and anything cut short is text."""
+    its deltas sent and no call. A call after the first is held back until it is
+    complete (it may be a repeat of an earlier one, which ends the answer and is
+    never sent). Otherwise a call is sent whole, in one delta, once it is known
+    to be valid, and anything cut short is text."""
 
     def __init__(self, fmt: ToolFormat, names: set[str] | None = None, streamed: bool = False):
         self.fmt, self.names = fmt, names
@@ -173,9 +179,14 @@ class ToolCallStream:
         self._scanner = _ArgumentScanner(fmt) if streamed else None
         self._streamed: list[tuple[str, str]] = []  # (id, name) of each call whose deltas were sent
         self._deltas: list[ToolCallDelta] = []
+        self._held: list[ToolCallDelta] = []  # deltas of a call after the first, until it is complete
+        self._made_keys: set[tuple[str, str]] = set()  # (name, arguments) of the calls made
+        self.repeated = False  # a repeat of an earlier call ended the answer: nothing more is read
 
     def feed(self, text: str) -> ToolText:
         """Add generated text; returns what may be shown and the calls completed."""
+        if self.repeated:
+            return self._emit("", [])
         self._pending += text
         out, calls = [], []
         while True:
@@ -190,12 +201,17 @@ class ToolCallStream:
                     break
                 calls += done[0]
                 out.append(done[1])
+                if self.repeated:
+                    self._pending, self._region = "", None
+                    break
         return self._emit("".join(out), calls)
 
     def finish(self) -> ToolText:
         """End of generation: an unfinished or malformed call becomes text
         (with ``streamed``, an unfinished call's deltas were sent: nothing more)."""
         calls, text = [], ""
+        if self.repeated:
+            return self._emit("", [])
         if self._region is not None:
             region, self._region = self._region + self._pending, None
             self._stream(region)
@@ -204,14 +220,18 @@ class ToolCallStream:
                 calls = self._made(parsed)
             elif self._scanner is None:
                 text = self.fmt.open + region
-        elif self._count == 0 or self._pending.strip():
-            text = self._pending  # whitespace after the last call is dropped
-        self._pending = ""
+        else:
+            # What was held back at the end is a call cut inside its opening
+            # marker ("<", "<tool_call"): neither a call nor text.
+            text = self._pending[: len(self._pending) - _held_prefix(self._pending, self.fmt.open or PYTHON_TAG)]
+            if self._count and not text.strip():
+                text = ""  # whitespace after the last call is dropped
+        self._pending, self._held = "", []  # a call after the first that was cut short is never sent
         return self._emit(text, calls)
 
     def _emit(self, text: str, calls: list[ToolCall]) -> ToolText:
         deltas, self._deltas = self._deltas, []
-        return ToolText(text, calls, deltas)
+        return ToolText(text, calls, deltas, self.repeated)
 
     def _scan_text(self) -> tuple[str, bool]:
         """Release text up to a call's opening; returns it and whether a call opened."""
@@ -264,13 +284,23 @@ class ToolCallStream:
         for name, fragment in self._scanner.scan(region):
             if name is not None:
                 self._streamed.append((f"call_{uuid.uuid4().hex[:24]}", name))
-                self._deltas.append(ToolCallDelta(len(self._streamed) - 1, self._streamed[-1][0], name, ""))
+                delta = ToolCallDelta(len(self._streamed) - 1, self._streamed[-1][0], name, "")
             elif self._streamed:
-                self._deltas.append(ToolCallDelta(len(self._streamed) - 1, None, None, fragment))
+                delta = ToolCallDelta(len(self._streamed) - 1, None, None, fragment)
+            else:
+                continue
+            (self._held if delta.index > 0 else self._deltas).append(delta)
 
     def _made(self, parsed: list[tuple[str, dict]]) -> list[ToolCall]:
         calls = []
         for name, args in parsed:
+            key = (name, json.dumps(args, sort_keys=True))
+            if key in self._made_keys:
+                self.repeated, self._held = True, []
+                break
+            self._made_keys.add(key)
+            self._deltas += self._held
+            self._held = []
             index = self._count
             if index < len(self._streamed) and self._streamed[index][1] == name:
                 call_id = self._streamed[index][0]

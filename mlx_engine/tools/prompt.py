@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from .formats import ToolFormat
-from .spec import Tool
+from .spec import MAX_JSON_DEPTH, Tool, json_depth
 
 DEFAULT_TOOL_PROMPT = (
     "You can call functions to help answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -88,8 +88,39 @@ def _native_message(m: dict) -> dict:
     return {**m, "tool_calls": calls}
 
 
+CALL_SHAPE = '[{"id": ..., "type": "function", "function": {"name": ..., "arguments": <JSON text or object>}}]'
+
+
+def check_tool_history(messages: list[dict]) -> None:
+    """``ValueError`` naming the first malformed ``tool_calls`` item of the
+    messages (OpenAI's shape, ``CALL_SHAPE``); arguments that are text but not
+    JSON are allowed (written back as the model wrote them)."""
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls is None:
+            continue
+        if not isinstance(calls, list):
+            raise ValueError(f"messages[{i}].tool_calls must be a list {CALL_SHAPE}, got {type(calls).__name__}")
+        for j, call in enumerate(calls):
+            where = f"messages[{i}].tool_calls[{j}]"
+            if not isinstance(call, dict):
+                raise ValueError(f"{where} must be an object like {CALL_SHAPE[1:-1]}")
+            fn = call.get("function", call)
+            if not isinstance(fn, dict):
+                raise ValueError(f'{where}.function must be {{"name": ..., "arguments": ...}}')
+            if not isinstance(fn.get("name"), str):
+                raise ValueError(f"{where}.function.name must be a string, got {fn.get('name')!r}")
+            args = fn.get("arguments", {})
+            if not isinstance(args, (str, dict)):
+                raise ValueError(f"{where}.function.arguments must be JSON text or an object")
+            if json_depth(args) > MAX_JSON_DEPTH:
+                raise ValueError(f"{where}.function.arguments is nested deeper than {MAX_JSON_DEPTH} levels")
+
+
 def render_arguments(fmt: ToolFormat, tools: tuple[Tool, ...] | None, messages: list[dict]) -> tuple[list[dict], dict]:
-    """The messages and keyword arguments for the tokenizer's ``apply_chat_template``."""
+    """The messages and keyword arguments for the tokenizer's ``apply_chat_template``
+    (``ValueError`` for malformed ``tool_calls``)."""
+    check_tool_history(messages)
     if fmt.native:
         return [_native_message(m) for m in messages], ({"tools": [t.as_openai() for t in tools]} if tools else {})
     if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):

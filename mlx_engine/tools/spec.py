@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import InvalidArgument
 from .formats import ToolFormat
 
-NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # whole name: fullmatch (a "$" would allow a trailing newline)
 CHOICES = ("auto", "none", "required")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -61,7 +61,7 @@ def validate_tools(tools: Any) -> tuple[Tool, ...]:
                 f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', where
             )
         name = fn.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InvalidArgument(
                 f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
                 f"{where}.function.name",
@@ -72,19 +72,64 @@ def validate_tools(tools: Any) -> tuple[Tool, ...]:
         if not isinstance(description, str):
             raise InvalidArgument(f"{where}.function.description must be a string", f"{where}.function.description")
         parameters = fn.get("parameters", EMPTY_PARAMETERS)
-        if isinstance(parameters, str):
-            try:
-                parameters = json.loads(parameters)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(
-                    f"{where}.function.parameters is not valid JSON: {exc}", f"{where}.function.parameters"
-                ) from exc
+        parameters = json_value(parameters, f"{where}.function.parameters")
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise InvalidArgument(
                 f"{where}.function.parameters must be a JSON schema of an object", f"{where}.function.parameters"
             )
         out.append(Tool(name, description, parameters))
     return tuple(out)
+
+
+MAX_JSON_DEPTH = 200  # deeper JSON is refused: Python's json recursion limit is near 1000
+
+
+def json_value(value: Any, where: str) -> Any:
+    """``value`` (or JSON text) as a JSON value; ``ValueError`` naming ``where``
+    for text that is not JSON or a value nested deeper than ``MAX_JSON_DEPTH``."""
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise InvalidArgument(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels", where)
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{where} is not valid JSON: {exc}", where) from exc
+
+
+def json_depth(value: Any) -> int:
+    """How deeply a JSON value (or JSON text) nests, found without recursion."""
+    return _text_depth(value) if isinstance(value, str) else _value_depth(value)
+
+
+def _text_depth(text: str) -> int:
+    """The deepest bracket nesting of JSON text (strings skipped)."""
+    depth = deepest = 0
+    in_string = escape = False
+    for c in text:
+        if in_string:
+            escape, in_string = (False, in_string) if escape else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def _value_depth(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value``, counted without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (list, tuple, dict)):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                break
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def validate_tool_choice(choice: Any, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
@@ -98,6 +143,8 @@ def validate_tool_choice(choice: Any, tools: tuple[Tool, ...]) -> tuple[str, str
         return choice, None
     if isinstance(choice, dict):
         fn = choice.get("function")
+        if "function" in choice and not isinstance(fn, dict):
+            raise InvalidArgument(f'tool_choice.function must be {{"name": ...}}, got {fn!r}', "tool_choice")
         name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
         if not isinstance(name, str):  # a list or an object is no name (and unhashable)
             raise InvalidArgument(f"tool_choice must name a tool with a string, got {name!r}", "tool_choice")

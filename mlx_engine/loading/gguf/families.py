@@ -153,11 +153,29 @@ def config_from_header(h: GGUFHeader) -> dict:
     if embed is None or len(embed.shape) != 2:
         raise ModelLoadError(f"GGUF file {str(h.path)!r} has no two-dimensional 'token_embd.weight' tensor")
     config["vocab_size"] = int(embed.shape[-1])
+    _check_vocabulary(h, config["vocab_size"])
     _check_rope(h, config, family)
     family.extra_config(h, config)
     _check_blocks(h, config["num_hidden_layers"])
     _check_dims(h, config)
     return config
+
+
+def _check_vocabulary(h: GGUFHeader, rows: int) -> None:
+    """One embedding row per token of a SentencePiece vocabulary, as llama.cpp
+    requires: with fewer tokens than rows the model can generate ids the
+    tokenizer cannot decode (IndexError in the middle of a generation), with
+    more the tokenizer makes ids the model has no row for. (A byte-level BPE
+    tokenizer decodes an id past its vocabulary as nothing, so a file padded
+    only in its embedding still loads.)"""
+    tokens = h.metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(h.metadata.get("tokenizer.ggml.model"), str) or h.metadata["tokenizer.ggml.model"] != "llama":
+        return  # not SentencePiece, or not a name at all (the tokenizer's own checks say so)
+    if isinstance(tokens, (list, tuple)) and len(tokens) != rows:
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: its tokenizer has {len(tokens)} tokens but 'token_embd.weight' has "
+            f"{rows} rows; they must be equal (llama.cpp refuses such a file too)"
+        )
 
 
 def _check_dims(h: GGUFHeader, config: dict) -> None:

@@ -1,0 +1,69 @@
+"""A kit's forward-cost measurement run between its requests, one pass at a time.
+
+The first speculative request of a kit with no stored measurement starts from
+an estimate (costs.estimate) and this measures the real widths afterwards on the
+kit's engine thread: each task runs one forward pass and queues the next, so a
+request arriving meanwhile waits for at most one pass; while any generation is
+open it waits (re-checked every ``RETRY_SECONDS``) so that it neither slows a
+request nor times passes disturbed by one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from .costs import CostModel, Measurement
+
+logger = logging.getLogger(__name__)
+
+RETRY_SECONDS = 0.5
+
+
+class BackgroundMeasurement:
+    """Drives ``measurement`` through ``submit`` (a worker's submit) while
+    ``idle()``; calls ``finish`` with the result on the worker thread.
+    ``alive()`` false (the kit unloaded, the process exiting) stops it."""
+
+    def __init__(
+        self,
+        measurement: Measurement,
+        submit: Callable[[Callable[[], None]], object],
+        idle: Callable[[], bool],
+        alive: Callable[[], bool],
+        finish: Callable[[CostModel], None],
+    ):
+        self.measurement = measurement
+        self._submit, self._idle, self._alive, self._finish = submit, idle, alive, finish
+        self.finished = threading.Event()
+
+    def start(self) -> None:
+        self._queue()
+
+    def _queue(self) -> None:
+        if not self._alive():
+            return
+        try:
+            self._submit(self._pass)
+        except RuntimeError as exc:  # the process is exiting (worker.ProcessExiting)
+            logger.debug("cost measurement stopped: %s", exc)
+
+    def _pass(self) -> None:
+        if not self._alive():
+            return
+        if not self._idle():
+            timer = threading.Timer(RETRY_SECONDS, self._queue)
+            timer.daemon = True
+            timer.start()
+            return
+        try:
+            done = self.measurement.step()
+        except Exception:  # noqa: BLE001 - the estimate stays in use; nothing else depends on this
+            logger.warning("forward-cost measurement failed; the estimate stays in use", exc_info=True)
+            return
+        if done:
+            self._finish(self.measurement.result())
+            self.finished.set()
+        else:
+            self._queue()
