@@ -33,6 +33,7 @@ from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE, create_app  # noqa: E402
 from .connections import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connection_limits  # noqa: E402
 from .host import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions, ModelHost  # noqa: E402
 from .hosts import LOOPBACK_NAMES  # noqa: E402
+from .overflow import POLICIES  # noqa: E402
 
 logger = logging.getLogger("mlx_engine.server")
 API_KEY_ENV = "MLX_ENGINE_API_KEY"
@@ -195,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: dropped, so the prompt cache reuses agent turns)",
     )
     p.add_argument(
+        "--context-overflow",
+        default="error",
+        choices=list(POLICIES),
+        help="a prompt over the context: 'error' refuses it with each API's own error; 'truncate-middle' keeps "
+        "the system prompt and the latest turn and drops the oldest turns between (default: %(default)s)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -330,6 +338,7 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit | None, sock: socket.socke
         max_body_bytes=args.max_body_bytes,
         decoding=args.decoding,
         keep_billing_header=args.keep_billing_header,
+        context_overflow=args.context_overflow,
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         metrics=not args.no_metrics,
     )

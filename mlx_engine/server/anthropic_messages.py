@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .core import admit, collect, counts, internal_request, prepare, render, sse, with_heartbeat
+from .core import admit, collect, counts, internal_request, prepare, render, sse, with_heartbeat, with_truncated
 from .errors import APIError, bad_request, from_failure, from_validation
 from .responses import Choice, engine_stats
 from .runs import RequestRun
@@ -337,21 +337,22 @@ def stop_reason(choice: Choice) -> tuple[str, str | None]:
     return ("tool_use" if choice.tool_calls else "end_turn"), None
 
 
-def usage(choice: Choice, prompt_len: int) -> dict:
+def usage(choice: Choice, prompt_len: int, truncated: int = 0) -> dict:
     """``input_tokens`` counts the prompt tokens the cache did not hold, as
     Anthropic counts them; ``cache_read_input_tokens`` the ones it did;
-    ``mlx_engine`` the engine's statistics, as in the OpenAI APIs."""
+    ``mlx_engine`` the engine's statistics, as in the OpenAI APIs (with
+    ``truncated_tokens`` when the overflow policy cut the prompt)."""
     c = counts(choice, prompt_len)
     return {
         "input_tokens": c.prompt - c.cached,
         "output_tokens": c.output,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": c.cached,
-        "mlx_engine": engine_stats(choice.stats),
+        "mlx_engine": with_truncated(engine_stats(choice.stats), truncated),
     }
 
 
-def whole_message(mid: str, model: str, choice: Choice, prompt_len: int) -> dict:
+def whole_message(mid: str, model: str, choice: Choice, prompt_len: int, truncated: int = 0) -> dict:
     text = "".join(choice.text)
     content = [{"type": "text", "text": text}] if text else []
     content += [
@@ -366,7 +367,7 @@ def whole_message(mid: str, model: str, choice: Choice, prompt_len: int) -> dict
         "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": usage(choice, prompt_len),
+        "usage": usage(choice, prompt_len, truncated),
     }
 
 
@@ -412,7 +413,7 @@ class BlockWriter:
 PING = sse({"type": "ping"}, "ping")
 
 
-async def _events(run: RequestRun, mid: str, model: str, prompt_len: int) -> AsyncIterator[str]:
+async def _events(run: RequestRun, mid: str, model: str, prompt_len: int, truncated: int) -> AsyncIterator[str]:
     """The stream as Anthropic sends it: ``message_start``, ``ping``, each
     block's start, deltas and stop, ``message_delta`` (stop reason, usage),
     ``message_stop``. While nothing comes (a long prefill) ``ping`` events keep
@@ -448,7 +449,9 @@ async def _events(run: RequestRun, mid: str, model: str, prompt_len: int) -> Asy
             return
         reason, sequence = stop_reason(choice)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        yield sse({"type": "message_delta", "delta": delta, "usage": usage(choice, prompt_len)}, "message_delta")
+        yield sse(
+            {"type": "message_delta", "delta": delta, "usage": usage(choice, prompt_len, truncated)}, "message_delta"
+        )
         yield sse({"type": "message_stop"}, "message_stop")
     finally:
         run.cancel()
@@ -510,7 +513,7 @@ def messages_router(host, api_key: str | None, *, keep_billing_header: bool = Fa
                 run = await admit(service, request, turn.prompt, turn.kwargs, prompt_field="messages")
                 prompt_len = len(turn.prompt.tokens)
                 if body.stream:
-                    events = _events(run, mid, service.model_id, prompt_len)
+                    events = _events(run, mid, service.model_id, prompt_len, turn.truncated)
                     return StreamingResponse(
                         events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
                     )
@@ -519,7 +522,7 @@ def messages_router(host, api_key: str | None, *, keep_billing_header: bool = Fa
             return _edge(err, sources).response()
         except AnthropicError as err:
             return err.response()
-        return JSONResponse(whole_message(mid, service.model_id, choice, prompt_len))
+        return JSONResponse(whole_message(mid, service.model_id, choice, prompt_len, turn.truncated))
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import params
 from .anthropic_messages import messages_router
-from .core import ClientGone, admit, collect
+from .core import ClientGone, admit, collect, fit_context
 from .drafts import draft_router
 from .errors import APIError, bad_request, from_failure, from_validation
 from .host import ModelHost
@@ -43,6 +43,7 @@ from .limits import BodySizeLimit
 from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
 from .models_routes import models_router
 from .openai_responses import responses_router
+from .overflow import check_policy
 from .queue import AdmissionQueue
 from .responses import Choice, Envelope
 from .runs import RequestRun
@@ -70,6 +71,7 @@ class Service:
     models_dir: Path | None = None
     decoding: str = "auto"
     draft_name: str | None = None
+    context_overflow: str = "error"  # or "truncate-middle" (overflow.py)
     runs: set = field(default_factory=set)  # RequestRun objects with a generation still open
     outcomes: Counter = field(default_factory=Counter)  # generations completed / cancelled / failed
     metrics: Metrics | None = None  # counts each generation's results (GET /metrics)
@@ -114,6 +116,7 @@ def create_app(
     metrics: bool = True,
     keep_billing_header: bool = False,
     allowed_hosts: list[str] | None = None,
+    context_overflow: str = "error",
 ) -> FastAPI:
     """The OpenAI-compatible app (docs/server.md) serving ``kit``: one kit, a
     mapping of model ids to kits the embedding host manages (never unloaded
@@ -130,8 +133,10 @@ def create_app(
     ``keep_billing_header``: keep Claude Code's volatile first system line in
     Messages API prompts (default: dropped, so the prompt cache reuses turns).
     ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
-    hosts.py on DNS rebinding)."""
+    hosts.py on DNS rebinding). ``context_overflow``: ``error`` refuses a
+    prompt over the context; ``truncate-middle`` cuts its middle (overflow.py)."""
     _check_arguments(kit, max_parallel, queue_size, decoding)
+    check_policy(context_overflow)
     host = kit if isinstance(kit, ModelHost) else ModelHost(catalog=False)
     app_metrics = Metrics(host) if metrics else None
 
@@ -140,7 +145,16 @@ def create_app(
         queue = AdmissionQueue(rows, queue_size)
         folder = Path(models_dir) if models_dir else None
         return Service(
-            k, mid, queue, api_key or None, folder, decoding, draft, outcomes=host.outcomes, metrics=app_metrics
+            k,
+            mid,
+            queue,
+            api_key or None,
+            folder,
+            decoding,
+            draft,
+            context_overflow=context_overflow,
+            outcomes=host.outcomes,
+            metrics=app_metrics,
         )
 
     host.attach(make_service, app_metrics.event if app_metrics else None)
@@ -271,8 +285,10 @@ def _add_routes(app: FastAPI, host: ModelHost, auth) -> None:
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatCompletionRequest, request: Request):
         async with host.kit_for(body.model, ttl=body.ttl) as service:
-            prompt = await anyio.to_thread.run_sync(params.chat_prompt, service.kit, body)
-            return await _answer(service, request, body, prompt, chat=True)
+            fitted = await anyio.to_thread.run_sync(
+                fit_context, service, body, lambda b: params.chat_prompt(service.kit, b)
+            )
+            return await _answer(service, request, fitted.body, fitted.prompt, chat=True, truncated=fitted.dropped)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request):
@@ -283,13 +299,13 @@ def _add_routes(app: FastAPI, host: ModelHost, auth) -> None:
             return await _answer(service, request, body, prompt, chat=False)
 
 
-async def _answer(service: Service, request: Request, body, prompt: params.Prompt, *, chat: bool):
+async def _answer(service: Service, request: Request, body, prompt: params.Prompt, *, chat: bool, truncated: int = 0):
     """Admit the request, start its choices, answer whole or streamed."""
     if body.n > service.queue.rows:
         raise bad_request(f"n must be at most {service.queue.rows} (the server's parallel rows)", "n")
     kwargs = params.generator_kwargs(service.kit, body, prompt, service.decoding)
     run = await admit(service, request, prompt, kwargs, prompt_field="messages" if chat else "prompt")
-    env = Envelope(service.model_id, chat)
+    env = Envelope(service.model_id, chat, truncated)
     with_logprobs = params.wants_logprobs(body)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -23,7 +23,7 @@ import anyio
 from fastapi import Request
 from pydantic import ValidationError
 
-from . import params
+from . import overflow, params
 from .errors import APIError, from_engine, from_failure, from_validation
 from .queue import QueueFullError, ShuttingDownError
 from .responses import Choice
@@ -47,11 +47,13 @@ class ClientGone(Exception):
 @dataclass
 class Turn:
     """One request in the internal form: the chat request a wire format was
-    translated into, its rendered prompt and ``create_generator``'s arguments."""
+    translated into (cut to fit under a context-overflow policy), its rendered
+    prompt, ``create_generator``'s arguments and the prompt tokens the cut dropped."""
 
     body: ChatCompletionRequest
     prompt: params.Prompt
     kwargs: list[dict]
+    truncated: int = 0
 
 
 def internal_request(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -66,32 +68,53 @@ def internal_request(fields: dict[str, Any]) -> ChatCompletionRequest:
 async def prepare(
     service, body: ChatCompletionRequest, too_long: Callable[[int, int], APIError], label: str = ""
 ) -> Turn:
-    """Render the prompt off the loop, refuse one that leaves no room in the
-    context with ``too_long(prompt_tokens, context)`` (each API's own error),
-    and build the generation arguments."""
-    prompt = await render(service.kit, body)
+    """Render the prompt off the loop, fit one over the context to it under the
+    service's overflow policy or refuse it with ``too_long(prompt_tokens,
+    context)`` (each API's own error), and build the generation arguments."""
+    fitted = await anyio.to_thread.run_sync(fit_context, service, body)
+    body, prompt = fitted.body, fitted.prompt
     context = service.kit.context_length
     if context is not None and len(prompt.tokens) >= context:
         raise too_long(len(prompt.tokens), context)
     kwargs = params.generator_kwargs(service.kit, body, prompt, service.decoding)
     if len(prompt.tokens) >= PROGRESS_LOG_TOKENS:
         kwargs = [{**kw, "prompt_progress_callback": _progress_logger(label, len(prompt.tokens))} for kw in kwargs]
-    return Turn(body, prompt, kwargs)
+    return Turn(body, prompt, kwargs, fitted.dropped)
+
+
+def fit_context(service, body: ChatCompletionRequest, renderer: overflow.Render | None = None) -> overflow.Fitted:
+    """``body`` rendered and, when its prompt is over the context and the
+    operator chose ``truncate-middle``, cut to fit (overflow.py); unchanged
+    otherwise (a prompt still over is the caller's to refuse). ``renderer``:
+    the prompt of a body (default ``render_now``)."""
+    kit = service.kit
+    renderer = renderer or (lambda b: render_now(kit, b))
+    prompt = renderer(body)
+    context = kit.context_length
+    if service.context_overflow == "error" or context is None or len(prompt.tokens) < context:
+        return overflow.Fitted(body, prompt, 0)
+    fitted = overflow.fit(kit, body, prompt, renderer)
+    return fitted or overflow.Fitted(body, prompt, 0)
 
 
 async def render(kit: me.ModelKit, body: ChatCompletionRequest) -> params.Prompt:
+    """``render_now`` off the event loop."""
+    return await anyio.to_thread.run_sync(render_now, kit, body)
+
+
+def render_now(kit: me.ModelKit, body: ChatCompletionRequest) -> params.Prompt:
     """The prompt of ``body``. System messages stay where the client put them
     (agents add one per turn after the history; moving it to the top would
     change the prefix every turn and defeat the prompt cache); a template that
     refuses them there gets them merged into the first system message."""
     try:
-        return await anyio.to_thread.run_sync(params.chat_prompt, kit, body)
+        return params.chat_prompt(kit, body)
     except APIError:
         hoisted = _hoist_system(body)
         if hoisted is None:
             raise
         logger.info("the chat template refused system messages after the first turn; merged them at the top")
-        return await anyio.to_thread.run_sync(params.chat_prompt, kit, hoisted)
+        return params.chat_prompt(kit, hoisted)
 
 
 def _hoist_system(body: ChatCompletionRequest) -> ChatCompletionRequest | None:
@@ -225,6 +248,12 @@ def counts(choice: Choice, prompt_len: int) -> Counts:
     if stats is None:
         return Counts(prompt_len, 0, 0)
     return Counts(stats.prompt_tokens or prompt_len, stats.cached_tokens, stats.generated_tokens)
+
+
+def with_truncated(ext: dict, truncated: int) -> dict:
+    """The ``mlx_engine`` usage extension, with ``truncated_tokens`` when the
+    overflow policy cut the prompt (absent otherwise, as before the policy)."""
+    return {**ext, "truncated_tokens": truncated} if truncated else ext
 
 
 def sse(obj: Any, event: str | None = None) -> str:

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .core import Counts, admit, collect, counts, internal_request, prepare, sse, with_heartbeat
+from .core import Counts, admit, collect, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
 from .errors import APIError, bad_request, from_failure
 from .responses import Choice, engine_stats
 from .runs import RequestRun
@@ -310,23 +310,23 @@ class Head:
             **extra,
         }
 
-    def final(self, choice: Choice, prompt_len: int, output: list[dict]) -> dict:
+    def final(self, choice: Choice, prompt_len: int, output: list[dict], truncated: int = 0) -> dict:
         """The finished response: ``incomplete`` when the token budget cut it."""
         cut = choice.finish is not None and choice.finish.stop_reason == "token_limit"
         extra = {"incomplete_details": {"reason": "max_output_tokens"}} if cut else {}
         return self.obj(
-            "incomplete" if cut else "completed", output, usage(counts(choice, prompt_len), choice), **extra
+            "incomplete" if cut else "completed", output, usage(counts(choice, prompt_len), choice, truncated), **extra
         )
 
 
-def usage(c: Counts, choice: Choice) -> dict:
+def usage(c: Counts, choice: Choice, truncated: int = 0) -> dict:
     return {
         "input_tokens": c.prompt,
         "input_tokens_details": {"cached_tokens": c.cached},
         "output_tokens": c.output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": c.prompt + c.output,
-        "mlx_engine": engine_stats(choice.stats),
+        "mlx_engine": with_truncated(engine_stats(choice.stats), truncated),
     }
 
 
@@ -524,11 +524,11 @@ def responses_router(host, auth, store_size: int = DEFAULT_STORE_SIZE) -> APIRou
                 store.put(head.id, response, history + new + output_messages(output))
 
         if body.stream:
-            events = _events(run, head, prompt_len, keep, namespaces(body.tools))
+            events = _events(run, head, (prompt_len, turn.truncated), keep, namespaces(body.tools))
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         choice = (await collect(run, request, 1, False))[0]
         output = whole_output(choice, namespaces(body.tools))
-        response = head.final(choice, prompt_len, output)
+        response = head.final(choice, prompt_len, output, turn.truncated)
         keep(response, output)
         return response
 
@@ -548,11 +548,12 @@ def responses_router(host, auth, store_size: int = DEFAULT_STORE_SIZE) -> APIRou
     return router
 
 
-async def _events(run: RequestRun, head: Head, prompt_len: int, keep, spaces: set[str]) -> AsyncIterator[str]:
+async def _events(run: RequestRun, head: Head, prompt: tuple[int, int], keep, spaces: set[str]) -> AsyncIterator[str]:
     """The stream as OpenAI sends it: ``response.created`` and ``.in_progress``,
     each output item's events, then ``response.completed`` (or ``.incomplete``
     when the budget cut it, ``.failed`` on an engine error) with usage. While
-    nothing comes (a long prefill) SSE comments keep the connection alive."""
+    nothing comes (a long prefill) SSE comments keep the connection alive.
+    ``prompt``: its length and the tokens the overflow policy cut from it."""
     writer, choice = EventWriter(spaces), Choice(0)
     try:
         yield writer.event("response.created", response=head.obj("in_progress", []))
@@ -576,7 +577,7 @@ async def _events(run: RequestRun, head: Head, prompt_len: int, keep, spaces: se
             error = {"code": "shutting_down", "message": "the server is shutting down: the generation was cut short"}
             yield writer.event("response.failed", response=head.obj("failed", output, error=error))
             return
-        final = head.final(choice, prompt_len, output)
+        final = head.final(choice, prompt[0], output, prompt[1])
         keep(final, output)
         yield writer.event(f"response.{final['status']}", response=final)
     finally:

@@ -128,13 +128,16 @@ def engine_stats(stats: me.GenerationStats | None) -> dict:
     return {k: d[k] for k in _STATS}
 
 
-def usage(prompt_len: int, choices: list[Choice]) -> dict:
+def usage(prompt_len: int, choices: list[Choice], truncated: int = 0) -> dict:
     """OpenAI usage (the prompt counted once for all choices) plus ``mlx_engine``:
-    the first choice's statistics, and every choice's when there are several."""
+    the first choice's statistics, and every choice's when there are several;
+    ``truncated_tokens`` when the overflow policy cut the prompt."""
     first = choices[0].stats
     prompt_tokens = first.prompt_tokens if first else prompt_len
     completion = sum(c.stats.generated_tokens for c in choices if c.stats)
     ext = {**engine_stats(first), "stop_reason": choices[0].finish.stop_reason if choices[0].finish else None}
+    if truncated:
+        ext["truncated_tokens"] = truncated
     if len(choices) > 1:
         ext["choices"] = [{**engine_stats(c.stats), "index": c.index} for c in choices]
     return {
@@ -149,8 +152,8 @@ def usage(prompt_len: int, choices: list[Choice]) -> dict:
 class Envelope:
     """id, created and model shared by every object of one response."""
 
-    def __init__(self, model: str, chat: bool):
-        self.chat, self.model = chat, model
+    def __init__(self, model: str, chat: bool, truncated: int = 0):
+        self.chat, self.model, self.truncated = chat, model, truncated
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -173,7 +176,7 @@ class Envelope:
             body = {"message": c.message()} if self.chat else {"text": "".join(c.text)}
             out.append({"index": c.index, **body, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": out, "usage": usage(prompt_len, choices)}
+        return {**self._head(obj), "choices": out, "usage": usage(prompt_len, choices, self.truncated)}
 
     def chunk(
         self,
@@ -204,4 +207,4 @@ class Envelope:
 
     def usage_chunk(self, choices: list[Choice], prompt_len: int) -> dict:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": usage(prompt_len, choices)}
+        return {**head, "choices": [], "usage": usage(prompt_len, choices, self.truncated)}
