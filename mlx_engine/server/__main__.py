@@ -81,6 +81,20 @@ def _context(text: str):
 def build_parser() -> argparse.ArgumentParser:
     """The command line; every option says its default."""
     p = _Parser(PROG, description="OpenAI-compatible server for mlx-engine (docs/server.md)")
+    for add in (
+        _model_options,
+        _serving_options,
+        _host_options,
+        _security_options,
+        _decoding_options,
+        _runtime_options,
+    ):
+        add(p)
+    return p
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    """What is loaded at start."""
     p.add_argument(
         "--model",
         help="model loaded at start: catalog name, model directory or .gguf file (default: none; "
@@ -90,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-id", help="the name clients pass as `model` (default: the catalog name, else the file or folder name)"
     )
     p.add_argument("--draft", help="draft model loaded at start: catalog name or path (default: none)")
+
+
+def _serving_options(p: argparse.ArgumentParser) -> None:
+    """Where it listens and how many requests run and wait."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
     p.add_argument("--port", type=_bounded(int, 1, 65535), default=8080, help="TCP port (default: %(default)s)")
     p.add_argument(
@@ -104,7 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_QUEUE,
         help="requests that may wait for a row; one more gets 429 (default: %(default)s)",
     )
-    p.add_argument("--api-key", help=f"require this bearer token (default: ${API_KEY_ENV}, else no key)")
+
+
+def _host_options(p: argparse.ArgumentParser) -> None:
+    """Several models by name: finding, loading and unloading them (host.py)."""
     p.add_argument(
         "--models-dir",
         help="folder of models served by name; the only folder draft models may be loaded from by path (default: none)",
@@ -131,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve only --model and --models-dir, not the catalog (default: the catalog too)",
     )
     p.add_argument("--no-metrics", action="store_true", help="no GET /metrics (default: served)")
+
+
+def _security_options(p: argparse.ArgumentParser) -> None:
+    """Who may call it and with what."""
+    p.add_argument("--api-key", help=f"require this bearer token (default: ${API_KEY_ENV}, else no key)")
     p.add_argument(
         "--cors-origin",
         action="append",
@@ -150,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_BODY_BYTES,
         help="request body limit; larger gets 413 (default: %(default)s)",
     )
+
+
+def _decoding_options(p: argparse.ArgumentParser) -> None:
+    """How requests decode, and the models' load options."""
     p.add_argument(
         "--decoding",
         default="auto",
@@ -169,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "native", "float32", "float16", "bfloat16"],
         help="dtype of the activations, as load_model's compute_dtype (default: %(default)s)",
     )
+
+
+def _runtime_options(p: argparse.ArgumentParser) -> None:
+    """Shutdown, connections, agent-prompt handling and logging."""
     p.add_argument(
         "--shutdown-grace",
         type=_bounded(float, 0),
@@ -208,7 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
         help="log level (default: %(default)s)",
     )
-    return p
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -140,30 +140,11 @@ def create_app(
     host = kit if isinstance(kit, ModelHost) else ModelHost(catalog=False)
     app_metrics = Metrics(host) if metrics else None
 
-    def make_service(k: me.ModelKit, mid: str, draft: str | None) -> Service:
-        rows = k.max_parallel if max_parallel is None else min(max_parallel, k.max_parallel)
-        queue = AdmissionQueue(rows, queue_size)
-        folder = Path(models_dir) if models_dir else None
-        return Service(
-            k,
-            mid,
-            queue,
-            api_key or None,
-            folder,
-            decoding,
-            draft,
-            context_overflow=context_overflow,
-            outcomes=host.outcomes,
-            metrics=app_metrics,
-        )
-
-    host.attach(make_service, app_metrics.event if app_metrics else None)
-    service = None
-    if isinstance(kit, me.ModelKit):
-        service = host.add_kit(model_id or Path(kit.model_path).name, kit)
-    elif not isinstance(kit, ModelHost):
-        for mid, k in kit.items():
-            host.add_kit(str(mid), k)
+    folder = Path(models_dir) if models_dir else None
+    make_service = _ServiceFactory(
+        max_parallel, queue_size, api_key or None, folder, decoding, context_overflow, host.outcomes, app_metrics
+    )
+    service = _attach(host, kit, model_id, make_service, app_metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -175,6 +156,67 @@ def create_app(
     app.state.host = host
     app.state.service = service  # a single kit's (None for several): what embedders of one kit used
     _install_errors(app)
+    _install_middleware(app, max_body_bytes, allowed_hosts, app_metrics, cors_origins)
+    auth = _auth_dependency(api_key or None)
+    _add_routes(app, host, auth)
+    folder = Path(models_dir) if models_dir else None
+    app.include_router(draft_router(host, folder, auth))
+    app.include_router(models_router(host, folder, auth))
+    # The Responses and Messages APIs: the same core in two more wire formats (core.py).
+    app.include_router(responses_router(host, auth))
+    app.include_router(messages_router(host, api_key or None, keep_billing_header=keep_billing_header))
+    if app_metrics is not None:
+
+        @app.get("/metrics", dependencies=[Depends(auth)])
+        async def scrape():
+            return Response(app_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+@dataclass(frozen=True)
+class _ServiceFactory:
+    """Makes each model's ``Service`` (its queue and rows) with the app's options."""
+
+    max_parallel: int | None
+    queue_size: int
+    api_key: str | None
+    models_dir: Path | None
+    decoding: str
+    context_overflow: str
+    outcomes: Counter
+    metrics: Metrics | None
+
+    def __call__(self, k: me.ModelKit, mid: str, draft: str | None) -> Service:
+        rows = k.max_parallel if self.max_parallel is None else min(self.max_parallel, k.max_parallel)
+        return Service(
+            k,
+            mid,
+            AdmissionQueue(rows, self.queue_size),
+            self.api_key,
+            self.models_dir,
+            self.decoding,
+            draft,
+            context_overflow=self.context_overflow,
+            outcomes=self.outcomes,
+            metrics=self.metrics,
+        )
+
+
+def _attach(host: ModelHost, kit, model_id: str | None, make_service, app_metrics) -> Service | None:
+    """The host serves the app's kit(s) (a single kit's service is returned)."""
+    host.attach(make_service, app_metrics.event if app_metrics else None)
+    if isinstance(kit, me.ModelKit):
+        return host.add_kit(model_id or Path(kit.model_path).name, kit)
+    if not isinstance(kit, ModelHost):
+        for mid, k in kit.items():
+            host.add_kit(str(mid), k)
+    return None
+
+
+def _install_middleware(app: FastAPI, max_body_bytes: int, allowed_hosts, app_metrics, cors_origins) -> None:
+    """The body limit, the Host check, the request counter and CORS, in that
+    order (the last added is the outermost)."""
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if allowed_hosts is not None:
         app.add_middleware(AllowedHosts, names=list(allowed_hosts))
@@ -187,20 +229,6 @@ def create_app(
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    auth = _auth_dependency(api_key or None)
-    _add_routes(app, host, auth)
-    app.include_router(draft_router(host, Path(models_dir) if models_dir else None, auth))
-    app.include_router(models_router(host, Path(models_dir) if models_dir else None, auth))
-    # The Responses and Messages APIs: the same core in two more wire formats (core.py).
-    app.include_router(responses_router(host, auth))
-    app.include_router(messages_router(host, api_key or None, keep_billing_header=keep_billing_header))
-    if app_metrics is not None:
-
-        @app.get("/metrics", dependencies=[Depends(auth)])
-        async def scrape():
-            return Response(app_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _check_arguments(kit, max_parallel, queue_size, decoding) -> None:
