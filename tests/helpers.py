@@ -7,7 +7,13 @@ from mlx_engine.request.output import SpeculationTally  # noqa: E402
 from mlx_engine.results import GenerationStats  # noqa: E402
 from mlx_engine.speculative.loop import TURN, Launch, forward_alone  # noqa: E402
 
+import contextlib  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
 import pytest  # noqa: E402
+import uvicorn  # noqa: E402
 
 from fixtures.tiny_models import MarkovLM, successor_table  # noqa: E402
 
@@ -99,3 +105,36 @@ def run_alone(items):
 def loop_stats(steps) -> GenerationStats:
     """The speculation stats of a loop's steps, as the output stage builds them."""
     return GenerationStats(**SpeculationTally.of(steps).fields())
+
+
+# -- servers on 127.0.0.1 -------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(app, **config):
+    """``app`` on a free port of 127.0.0.1 (uvicorn in a thread); yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_until(condition, timeout=60.0):
+    """Poll ``condition`` until true; a generous bound only so a broken server fails instead of hanging."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)

@@ -10,11 +10,10 @@ from mlx_engine.server import create_app
 import instructor
 import openai
 import pytest
-from helpers import requires_default_model
+from helpers import requires_default_model, serve
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
-from test_server import serve
 
 pytestmark = [requires_default_model, pytest.mark.slow]
 

@@ -68,7 +68,7 @@ def served_kit(smollm):
     """A server on the default model, as the README's command starts it."""
     from mlx_engine.server import create_app
 
-    from test_server import serve
+    from helpers import serve
 
     with serve(create_app(smollm, model_id="smollm2-135m-instruct")) as url:
         yield url
@@ -113,7 +113,7 @@ def serve_once(app, host: str, port: int, **kw) -> None:
     """``uvicorn.run`` for the docs/server.md example: serve on a free port,
     answer one chat request, stop."""
     import httpx
-    from test_server import serve
+    from helpers import serve
 
     assert (host, port) == ("127.0.0.1", 8080)
     with serve(app) as url:

@@ -9,58 +9,25 @@ import mlx_engine as me
 from mlx_engine.server import create_app
 from mlx_engine.server.host import HostLimits, LoadOptions, ModelHost, kit_memory, scan_models_dir
 
-import contextlib
 import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import mlx.core as mx
 import pytest
-import uvicorn
+from helpers import free_port, serve, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from fixtures.tiny_models import make_gguf, make_model
 
 KEY = "host-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(app):
-    """``app`` on a free port of 127.0.0.1 (uvicorn in a thread); yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-def wait_until(condition, timeout=60.0):
-    """Poll ``condition``; the bound only makes a broken server fail instead of hang."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 NO_EOS: dict = {}

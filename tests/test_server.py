@@ -13,7 +13,6 @@ from mlx_engine.server.queue import AdmissionQueue, QueueFullError, ShuttingDown
 
 import asyncio
 import base64
-import contextlib
 import json
 import logging
 import os
@@ -29,40 +28,10 @@ import jsonschema
 import openai
 import pytest
 import uvicorn
-from helpers import requires_default_model
+from helpers import free_port, requires_default_model, serve, wait_until
 
 KEY = "test-key"
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(app, **config):
-    """``app`` on a free port of 127.0.0.1 (uvicorn in a thread); yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", **config))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-def wait_until(condition, timeout=30.0):
-    """Poll ``condition`` until true; a generous bound only so a broken server fails instead of hanging."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import requires_default_model
-from test_server import sdk_text, serve, wait_until
+from helpers import requires_default_model, serve, wait_until
+from test_server import sdk_text
 
 MODEL = "tiny"
 KEY = "test-key"

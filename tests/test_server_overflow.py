@@ -13,7 +13,7 @@ import logging
 
 import httpx
 import pytest
-from test_server import serve
+from helpers import serve
 
 MODEL = "tiny"
 SYSTEM = "SYSTEM-MARK you are terse"

@@ -10,6 +10,7 @@ back from ``create_generator`` as ``ValueError`` and is mapped the same way.
 from __future__ import annotations
 
 import mlx_engine as me
+from mlx_engine.tools import json_depth
 
 from dataclasses import dataclass
 
@@ -61,41 +62,9 @@ def check_nesting(req: ChatCompletionRequest) -> None:
 
 
 def _within_depth(value, where: str) -> None:
-    depth = json_text_depth(value) if isinstance(value, str) else json_depth(value)
+    depth = json_depth(value)  # JSON text or a parsed value, walked without recursion
     if depth > MAX_JSON_DEPTH:
         raise bad_request(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep", where)
-
-
-def json_depth(value) -> int:
-    """How deeply lists and dicts nest in ``value`` (iteratively: no recursion limit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = list(item.values())
-        elif not isinstance(item, list):
-            continue
-        deepest = max(deepest, depth)
-        if depth <= MAX_JSON_DEPTH:  # deeper is refused anyway: stop walking
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
-
-
-def json_text_depth(text: str) -> int:
-    """How deeply arrays and objects nest in JSON text, read without parsing it."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
 
 
 def _message(m: Message, i: int, vision: bool, images: list[str]) -> dict:

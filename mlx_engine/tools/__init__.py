@@ -16,7 +16,7 @@ from .formats import DEFAULT, FORMATS, ToolFormat, detect_format
 from .grammar import build_grammar
 from .parser import ToolCallStream, ToolText, parse_region, parse_tool_calls
 from .prompt import DEFAULT_TOOL_PROMPT, default_tool_prompt, render_arguments
-from .spec import Tool, ToolSpec, validate_tool_request, validate_tools
+from .spec import Tool, ToolSpec, json_depth, validate_tool_request, validate_tools
 
 
 def tool_format(kit) -> ToolFormat:
@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_TOOL_PROMPT",
     "FORMATS",
     "Tool",
+    "json_depth",
     "ToolCallStream",
     "ToolFormat",
     "ToolSpec",
