@@ -138,3 +138,21 @@ def wait_until(condition, timeout=60.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def slowed_kit(path, seconds: float, max_parallel: int):
+    """A kit of the model at ``path`` whose every forward pass sleeps ``seconds``
+    first, so a generation is surely still running while a test acts on it."""
+    kit = mlx_engine.load_model(path, max_parallel=max_parallel)
+    cls = type(kit.model)
+
+    def slow_call(self, *args, **kwargs):
+        time.sleep(seconds)
+        return cls.__call__(self, *args, **kwargs)
+
+    kit.model.__class__ = type(f"Slow{cls.__name__}", (cls,), {"__call__": slow_call})
+    try:
+        yield kit
+    finally:
+        mlx_engine.unload(kit)

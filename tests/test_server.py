@@ -21,14 +21,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 import uvicorn
-from helpers import free_port, requires_default_model, serve, wait_until
+from helpers import free_port, requires_default_model, serve, slowed_kit, wait_until
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -52,16 +51,8 @@ def server(tkit, models_dir):
 def slow_kit(llama_path):
     """The tiny model with every forward pass slowed to about 5 ms, so that a
     long generation is surely still running while a test acts on it."""
-    kit = me.load_model(llama_path, max_parallel=2)
-    cls = type(kit.model)
-
-    def slow_call(self, *args, **kwargs):
-        time.sleep(0.005)
-        return cls.__call__(self, *args, **kwargs)
-
-    kit.model.__class__ = type(f"Slow{cls.__name__}", (cls,), {"__call__": slow_call})
-    yield kit
-    me.unload(kit)
+    with slowed_kit(llama_path, 0.005, max_parallel=2) as kit:
+        yield kit
 
 
 @pytest.fixture

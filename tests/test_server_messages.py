@@ -8,14 +8,13 @@ from mlx_engine.server import core, create_app
 
 import asyncio
 import json
-import time
 
 import anthropic
 import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import requires_default_model, serve, wait_until
+from helpers import requires_default_model, serve, slowed_kit, wait_until
 from test_server import sdk_text
 
 MODEL = "tiny"
@@ -56,16 +55,8 @@ def client(server):
 @pytest.fixture(scope="module")
 def slow_kit(llama_path):
     """The tiny model with every forward pass slowed to about 50 ms."""
-    kit = me.load_model(llama_path, max_parallel=1)
-    cls = type(kit.model)
-
-    def slow_call(self, *args, **kwargs):
-        time.sleep(0.05)
-        return cls.__call__(self, *args, **kwargs)
-
-    kit.model.__class__ = type(f"Slow{cls.__name__}", (cls,), {"__call__": slow_call})
-    yield kit
-    me.unload(kit)
+    with slowed_kit(llama_path, 0.05, max_parallel=1) as kit:
+        yield kit
 
 
 def test_text_whole_and_streamed_equal_the_chat_answer(client, tkit):

@@ -7,13 +7,12 @@ from mlx_engine.server import core, create_app
 from mlx_engine.server.openai_responses import ResponseStore
 
 import json
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import requires_default_model, serve, wait_until
+from helpers import requires_default_model, serve, slowed_kit, wait_until
 from test_server import sdk_text
 
 MODEL = "tiny"
@@ -58,16 +57,8 @@ def client(server):
 def slow_kit(llama_path):
     """The tiny model with every forward pass slowed to about 50 ms: a stream
     surely waits on it while a test acts."""
-    kit = me.load_model(llama_path, max_parallel=2)
-    cls = type(kit.model)
-
-    def slow_call(self, *args, **kwargs):
-        time.sleep(0.05)
-        return cls.__call__(self, *args, **kwargs)
-
-    kit.model.__class__ = type(f"Slow{cls.__name__}", (cls,), {"__call__": slow_call})
-    yield kit
-    me.unload(kit)
+    with slowed_kit(llama_path, 0.05, max_parallel=2) as kit:
+        yield kit
 
 
 def events_of(stream) -> list:
