@@ -397,19 +397,19 @@ def test_lookup_drafter_sees_real_token_ids(qwen_kit):
     from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
 
     seen = []
-    original = PromptLookupDrafter.peek  # every lookup drafter's match (suffix drafting's too) goes through it
+    original = PromptLookupDrafter.match  # every lookup drafter's match (suffix drafting's too) goes through it
 
     def spy(self, history, n):
         seen.append(min(history))
         out = original(self, history, n)
-        assert all(t >= 0 for t in out)
+        assert all(t >= 0 for t in out.drafts)
         return out
 
-    PromptLookupDrafter.peek = spy
+    PromptLookupDrafter.match = spy
     try:
         run(qwen_kit, user(qwen_kit, "What colour is this?"), [RED], max_tokens=6, prompt_lookup_num_tokens=3)
     finally:
-        PromptLookupDrafter.peek = original
+        PromptLookupDrafter.match = original
     assert seen and min(seen) >= 0
 
 
