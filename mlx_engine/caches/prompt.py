@@ -235,6 +235,11 @@ class PromptCache:
     def memory_bytes(self) -> int:
         return sum(cache_bytes(e) for e in self.entries)
 
+    def keep_single_sequence(self) -> None:
+        """From now on keep one sequence, trimmed in place, never branched (a
+        sharded kit: its followers mirror in-place trims only)."""
+        self.single_sequence = True
+
     def replace_all(self, cache: SequenceCache) -> None:
         """Make ``cache`` the only entry (a kit whose model or cache was swapped)."""
         self.entries = [cache]

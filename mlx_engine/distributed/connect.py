@@ -38,7 +38,7 @@ def open_control(group, health: Health, thread: ShardWorker, opts) -> ControlSer
     try:
         if group.rank() == 0:
             control = _serve_control(group, opts)
-            thread.on_ring_error = lambda reason: on_failure(health, thread, reason, control)
+            thread.watch_ring(lambda reason: on_failure(health, thread, reason, control))
             control.watch(lambda reason: on_failure(health, thread, reason, control))
         else:
             control = _join_control(group, opts)

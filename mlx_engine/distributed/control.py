@@ -154,11 +154,15 @@ class ControlClient:
         self._closed = threading.Event()
 
     def start(self, on_lost: Callable[[], None]) -> None:
-        """Heartbeat and watch from now on; ``on_lost`` (replaceable: the
-        attribute is read when the connection is lost) runs if rank 0 goes away."""
+        """Heartbeat and watch from now on; ``on_lost`` (until ``redirect``)
+        runs if rank 0 goes away."""
         self.on_lost = on_lost
         threading.Thread(target=self._beat, name="mlx-engine-heartbeat", daemon=True).start()
         threading.Thread(target=self._watch, name="mlx-engine-control", daemon=True).start()
+
+    def redirect(self, on_lost: Callable[[], None]) -> None:
+        """Run ``on_lost`` instead if rank 0 goes away (read when the connection is lost)."""
+        self.on_lost = on_lost
 
     def _beat(self) -> None:
         while not self._closed.wait(HEARTBEAT_INTERVAL):

@@ -53,6 +53,16 @@ class ShardWorker(worker.MLXWorker):
         self.on_abort: Callable[[], None] | None = None  # after abort_inflight released a blocked call
         self._inflight: list[worker.Task] = []
 
+    def watch_ring(self, on_error: Callable[[str], None]) -> None:
+        """From now on an MLX error in a call reports to ``on_error`` (rank 0: fail the whole job)."""
+        self.on_ring_error = on_error
+
+    def serve_kit(self, release: Callable, on_abort: Callable[[], None]) -> None:
+        """The kit this thread serves: ``release`` is its unload (run inline once
+        the job failed), ``on_abort`` runs after a blocked call was released."""
+        self.release = release
+        self.on_abort = on_abort
+
     def submit(self, fn: Callable, *args, **kwargs) -> worker.Task:
         if self.health.failure is not None:
             # unload() runs the kit's release either directly or through the

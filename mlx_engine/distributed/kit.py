@@ -8,7 +8,7 @@ import weakref
 from dataclasses import dataclass
 
 from ..caches.sequence import SequenceCache
-from ..kits.text import ModelKit
+from ..kits.text import KitOptions, ModelKit
 from ..runtime import worker
 from .control import ControlServer
 from .health import Health
@@ -29,6 +29,18 @@ class ShardInfo:
     counter: PassCounter  # forward passes (and their tokens) mirrored by rank 0
 
 
+@dataclass(frozen=True)
+class Shard:
+    """What rank 0's load made of the job, for its kit."""
+
+    model: MirroredModel
+    info: ShardInfo
+    num_params: int
+    compute_dtype: object
+    health: Health
+    control: ControlServer
+
+
 class ShardedModelKit(ModelKit):
     """Rank 0's kit over a model sharded across the job; use it like any ModelKit.
     ``usable`` is False (and every call raises ``ShardedKitError``) once a rank
@@ -41,27 +53,21 @@ class ShardedModelKit(ModelKit):
         """A stored cost record also depends on how the model is split."""
         return {**super().cost_key(kind, path), "ranks": self.shard.size, "parallelism": self.shard.parallelism}
 
-    def attach_shard(
-        self,
-        model: MirroredModel,
-        info: ShardInfo,
-        num_params: int,
-        compute_dtype,
-        health: Health,
-        control: ControlServer,
-    ) -> None:
-        """Give the kit (built vocabulary-only) its shard of the model and the job's health and control channel."""
+    def __init__(self, model_path, options: KitOptions, shard: Shard):
+        """A kit over this rank's shard: the files read as a vocabulary-only kit's,
+        then the sharded model, the job's health and its control channel."""
+        super().__init__(model_path, options)
         self.vocab_only = False
-        self.model = model
-        self.num_params = num_params  # of the whole model, as for a ModelKit
-        self.compute_dtype = compute_dtype
-        self.replace_prompt_cache(self.new_cache(model))
+        self.model = shard.model
+        self.num_params = shard.num_params  # of the whole model, as for a ModelKit
+        self.compute_dtype = shard.compute_dtype
+        self.replace_prompt_cache(self.new_cache(shard.model))
         # The followers mirror in-place trims of each cache, not branches of one
         # cache into another, so this kit keeps a single cached sequence.
-        self.prompt_cache.single_sequence = True
-        self.shard = info
-        self._health = health
-        self._control = control
+        self.prompt_cache.keep_single_sequence()
+        self.shard = shard.info
+        self._health = shard.health
+        self._control = shard.control
 
     def new_cache(self, model) -> SequenceCache:
         """A cache whose recurrent layers (a hybrid model's) keep no earlier
@@ -74,11 +80,7 @@ class ShardedModelKit(ModelKit):
     def forget_generation(self) -> None:
         """The generation that was running is blocked on a failed rank and will never
         finish on its own: stop counting it, so that ``unload`` is allowed."""
-        act = self.activity
-        with act.lock:
-            act.active.clear()
-            act.known.clear()
-            act.cancelled.clear()
+        self.activity.forget_all()
 
     @property
     def usable(self) -> bool:

@@ -21,7 +21,7 @@ from . import sharding
 from .connect import open_control
 from .follower import Follower
 from .health import Health, ShardWorker
-from .kit import ShardedModelKit, ShardInfo, release_at_exit
+from .kit import Shard, ShardedModelKit, ShardInfo, release_at_exit
 from .protocol import FollowerLoop, MirroredModel, PassCounter
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,7 @@ def load_sharded_model(
         raise DistributedConfigError(f"a rank failed while the model was loading: {reason}") from exc
     if isinstance(result, ShardedModelKit):
         result.attach_worker(thread)
-        thread.release = result.unload
-        thread.on_abort = result.forget_generation
+        thread.serve_kit(result.unload, result.forget_generation)
         atexit.register(release_at_exit, weakref.ref(result))
     return result
 
@@ -103,15 +102,15 @@ def _load(model_path, health: Health, thread: ShardWorker, **opts) -> ShardedMod
         options = KitOptions(
             CacheOptions.validate(opts["max_kv_size"]), vocab_only=True, trust_remote_code=opts["trust_remote_code"]
         )
-        kit = ShardedModelKit(path, options)
         mirrored = MirroredModel(model, group)
-        kit.attach_shard(
+        shard = Shard(
             mirrored, ShardInfo(0, group.size(), info.parallelism, mirrored.counter), num_params, dtype, health, control
         )
+        kit = ShardedModelKit(path, options, shard)
         logger.info("sharded kit: %s over %d ranks (%s-parallel)", path, group.size(), info.parallelism)
         return kit
     follower = Follower(FollowerLoop(model, group), info, thread, control)
-    control.on_lost = follower.lost_rank0
+    control.redirect(follower.lost_rank0)
     return follower
 
 

@@ -62,5 +62,14 @@ class Activity:
             self.cancelled.add(request_id)
             return True
 
+    def forget_all(self) -> None:
+        """Stop counting every open request (their generations can never finish,
+        e.g. blocked on a failed rank), so the kit may be unloaded."""
+        with self.lock:
+            self.active.clear()
+            self.known.clear()
+            self.cancelled.clear()
+            self.freed.notify_all()
+
     def is_cancelled(self, request_id: str) -> bool:
         return request_id in self.cancelled
