@@ -333,7 +333,7 @@ def test_mrope_positions_after_image_survive_reuse_and_trims(qwen_vl_path):
     ids2, final = run(kit, follow, [GREEN], max_tokens=10)
     assert final.stats.cached_tokens > 0
     assert_matches_reference(kit, follow, [GREEN], ids2)
-    assert kit.model.rope_delta != 0
+    assert kit.prompt_cache.active.position_shift != 0
 
 
 def _count_vision_calls(kit):
@@ -491,3 +491,29 @@ def test_image_the_processor_refuses_fails_early_and_keeps_the_cache(qwen_kit, s
     assert qwen_kit.cache.tokens == cached
     stats = generate_ids(qwen_kit, prompt, max_tokens=2, images_b64=[RED])[1].stats
     assert stats.cached_tokens == stats.prompt_tokens - 1  # all but the last prompt token reused
+
+
+def test_image_requests_run_as_rows_of_one_batch_and_equal_their_solo_runs(qwen_vl_path, qwen_kit):
+    """M-RoPE's position shift belongs to each request's cached sequence, so
+    requests with different images (and none) decode as rows of one batch,
+    a prompt-lookup row among them, each as it runs alone."""
+    kit = me.load_model(qwen_vl_path, max_parallel=4)
+    jobs = [
+        (user(kit, "Describe the picture."), [GREEN], {}),
+        (user(kit, "What colour is it?"), [BLUE], {"prompt_lookup_num_tokens": 4}),
+        (user(kit, "Hello world", n_images=0), None, {}),
+        (user(kit, "Compare the two.", n_images=2), [GREEN, BLUE], {}),
+    ]
+    want = [run(qwen_kit, p, imgs, max_tokens=10, **kw)[0] for p, imgs, kw in jobs]
+    gens = [me.create_generator(kit, p, images_b64=imgs, max_tokens=10, **kw) for p, imgs, kw in jobs]
+    got, done, widest = [[] for _ in gens], [False] * len(gens), 0
+    while not all(done):  # round-robin: every request is open at once
+        for i, g in enumerate(gens):
+            if not done[i]:
+                r = next(g)
+                got[i] += [t.id for t in r.tokens]
+                done[i] = r.stop_condition is not None
+        widest = max(widest, kit.worker.call(lambda: len(kit.batch.rows) if kit.batch else 0))
+    assert widest >= 2
+    for (p, imgs, _), w, ids in zip(jobs, want, got):
+        assert_same_or_near_tie_vision(kit, p, imgs, w, ids)

@@ -227,7 +227,9 @@ class RaggedBatch:
         self.end = max(self.starts) + width
         self.offset = self.starts[0] if len(self.rows) == 1 else mx.array(self.starts)
         self._prepare_states([c for c, _, _ in inputs], lengths, width)
-        logits = self.model(mx.stack(rows), cache=self.layers)
+        shifts = [c.position_shift for c in self.rows]
+        extra = {"position_shift": mx.array(shifts)[:, None]} if any(shifts) else {}
+        logits = self.model(mx.stack(rows), cache=self.layers, **extra)
         for l in self.states:
             l.lengths = None
         index = {id(c): b for b, c in enumerate(self.rows)}

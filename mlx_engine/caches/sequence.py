@@ -150,6 +150,7 @@ class SequenceCache:
         self.rewind_points = DEFAULT_REWIND_POINTS
         self.points: list[tuple[int, State]] = []  # rewind points, by position
         self.checkpoints: list[tuple[int, State]] = []  # durable checkpoints, by position
+        self.position_shift = 0  # see shift_positions
         self.reset()
 
     def reset(self) -> None:
@@ -163,6 +164,13 @@ class SequenceCache:
         self.tokens = []
         self.points = []
         self.checkpoints = []
+        self.position_shift = 0
+
+    def shift_positions(self, shift: int) -> None:
+        """From now on this sequence's model positions run ``shift`` ahead of its
+        cache offset (M-RoPE: an image takes fewer positions than tokens). The
+        shift is passed to the model as ``position_shift`` on every pass."""
+        self.position_shift = shift
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -334,6 +342,8 @@ class SequenceCache:
             # The state before this pass: a rejected draft or a pass abandoned
             # mid-flight rewinds here (rewind_to), then feeds the accepted tokens.
             self.add_point(self.snapshot())
+        if self.position_shift:
+            model_inputs.setdefault("position_shift", self.position_shift)
         logits = self.model(inputs, cache=self.layers, **model_inputs)
         o = self.options
         if o.kv_bits is not None:

@@ -6,8 +6,11 @@ Design (docs/vision.md):
 - ``VisionLanguageModel`` makes the VLM's ``language_model`` look like an mlx-lm
   text model to ``SequenceCache`` (``model(inputs, cache=layers) -> logits``,
   ``.layers``, ``make_cache``). For M-RoPE models (Qwen2-VL family) it always
-  passes explicit position ids, ``cache offset + rope_delta``, so positions never
-  depend on state that mlx-vlm keeps on the model between calls.
+  passes explicit position ids, ``cache offset + position_shift``, so positions
+  never depend on state that mlx-vlm keeps on the model between calls. The shift
+  (M-RoPE's rope delta) belongs to the request's cached sequence
+  (``SequenceCache.shift_positions``), so requests with different images can run
+  as rows of one batch.
 - A prompt is expanded once per request: each image placeholder token in
   ``prompt_tokens`` is replaced by the token ids the model's processor expands it
   to (e.g. ``<|image_pad|>`` x N), giving the real token ids, and the cache keys:
@@ -62,7 +65,6 @@ class VisionLanguageModel(nn.Module):
         super().__init__()
         self.language_model = vlm.language_model
         self.mrope = hasattr(self.language_model, "get_rope_index")
-        self.rope_delta = 0  # M-RoPE: text position = cache offset + rope_delta
 
     @property
     def layers(self):
@@ -74,15 +76,25 @@ class VisionLanguageModel(nn.Module):
         return [_to_engine_cache(c) for c in caches]
 
     def __call__(
-        self, inputs: mx.array, cache=None, inputs_embeds: mx.array | None = None, position_ids: mx.array | None = None
+        self,
+        inputs: mx.array,
+        cache=None,
+        inputs_embeds: mx.array | None = None,
+        position_ids: mx.array | None = None,
+        position_shift: int | mx.array = 0,
     ) -> mx.array:
+        """Logits for ``inputs`` after ``cache``. M-RoPE text positions are the
+        cache offset plus ``position_shift`` (an int, or one per row of a batch,
+        shape (rows, 1), as is the batch's offset)."""
         kwargs = {}
         if self.mrope:
             if position_ids is None:
-                offset = int(cache[0].offset) if cache else 0
                 b, n = inputs.shape
-                pos = mx.arange(offset, offset + n, dtype=mx.int32) + self.rope_delta
-                position_ids = mx.broadcast_to(pos[None, None, :], (3, b, n))
+                offset = cache[0].offset if cache else 0
+                if isinstance(offset, mx.array):
+                    offset = offset.reshape(-1, 1)
+                pos = (mx.arange(n, dtype=mx.int32)[None] + offset + position_shift).astype(mx.int32)
+                position_ids = mx.broadcast_to(pos[None], (3, b, n))
             kwargs["position_ids"] = position_ids
         out = self.language_model(inputs, inputs_embeds=inputs_embeds, cache=cache, **kwargs)
         return getattr(out, "logits", out)
@@ -112,9 +124,6 @@ class VisionModelKit(ModelKit):
     def __init__(self, model_path: str | Path, options: KitOptions = KitOptions(), max_image_pixels: int | None = None):
         if options.cache.kv_bits is not None:
             raise ValueError("kv_bits: a quantized KV cache is not supported for vision models yet")
-        if options.max_parallel not in (None, 1):
-            # The expanded prompt's positions (image positions, M-RoPE offsets) are per kit.
-            raise ValueError("max_parallel: a vision kit serves one generation at a time; pass 1 or None")
         self.max_image_pixels = (
             DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
         )
@@ -135,6 +144,7 @@ class VisionModelKit(ModelKit):
         self.num_params = loading.float_param_count(self.model)
         self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
+        self._init_batching(1 if options.max_parallel is None else options.max_parallel)
         logger.info(
             "loaded vision model %s (%s, compute dtype %s)",
             self.model_path,
@@ -215,7 +225,7 @@ class VisionModelKit(ModelKit):
         """Bring ``cache`` to all but the last position of the ``expanded`` prompt
         (from ``expand_prompt``), feeding input embeddings so image positions get
         their features. ``todo`` are the real token ids of that part. All chunks
-        run at once (a vision kit runs one generation at a time)."""
+        run in one scheduler turn (image features are not split across turns)."""
         self._prefill(expanded, cache, todo, on_chunk, chunk_size)
         yield
 
@@ -223,7 +233,7 @@ class VisionModelKit(ModelKit):
         start = len(cache.tokens)
         if cache.tokens != expanded.keys[:start] or expanded.ids[start:-1] != list(todo):
             raise RuntimeError("prefill_prompt does not follow expand_prompt for this cache")
-        positions = self._set_positions(expanded)
+        positions = self._positions(expanded, cache)
         end = len(expanded.ids) - 1
         if start >= end:
             return
@@ -259,9 +269,9 @@ class VisionModelKit(ModelKit):
         )
 
     # -- helpers --------------------------------------------------------------
-    def _set_positions(self, expanded: VisionExpandedPrompt) -> mx.array | None:
-        """M-RoPE: the whole sequence's position ids (3, 1, L) and the text
-        position offset that decoding after it uses."""
+    def _positions(self, expanded: VisionExpandedPrompt, cache) -> mx.array | None:
+        """M-RoPE: the whole sequence's position ids (3, 1, L); the shift that
+        decoding after it uses goes to the request's ``cache``."""
         if not self.model.mrope:
             return None
         lm = self.model.language_model
@@ -271,7 +281,7 @@ class VisionModelKit(ModelKit):
         positions, delta = lm.get_rope_index(ids, grid, None, None)
         if positions.ndim == 2:
             positions = mx.broadcast_to(positions[None], (3,) + positions.shape)
-        self.model.rope_delta = int(mx.array(delta).reshape(-1)[0].item())
+        cache.shift_positions(int(mx.array(delta).reshape(-1)[0].item()))
         return positions.astype(mx.int32)
 
     def _image_entry(self, img: DecodedImage) -> _ImageEntry:
