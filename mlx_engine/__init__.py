@@ -33,7 +33,7 @@ from .kits.text import ModelKit  # noqa: E402
 from .kits.vision import VisionModelKit  # noqa: E402
 from .loading import catalog  # noqa: E402  (models known by name: lookup, draft_for)
 from .loading.catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
-from .request.validate import GenerationOptions  # noqa: E402  (create_generator's arguments and defaults)
+from .request.validate import GenerationOptions, context_budget  # noqa: E402  (create_generator's arguments and defaults)
 from .results import (  # noqa: E402
     GenerationResult,
     GenerationStats,
@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "apply_chat_template",
     "check_tools",
+    "context_budget",
     "GenerationOptions",
     "BlasStatus",
     "CallbackError",

@@ -152,7 +152,7 @@ def test_auto_context_fits_memory_and_refuses_longer_prompts(llama_path, monkeyp
     monkeypatch.setattr(context, "available_memory", lambda: 2 * 64 * per_token)  # room for 64 tokens
     small = me.load_model(llama_path, max_kv_size="auto")
     assert small.context_length == 64
-    with pytest.raises(ValueError, match="do not fit this kit's context of 64 tokens"):
+    with pytest.raises(ValueError, match="leave no room in this kit's context of 64 tokens"):
         me.create_generator(small, list(range(3, 70)), max_tokens=4)
     ids, last = generate_ids(small, list(range(3, 60)), max_tokens=50, temp=0.0)
     assert len(ids) == 64 - 57 and last.stop_condition.stop_reason == "token_limit"

@@ -243,3 +243,16 @@ def test_stop_condition_tokens_default_is_not_shared():
     assert b.stop_tokens == [] and a == ("eos_token", None, [7])
     assert GenerationStopCondition("stop_string", "x", [1, 2]).stop_tokens == [1, 2]
     assert repr(b) == "GenerationStopCondition(stop_reason='token_limit', stop_string=None, stop_tokens=[])"
+
+
+def test_context_budget_caps_the_answer_by_the_room_the_prompt_leaves():
+    from types import SimpleNamespace
+
+    kit = SimpleNamespace(context_length=64)
+    assert me.context_budget(kit, 60) == 4
+    assert me.context_budget(kit, 10, 100) == 54
+    assert me.context_budget(kit, 10, 20) == 20
+    with pytest.raises(me.InvalidArgument, match="prompt_tokens: 64 tokens leave no room") as err:
+        me.context_budget(kit, 64)
+    assert err.value.param == "prompt_tokens"
+    assert me.context_budget(SimpleNamespace(context_length=None), 10_000) == me.GenerationOptions.max_tokens

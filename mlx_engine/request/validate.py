@@ -183,19 +183,33 @@ def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request
     )
 
 
+def context_budget(kit: ModelKit, prompt_len: int, max_tokens: int | None = None) -> int:
+    """The tokens an answer to a prompt of ``prompt_len`` tokens may take in the
+    kit's context: ``max_tokens`` capped by the room the prompt leaves (the whole
+    room when None). ``InvalidArgument`` naming ``prompt_tokens`` when the prompt
+    leaves no room. A kit with no known context: ``max_tokens``, or the default.
+
+    ``create_generator`` holds a kit to this when its context is fitted to
+    memory (``max_kv_size="auto"``); the server holds every request to it."""
+    context = kit.context_length
+    if context is None:
+        return max_tokens or GenerationOptions.max_tokens
+    room = context - prompt_len
+    if room <= 0:
+        raise InvalidArgument(
+            f"prompt_tokens: {prompt_len} tokens leave no room in this kit's context of {context} tokens; "
+            "shorten the prompt",
+            "prompt_tokens",
+        )
+    return min(max_tokens, room) if max_tokens else room
+
+
 def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:
     """With a context fitted to memory (``max_kv_size="auto"``), a prompt must
     fit it, and generation stops at its end (``token_limit``)."""
-    context = kit.context_length
-    if not kit.cache_options.auto_context or context is None:
+    if not kit.cache_options.auto_context:
         return max_tokens
-    if len(prompt) >= context:
-        raise InvalidArgument(
-            f"prompt_tokens: {len(prompt)} tokens do not fit this kit's context of {context} tokens "
-            "(max_kv_size='auto' fitted it to memory); shorten the prompt",
-            "prompt_tokens",
-        )
-    return min(max_tokens, context - len(prompt))
+    return context_budget(kit, len(prompt), max_tokens)
 
 
 def validate_request_id(request_id) -> None:

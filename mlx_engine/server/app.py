@@ -159,19 +159,30 @@ def create_app(
     _install_middleware(app, max_body_bytes, allowed_hosts, app_metrics, cors_origins)
     auth = _auth_dependency(api_key or None)
     _add_routes(app, host, auth)
-    folder = Path(models_dir) if models_dir else None
+    _include_routers(app, host, auth, folder, api_key or None, keep_billing_header, app_metrics)
+    return app
+
+
+def _include_routers(
+    app: FastAPI,
+    host: ModelHost,
+    auth,
+    folder: Path | None,
+    api_key: str | None,
+    keep_billing_header: bool,
+    app_metrics,
+) -> None:
+    """Drafts, models, the Responses and Messages APIs (the same core in two more
+    wire formats, core.py) and the Prometheus scrape."""
     app.include_router(draft_router(host, folder, auth))
     app.include_router(models_router(host, folder, auth))
-    # The Responses and Messages APIs: the same core in two more wire formats (core.py).
     app.include_router(responses_router(host, auth))
-    app.include_router(messages_router(host, api_key or None, keep_billing_header=keep_billing_header))
+    app.include_router(messages_router(host, api_key, keep_billing_header=keep_billing_header))
     if app_metrics is not None:
 
         @app.get("/metrics", dependencies=[Depends(auth)])
         async def scrape():
             return Response(app_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 @dataclass(frozen=True)

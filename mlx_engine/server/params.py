@@ -125,19 +125,17 @@ def completion_prompt(kit: me.ModelKit, req: CompletionRequest) -> Prompt:
 
 
 def token_budget(kit: me.ModelKit, prompt_len: int, asked: int | None) -> int:
-    """``max_tokens``: what was asked, capped by the context left after the
-    prompt; the whole remaining context when nothing was asked."""
-    context = kit.context_length
-    if context is None:
-        return asked or me.GenerationOptions.max_tokens  # the SDK's default
-    room = context - prompt_len
-    if room <= 0:
+    """``max_tokens``: the engine's ``context_budget`` (what was asked, capped by
+    the context left after the prompt; the whole remaining context when nothing
+    was asked), its refusal as a 400 naming ``messages``."""
+    try:
+        return me.context_budget(kit, prompt_len, asked)
+    except me.InvalidArgument:
         raise bad_request(
-            f"messages: the prompt has {prompt_len} tokens, which leaves no room in the "
-            f"model's context of {context} tokens",
+            f"messages: the prompt has {prompt_len} tokens, which leaves no room in the model's context of "
+            f"{kit.context_length} tokens",
             "messages",
-        )
-    return min(asked, room) if asked else room
+        ) from None
 
 
 def decoding_kwargs(opts: EngineOptions, default_mode: str) -> dict:
