@@ -68,7 +68,7 @@ def load_model(
     ``VisionModelKit`` (docs/vision.md); ``max_image_pixels`` bounds its images.
     ``prompt_cache_bytes`` bounds the KV bytes of the cached sequences kept
     between requests; ``prompt_cache_dir`` adds a disk tier (docs/api.md,
-    "Prompt cache"). ``max_parallel`` (default 4; 1 for vision kits) is how
+    "Prompt cache"). ``max_parallel`` (default 4) is how
     many generations the kit serves at once, decoded together in one batch
     (docs/api.md, "Parallel requests"). ``suffix_memory_tokens`` (default
     65536; 0: off) bounds the tokens of earlier requests that prompt lookup and

@@ -496,17 +496,23 @@ def test_image_the_processor_refuses_fails_early_and_keeps_the_cache(qwen_kit, s
 def test_image_requests_run_as_rows_of_one_batch_and_equal_their_solo_runs(qwen_vl_path, qwen_kit):
     """M-RoPE's position shift belongs to each request's cached sequence, so
     requests with different images (and none) decode as rows of one batch,
-    a prompt-lookup row among them, each as it runs alone."""
+    a prompt-lookup row among them, each as it runs alone; a long image prompt
+    prefills in chunks between the others' steps."""
     kit = me.load_model(qwen_vl_path, max_parallel=4)
+    seen = []
     jobs = [
-        (user(kit, "Describe the picture."), [GREEN], {}),
+        (user(kit, "Describe the picture in detail. " * 50), [GREEN], {}),
         (user(kit, "What colour is it?"), [BLUE], {"prompt_lookup_num_tokens": 4}),
         (user(kit, "Hello world", n_images=0), None, {}),
         (user(kit, "Compare the two.", n_images=2), [GREEN, BLUE], {}),
     ]
     want = [run(qwen_kit, p, imgs, max_tokens=10, **kw)[0] for p, imgs, kw in jobs]
-    gens = [me.create_generator(kit, p, images_b64=imgs, max_tokens=10, **kw) for p, imgs, kw in jobs]
+    gens = [me.create_generator(kit, p, images_b64=imgs, max_tokens=10, **kw) for p, imgs, kw in jobs[1:]]
+    first = [t.id for t in next(gens[0]).tokens]  # open while the long image prompt prefills
+    p, imgs, kw = jobs[0]
+    gens.insert(0, me.create_generator(kit, p, images_b64=imgs, max_tokens=10, prompt_progress_callback=seen.append))
     got, done, widest = [[] for _ in gens], [False] * len(gens), 0
+    got[1] = first
     while not all(done):  # round-robin: every request is open at once
         for i, g in enumerate(gens):
             if not done[i]:
@@ -515,5 +521,6 @@ def test_image_requests_run_as_rows_of_one_batch_and_equal_their_solo_runs(qwen_
                 done[i] = r.stop_condition is not None
         widest = max(widest, kit.worker.call(lambda: len(kit.batch.rows) if kit.batch else 0))
     assert widest >= 2
+    assert len([p for p in seen if 0 < p < 100]) >= 2  # the image prompt prefilled in chunks between steps
     for (p, imgs, _), w, ids in zip(jobs, want, got):
         assert_same_or_near_tie_vision(kit, p, imgs, w, ids)

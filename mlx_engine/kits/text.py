@@ -49,7 +49,7 @@ class KitOptions:
     trust_remote_code: bool = False
     compute_dtype: str | None = "auto"
     prompt_cache: PromptCacheOptions = PromptCacheOptions()
-    max_parallel: int | None = None  # None: DEFAULT_MAX_PARALLEL for text kits, 1 for vision kits
+    max_parallel: int | None = None  # None: DEFAULT_MAX_PARALLEL
     suffix_memory_tokens: int = DEFAULT_SUFFIX_MEMORY_TOKENS  # 0: no suffix drafting memory
 
 

@@ -144,7 +144,7 @@ class VisionModelKit(ModelKit):
         self.num_params = loading.float_param_count(self.model)
         self.replace_prompt_cache(self.new_cache(self.model))
         self._fit_context()
-        self._init_batching(1 if options.max_parallel is None else options.max_parallel)
+        self._init_batching(options.max_parallel)
         logger.info(
             "loaded vision model %s (%s, compute dtype %s)",
             self.model_path,
@@ -224,12 +224,9 @@ class VisionModelKit(ModelKit):
     ):
         """Bring ``cache`` to all but the last position of the ``expanded`` prompt
         (from ``expand_prompt``), feeding input embeddings so image positions get
-        their features. ``todo`` are the real token ids of that part. All chunks
-        run in one scheduler turn (image features are not split across turns)."""
-        self._prefill(expanded, cache, todo, on_chunk, chunk_size)
-        yield
-
-    def _prefill(self, expanded: VisionExpandedPrompt, cache, todo: list[int], on_chunk, chunk_size: int) -> None:
+        their features. ``todo`` are the real token ids of that part. Yields after
+        each chunk, as a text kit does (the scheduler lets the other rows step);
+        the images' features are computed before the first chunk."""
         start = len(cache.tokens)
         if cache.tokens != expanded.keys[:start] or expanded.ids[start:-1] != list(todo):
             raise RuntimeError("prefill_prompt does not follow expand_prompt for this cache")
@@ -237,8 +234,24 @@ class VisionModelKit(ModelKit):
         end = len(expanded.ids) - 1
         if start >= end:
             return
+        model_inputs = self._embedding_inputs(expanded, start, end, positions)
+        for a in range(start, end, chunk_size):
+            b = min(a + chunk_size, end)
+            cache.prefill(
+                expanded.ids[a:b],
+                on_chunk,
+                chunk_size,
+                keys=expanded.keys[a:b],
+                model_inputs=lambda i, j, a=a: model_inputs(a + i, a + j),
+            )
+            yield
+
+    def _embedding_inputs(self, expanded: VisionExpandedPrompt, start: int, end: int, positions: mx.array | None):
+        """``model_inputs(s, e)``: the input embeddings (token embeddings with the
+        image rows put in place) and M-RoPE positions of prompt positions s..e,
+        for the part ``start..end`` being prefilled."""
         # The image feature row (an index into the stacked features of the
-        # images involved) that each position of the todo part takes, if any.
+        # images involved) that each position of the part takes, if any.
         row_of: dict[int, int] = {}
         needed: list[_ImageEntry] = []
         n_rows = 0
@@ -252,9 +265,7 @@ class VisionModelKit(ModelKit):
         feats = mx.concatenate([self._features(e) for e in needed], axis=0) if needed else None
         embed = self.model.language_model.model.embed_tokens
 
-        def model_inputs(i: int, j: int) -> dict:
-            # Embeddings for positions start+i .. start+j, image rows put in place.
-            s, e = start + i, start + j
+        def model_inputs(s: int, e: int) -> dict:
             h = embed(mx.array(expanded.ids[s:e], dtype=mx.uint32)[None])[0]
             local = [(p - s, row_of[p]) for p in range(s, e) if p in row_of]
             if local:
@@ -264,9 +275,7 @@ class VisionModelKit(ModelKit):
                 kw["position_ids"] = positions[:, :, s:e]
             return kw
 
-        cache.prefill(
-            expanded.ids[start:end], on_chunk, chunk_size, keys=expanded.keys[start:end], model_inputs=model_inputs
-        )
+        return model_inputs
 
     # -- helpers --------------------------------------------------------------
     def _positions(self, expanded: VisionExpandedPrompt, cache) -> mx.array | None:
