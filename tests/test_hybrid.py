@@ -6,7 +6,7 @@ Tiny random models of eight hybrid families (fixtures/tiny_models.HYBRID_ARCHS)
 plus the llama fixture as the attention-only control; all share one tokenizer."""
 
 import mlx_engine
-from mlx_engine.caches.prompt import branch, cache_bytes
+from mlx_engine.caches.prompt import PromptCache, branch, cache_bytes
 from mlx_engine.caches.ragged import BATCHED_RECURRENT, RaggedBatch, can_batch
 from mlx_engine.caches.sequence import SequenceCache, layer_rewind_reason
 from mlx_engine.request.sampling import greedy_sampler
@@ -438,3 +438,29 @@ def test_a_batch_of_draft_lookup_and_plain_hybrid_rows(hybrid_paths, hybrid_draf
         assert kit.batch is not None and kit.draft.batch is not None  # both models batched their rows
     finally:
         mlx_engine.unload(kit)
+
+
+def test_release_keeps_an_idle_prefix_entry_whose_checkpoints_the_longer_one_lacks(kits):
+    """A request's entry replaces the idle entries it extends only where it can
+    resume everywhere they could: a hybrid entry computed afresh past another's
+    prompt-end checkpoint does not make that entry redundant."""
+    kit = kits("qwen3_next")
+    tokens = mlx_engine.tokenize(kit, PROMPT)
+
+    def made(checkpoint_at: list[int], upto: int) -> SequenceCache:
+        cache, done = SequenceCache(kit.model), 0
+        for n in [*checkpoint_at, upto]:
+            cache.prefill(tokens[done:n])
+            cache.checkpoint()
+            done = n
+        return cache
+
+    for points, kept in (([], True), ([10, 12], False)):
+        cache = PromptCache(lambda: SequenceCache(kit.model), budget_bytes=1 << 40)
+        short = made([10], 12)  # a prompt of 10 and its answer
+        longer = made(points, len(tokens) - 1)
+        cache.replace_all(short)
+        cache.entries.append(longer)
+        cache.busy.append(longer)
+        cache.release(longer)
+        assert any(e is short for e in cache.entries) == kept

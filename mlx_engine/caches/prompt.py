@@ -131,6 +131,15 @@ def _known_length(tokens: list[int]) -> int:
     return n
 
 
+def _covers(longer: SequenceCache, known: list[int], entry: SequenceCache) -> bool:
+    """Whether ``longer`` (whose known tokens are ``known``) makes ``entry``
+    redundant: its tokens are a prefix of ``known``, and (a hybrid's recurrent
+    state) ``longer`` can resume at every position ``entry`` can."""
+    if not _is_prefix(entry.tokens, known):
+        return False
+    return not entry.recurrent or all(longer.restorable(p) == p for p in entry.resume_points())
+
+
 def _is_prefix(tokens: list[int], of: list[int]) -> bool:
     n = _known_length(tokens)
     return n <= len(of) and tokens[:n] == of[:n]
@@ -214,7 +223,7 @@ class PromptCache:
         replaced was regenerated identically), then keep to the budget."""
         self.busy = [e for e in self.busy if e is not entry]
         known = entry.tokens[: _known_length(entry.tokens)]
-        self.entries = [e for e in self.entries if e is entry or self.is_busy(e) or not _is_prefix(e.tokens, known)]
+        self.entries = [e for e in self.entries if e is entry or self.is_busy(e) or not _covers(entry, known, e)]
         self._evict()
 
     def _evict(self) -> None:

@@ -265,6 +265,11 @@ class SequenceCache:
             return length if self.rewind_limit_reason() is None else 0
         return max((p for p, _ in self.points + self.checkpoints if p <= length), default=0)
 
+    def resume_points(self) -> list[int]:
+        """Where a later request can resume this sequence exactly: its
+        checkpoints and its end (any position, for attention-only caches)."""
+        return [p for p, _ in self.checkpoints] + [len(self.tokens)]
+
     def state_at(self, length: int) -> State | None:
         """The kept recurrent state at exactly ``length`` (None if none is kept)."""
         return next((s for p, s in reversed(self.points + self.checkpoints) if p == length), None)
