@@ -287,32 +287,37 @@ def test_a_very_long_sentencepiece_token_loads(tmp_path):
     assert me.tokenize(kit, "hello")
 
 
-# -- a hybrid family: lfm2 (short-convolution and attention layers) -----------------
+# -- recurrent families: lfm2 (short convolutions + attention), mamba2 ---------------
+RECURRENT = {"lfm2": "mlx_lm.models.lfm2", "mamba2": "mlx_lm.models.mamba2"}
 
 
-def test_lfm2_is_mlx_lms_hybrid_class_and_computes_its_source(family_files):
-    """The GGUF loads into mlx-lm's own lfm2 class (convolution state in
+@pytest.mark.parametrize("family", list(RECURRENT))
+def test_recurrent_family_is_mlx_lms_class_and_computes_its_source(family_files, family):
+    """The GGUF loads into mlx-lm's own class (recurrent state in
     ``ArraysCache`` layers, so the engine's rewinds, checkpoints and batching
-    apply) and a float32 file gives the source model's logits exactly."""
+    apply) and a float32 file gives the source model's logits: exactly for
+    lfm2; for mamba2 to float32 rounding (A is stored as -exp(A_log))."""
     from mlx_engine.caches.ragged import can_batch
     from mlx_engine.caches.sequence import SequenceCache
 
-    from mlx_lm.models.cache import ArraysCache, KVCache
+    from mlx_lm.models.cache import ArraysCache
 
-    path, reference, _ = family_files("lfm2")
+    path, reference, _ = family_files(family)
     kit = me.load_model(path)
-    assert type(kit.model).__module__ == "mlx_lm.models.lfm2"
-    assert [type(c) for c in kit.model.make_cache()] == [ArraysCache, KVCache, ArraysCache]
+    assert type(kit.model).__module__ == RECURRENT[family]
+    assert ArraysCache in {type(c) for c in kit.model.make_cache()}
     assert can_batch(SequenceCache(kit.model))
     ids = me.tokenize(kit, PROMPT)
-    assert mx.array_equal(_logits(kit.model, ids), _logits(reference, ids)).item()
+    got, want = _logits(kit.model, ids), _logits(reference, ids)
+    assert mx.abs(got - want).max().item() <= (0.0 if family == "lfm2" else 1e-5)
 
 
-def test_lfm2_speculates_exactly_and_the_next_turn_reuses_the_cache(family_files):
-    """On a Q8_0 lfm2 file: prompt lookup speculates (no fallback) and gives
-    plain greedy's tokens; the next turn resumes from a checkpoint of the
-    convolution state (cached tokens) and answers as a fresh kit does."""
-    path, _, _ = family_files("lfm2", "Q8_0")
+@pytest.mark.parametrize("family", list(RECURRENT))
+def test_recurrent_family_speculates_exactly_and_the_next_turn_reuses_the_cache(family_files, family):
+    """On a Q8_0 file: prompt lookup speculates (no fallback) and gives plain
+    greedy's tokens; the next turn resumes from a checkpoint of the recurrent
+    state (cached tokens) and answers as a fresh kit does."""
+    path, _, _ = family_files(family, "Q8_0")
     kit, fresh = me.load_model(path), me.load_model(path)
     prompt = me.tokenize(kit, PROMPT * 2)
     plain, _ = generate_ids(fresh, prompt, max_tokens=12, temp=0.0)
@@ -327,16 +332,16 @@ def test_lfm2_speculates_exactly_and_the_next_turn_reuses_the_cache(family_files
     assert cold.stats.cached_tokens == 0 and ids == want
 
 
-def _lfm2_file(tmp_path, tensors=None, metadata=None, drop=()):
-    """An F32 lfm2 file with ``tensors``/``metadata`` entries replaced and the
-    names in ``drop`` left out (tensors or metadata keys)."""
+def _changed_file(tmp_path, arch, tensors=None, metadata=None, drop=()):
+    """An F32 file of ``arch`` with ``tensors``/``metadata`` entries replaced and
+    the names in ``drop`` left out (tensors or metadata keys)."""
     (tmp_path / "bpe").mkdir(exist_ok=True)
     tok = bpe_metadata(tmp_path / "bpe")
-    model, config = reference_model("lfm2", len(tok["tokenizer.ggml.tokens"]))
-    all_tensors = {**gguf_tensors(model, config, "lfm2"), **(tensors or {})}
-    meta = {**arch_metadata("lfm2", config), **tok, **(metadata or {})}
-    path = tmp_path / "bad-lfm2.gguf"
-    write_gguf(path, "lfm2", {k: v for k, v in all_tensors.items() if k not in drop},
+    model, config = reference_model(arch, len(tok["tokenizer.ggml.tokens"]))
+    all_tensors = {**gguf_tensors(model, config, arch), **(tensors or {})}
+    meta = {**arch_metadata(arch, config), **tok, **(metadata or {})}
+    path = tmp_path / f"bad-{arch}.gguf"
+    write_gguf(path, arch, {k: v for k, v in all_tensors.items() if k not in drop},
                {k: v for k, v in meta.items() if k not in drop})  # fmt: skip
     return path
 
@@ -364,7 +369,26 @@ def _lfm2_file(tmp_path, tensors=None, metadata=None, drop=()):
     ],
 )
 def test_a_malformed_lfm2_file_is_refused_naming_it(tmp_path, change, message):
-    path = _lfm2_file(tmp_path, **change)
+    path = _changed_file(tmp_path, "lfm2", **change)
+    with pytest.raises(me.ModelLoadError, match=message) as info:
+        me.load_model(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(drop=["blk.1.ssm_a"]), r"lacks 'blk\.1\.ssm_a' \(Mamba-2 block 1\)"),
+        (dict(drop=["blk.0.ssm_dt.bias"]), r"lacks 'blk\.0\.ssm_dt\.bias'"),
+        (dict(drop=["mamba2.ssm.inner_size"]), r"lacks the metadata field 'mamba2\.ssm\.inner_size'"),
+        (dict(metadata={"mamba2.ssm.state_size": 32}), r"'blk\.0\.ssm_in\.weight' of shape \[256, 1064\]"),
+        (dict(metadata={"mamba2.ssm.group_count": 2}), r"mamba2 with 2 groups is not supported"),
+        (dict(metadata={"mamba2.ssm.time_step_rank": 7}), r"time_step_rank.*divisor"),
+        (dict(tensors={"blk.0.ssm_dt.weight": np.zeros((256, 8), np.float32)}), r"'blk\.0\.ssm_dt\.weight'"),
+    ],
+)
+def test_a_malformed_mamba2_file_is_refused_naming_it(tmp_path, change, message):
+    path = _changed_file(tmp_path, "mamba2", **change)
     with pytest.raises(me.ModelLoadError, match=message) as info:
         me.load_model(path)
     assert str(path) in str(info.value)

@@ -58,19 +58,30 @@ def test_every_loader_type_is_covered():
     assert set(SUPPORTED_TYPES) - {"F16", "BF16"} <= covered, set(SUPPORTED_TYPES) - covered
 
 
-def test_q4_k_m_of_another_family_answers():
+@pytest.mark.parametrize("name", ["qwen3-Q4_K_M.gguf", "lfm2-Q4_K_M.gguf"])
+def test_q4_k_m_of_another_family_answers(name):
     """The issue's bar: a Q4_K_M file of a family other than the default model's
-    loads, answers (greedy, and the same with prompt lookup) and matches
-    llama.cpp (test_logits_match_llama_cpp)."""
-    kit = me.load_model(FIXTURES / "qwen3-Q4_K_M.gguf")
+    loads, answers (greedy, and the same with prompt lookup, which speculates
+    on the hybrid lfm2 too) and matches llama.cpp (test_logits_match_llama_cpp)."""
+    kit = me.load_model(FIXTURES / name)
     prompt = me.tokenize(kit, REFS["prompt"] * 2)
     plain, last = generate_ids(kit, prompt, max_tokens=10, temp=0.0)
     assert len(plain) == 10 and last.stop_condition.stop_reason == "token_limit"
-    assert generate_ids(kit, prompt, max_tokens=10, temp=0.0, prompt_lookup_num_tokens=3)[0] == plain
+    lookup, last = generate_ids(kit, prompt, max_tokens=10, temp=0.0, prompt_lookup_num_tokens=3)
+    assert lookup == plain
+    assert last.stats.decoding_mode == "prompt_lookup", last.stats.mode_reason
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-Q4_K_M.gguf", "qwen3-Q4_K_M.gguf", "llama-Q2_K.gguf", "llama-Q6_K.gguf", "llama-IQ4_XS.gguf"]
+    "name",
+    [
+        "llama-Q4_K_M.gguf",
+        "qwen3-Q4_K_M.gguf",
+        "lfm2-Q4_K_M.gguf",
+        "llama-Q2_K.gguf",
+        "llama-Q6_K.gguf",
+        "llama-IQ4_XS.gguf",
+    ],
 )
 def test_decoded_types_kept_quantized_for_metal(name):
     """Off the CPU a decoded file keeps its matrices quantized in MLX's affine

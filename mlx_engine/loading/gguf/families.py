@@ -16,6 +16,11 @@ Per family, what the converter does and what the mapping does about it:
   layer; the depthwise kernel, ``(hidden, 1, L)`` in the checkpoint, is stored
   squeezed as ``[L, hidden]`` and gets its axis back; the final norm is named
   ``token_embd_norm``; ``feed_forward_length`` is already the adjusted width.
+- ``mamba2`` (recurrent only): no attention metadata (head count 0); the SSM
+  sizes are ``ssm.*``; ``A_log`` is stored as ``A = -exp(A_log)`` (``ssm_a``,
+  like ``ssm_d`` without a ``.weight`` suffix, shape ``[1, heads]``), so the
+  log is taken back; the conv kernel is squeezed as for lfm2; the gated norm is
+  stored per group.
 """
 
 from __future__ import annotations
@@ -96,7 +101,10 @@ class Family:
     config: dict = field(default_factory=dict)
     global_names: dict[str, str] = field(default_factory=lambda: dict(_GLOBAL_NAMES))
     recurrent_layers: bool = False  # head_count_kv may be 0 for a layer: a recurrent one
-    reshape: Callable[[str, object], object] = lambda key, value: value  # a converter's reshape undone
+    reshape: Callable[[str, object], object] = lambda key, value: value  # a converter's transform undone
+    layer_prefix: str = "model.layers"
+    bare_names: dict[str, str] = field(default_factory=dict)  # block tensors named without .weight
+    own_config: Callable[[GGUFHeader], dict] | None = None  # families without attention metadata
 
 
 def _head_dim(h: GGUFHeader, config: dict) -> None:
@@ -201,6 +209,77 @@ def _lfm2_reshape(key: str, value):
     return value[..., None] if key.endswith("conv.conv.weight") and value.ndim == 2 else value
 
 
+_MAMBA2_GLOBAL = {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"}
+_MAMBA2_BLOCK = {
+    "attn_norm": "norm",
+    "ssm_in": "mixer.in_proj",
+    "ssm_conv1d": "mixer.conv1d",
+    "ssm_dt": "mixer.dt_bias",  # only a bias: see mlx_name
+    "ssm_norm": "mixer.norm",
+    "ssm_out": "mixer.out_proj",
+}
+_MAMBA2_BARE = {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D"}
+
+
+def _mamba2_config(h: GGUFHeader) -> dict:
+    """Mamba-2 from its ``mamba2.ssm.*`` fields (llama.cpp writes no attention
+    or feed-forward sizes for it)."""
+    hidden, d_inner = meta_int(h, "mamba2.embedding_length"), meta_int(h, "mamba2.ssm.inner_size")
+    heads, groups = meta_int(h, "mamba2.ssm.time_step_rank"), meta_int(h, "mamba2.ssm.group_count")
+    if d_inner % heads:
+        raise bad_field(h, "mamba2.ssm.time_step_rank", heads, f"a divisor of 'mamba2.ssm.inner_size' ({d_inner})")
+    if groups != 1:  # mlx-lm's MambaRMSNormGated normalizes all of d_inner at once, not per group
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: mamba2 with {groups} groups is not supported (mlx-lm's mamba2 "
+            "normalizes the gated output over all groups at once; llama.cpp per group)"
+        )
+    eps = meta_float(h, "mamba2.attention.layer_norm_rms_epsilon", 1e-5)
+    if eps != 1e-5:  # mlx-lm's ResidualBlock norm always uses 1e-5
+        logger.info("GGUF %s: mamba2's layer norms use eps 1e-5 in mlx-lm, the file says %g", h.path.name, eps)
+    return dict(
+        model_type="mamba2", hidden_size=hidden, num_hidden_layers=meta_int(h, "mamba2.block_count"),
+        num_heads=heads, head_dim=d_inner // heads, intermediate_size=d_inner,
+        state_size=meta_int(h, "mamba2.ssm.state_size"), n_groups=groups, layer_norm_epsilon=eps,
+        conv_kernel=meta_int(h, "mamba2.ssm.conv_kernel", lo=2, hi=64), use_bias=False, use_conv_bias=True,
+        time_step_limit=(0.0, float("inf")), time_step_rank=heads,  # llama.cpp's scan clamps no time step
+        max_position_embeddings=meta_int(h, "mamba2.context_length", 4096),
+        tie_word_embeddings="output.weight" not in h.tensors,
+    )  # fmt: skip
+
+
+def _mamba2(h: GGUFHeader, config: dict) -> None:
+    """Every block's tensors present and the input projection's width the
+    SSM sizes give (gate, x, B, C and one time step per head)."""
+    _require_tensors(h, ["output_norm.weight"], "the final norm")
+    per_block = [*(f"{t}.weight" for t in _MAMBA2_BLOCK if t != "ssm_dt"), "ssm_conv1d.bias", "ssm_dt.bias"]
+    for i in range(config["num_hidden_layers"]):
+        _require_tensors(h, [f"blk.{i}.{t}" for t in [*per_block, *_MAMBA2_BARE]], f"Mamba-2 block {i}")
+    d_inner, groups, state = config["intermediate_size"], config["n_groups"], config["state_size"]
+    width = 2 * d_inner + 2 * groups * state + config["num_heads"]
+    expected = {
+        "blk.0.ssm_in.weight": (config["hidden_size"], width),
+        "blk.0.ssm_conv1d.weight": (config["conv_kernel"], d_inner + 2 * groups * state),
+    }
+    for name, shape in expected.items():
+        if h.tensors[name].shape != shape:
+            raise ModelLoadError(
+                f"GGUF file {str(h.path)!r}: tensor {name!r} of shape {list(h.tensors[name].shape)} does not match "
+                f"the 'mamba2.ssm.*' sizes, which give {list(shape)}"
+            )
+
+
+def _mamba2_reshape(key: str, value):
+    """``A = -exp(A_log)`` back to ``A_log``; ``[1, heads]`` vectors and the
+    per-group norm flat; the conv kernel to ``(channels, K, 1)``."""
+    import mlx.core as mx
+
+    if key.endswith("A_log"):
+        return mx.log(-value.astype(mx.float32).reshape(-1))
+    if key.endswith(("mixer.D", "mixer.norm.weight")):
+        return value.reshape(-1)
+    return value[..., None] if key.endswith("conv1d.weight") and value.ndim == 2 else value
+
+
 def _flag_or_true(h: GGUFHeader, key: str) -> bool:
     """A bool field that is true when absent."""
     return meta_flag(h, key) if key in h.metadata else True
@@ -241,6 +320,17 @@ FAMILIES = {
         recurrent_layers=True,
         reshape=_lfm2_reshape,
     ),
+    "mamba2": Family(
+        "mamba2",
+        _MAMBA2_BLOCK,
+        _mamba2,
+        global_names=_MAMBA2_GLOBAL,
+        recurrent_layers=True,
+        reshape=_mamba2_reshape,
+        layer_prefix="backbone.layers",
+        bare_names=_MAMBA2_BARE,
+        own_config=_mamba2_config,
+    ),
 }
 
 
@@ -253,6 +343,8 @@ def config_from_header(h: GGUFHeader) -> dict:
             f"GGUF file {str(h.path)!r} has architecture {arch or None!r}; supported: {', '.join(FAMILIES)}"
         )
     family = FAMILIES[arch]
+    if family.own_config is not None:
+        return _checked(h, family, family.own_config(h))
     heads, n_layers = meta_int(h, f"{arch}.attention.head_count"), meta_int(h, f"{arch}.block_count")
     config = dict(
         family.config,
@@ -269,15 +361,22 @@ def config_from_header(h: GGUFHeader) -> dict:
     )
     if f"{arch}.attention.key_length" in h.metadata:
         config["head_dim"] = meta_int(h, f"{arch}.attention.key_length")
+    _check_rope(h, config, family)
+    config = _checked(h, family, config)
+    _check_dims(h, config)
+    return config
+
+
+def _checked(h: GGUFHeader, family: Family, config: dict) -> dict:
+    """``config`` with the vocabulary size, after the checks every family shares
+    and the family's own (``extra_config``)."""
     embed = h.tensors.get("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
         raise ModelLoadError(f"GGUF file {str(h.path)!r} has no two-dimensional 'token_embd.weight' tensor")
     config["vocab_size"] = int(embed.shape[-1])
     _check_vocabulary(h, config["vocab_size"])
-    _check_rope(h, config, family)
     family.extra_config(h, config)
     _check_blocks(h, config["num_hidden_layers"])
-    _check_dims(h, config)
     return config
 
 
@@ -373,9 +472,16 @@ def mlx_name(name: str, h: GGUFHeader) -> str:
     family = FAMILIES[h.architecture]
     if stem in family.global_names:
         return f"{family.global_names[stem]}.{suffix}"
+    bare = re.fullmatch(r"blk\.(\d+)\.(\w+)", name)
+    if bare and bare.group(2) in family.bare_names:
+        return f"{family.layer_prefix}.{bare.group(1)}.{family.bare_names[bare.group(2)]}"
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", stem)
     if m and m.group(2) in family.block_names:
-        return f"model.layers.{m.group(1)}.{family.block_names[m.group(2)]}.{suffix}"
+        target = family.block_names[m.group(2)]
+        if not target.endswith("dt_bias"):
+            return f"{family.layer_prefix}.{m.group(1)}.{target}.{suffix}"
+        if suffix == "bias":  # a parameter of its own in mlx-lm, a bias in GGUF
+            return f"{family.layer_prefix}.{m.group(1)}.{target}"
     raise ModelLoadError(f"GGUF file {str(h.path)!r} has a tensor {name!r} the loader does not know how to map")
 
 
