@@ -168,7 +168,7 @@ def _lfm2(h: GGUFHeader, config: dict) -> None:
     what mlx-lm's class cannot express (an untied output, a sliding window,
     bidirectional attention, partial or scaled RoPE) is refused."""
     path, hidden = str(h.path), config["hidden_size"]
-    kinds = ["full_attention" if n else "conv" for n in kv_heads_per_layer(h, config["num_hidden_layers"])]
+    kinds = ["full_attention" if n else "conv" for n in _kv_heads_per_layer(h, config["num_hidden_layers"])]
     if len(set(kinds)) < 2:
         raise ModelLoadError(
             f"GGUF file {path!r}: lfm2 needs both convolution and attention layers (mlx-lm's class indexes "
@@ -291,7 +291,7 @@ def _require_tensors(h: GGUFHeader, names: list[str], what: str) -> None:
         raise ModelLoadError(f"GGUF file {str(h.path)!r} lacks {', '.join(map(repr, missing))} ({what})")
 
 
-def kv_heads_per_layer(h: GGUFHeader, n_layers: int) -> list[int]:
+def _kv_heads_per_layer(h: GGUFHeader, n_layers: int) -> list[int]:
     """``<arch>.attention.head_count_kv`` per layer: llama.cpp accepts a scalar
     (every layer) or one entry per layer (0 marks a layer without attention)."""
     key = f"{h.architecture}.attention.head_count_kv"
@@ -383,7 +383,7 @@ def _checked(h: GGUFHeader, family: Family, config: dict) -> dict:
 def _kv_heads(h: GGUFHeader, family: Family, n_layers: int) -> int:
     """The one KV head count of the attention layers (mlx-lm's classes take one);
     a per-layer 0 (no attention) only in families with recurrent layers."""
-    per_layer = kv_heads_per_layer(h, n_layers)
+    per_layer = _kv_heads_per_layer(h, n_layers)
     attention = sorted({n for n in per_layer if n})
     if len(attention) != 1 or (0 in per_layer and not family.recurrent_layers):
         wanted = "the same count for every attention layer" + (
