@@ -385,6 +385,7 @@ def test_a_malformed_lfm2_file_is_refused_naming_it(tmp_path, change, message):
         (dict(metadata={"mamba2.ssm.group_count": 2}), r"mamba2 with 2 groups is not supported"),
         (dict(metadata={"mamba2.ssm.time_step_rank": 7}), r"time_step_rank.*divisor"),
         (dict(tensors={"blk.0.ssm_dt.weight": np.zeros((256, 8), np.float32)}), r"'blk\.0\.ssm_dt\.weight'"),
+        (dict(tensors={"blk.1.ssm_a": np.full((8, 1), 0.5, np.float32)}), r"ssm_a\) holds A = -exp\(A_log\)"),
     ],
 )
 def test_a_malformed_mamba2_file_is_refused_naming_it(tmp_path, change, message):

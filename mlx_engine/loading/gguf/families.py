@@ -101,7 +101,7 @@ class Family:
     config: dict = field(default_factory=dict)
     global_names: dict[str, str] = field(default_factory=lambda: dict(_GLOBAL_NAMES))
     recurrent_layers: bool = False  # head_count_kv may be 0 for a layer: a recurrent one
-    reshape: Callable[[str, object], object] = lambda key, value: value  # a converter's transform undone
+    reshape: Callable[[GGUFHeader, str, object], object] = lambda h, key, value: value  # a converter's transform undone
     layer_prefix: str = "model.layers"
     bare_names: dict[str, str] = field(default_factory=dict)  # block tensors named without .weight
     own_config: Callable[[GGUFHeader], dict] | None = None  # families without attention metadata
@@ -204,7 +204,7 @@ def _lfm2(h: GGUFHeader, config: dict) -> None:
         )
 
 
-def _lfm2_reshape(key: str, value):
+def _lfm2_reshape(h: GGUFHeader, key: str, value):
     """The depthwise kernel back to MLX's Conv1d layout ``(hidden, L, 1)``."""
     return value[..., None] if key.endswith("conv.conv.weight") and value.ndim == 2 else value
 
@@ -268,13 +268,18 @@ def _mamba2(h: GGUFHeader, config: dict) -> None:
             )
 
 
-def _mamba2_reshape(key: str, value):
+def _mamba2_reshape(h: GGUFHeader, key: str, value):
     """``A = -exp(A_log)`` back to ``A_log``; ``[1, heads]`` vectors and the
     per-group norm flat; the conv kernel to ``(channels, K, 1)``."""
     import mlx.core as mx
 
     if key.endswith("A_log"):
-        return mx.log(-value.astype(mx.float32).reshape(-1))
+        a = value.astype(mx.float32).reshape(-1)
+        if not (a < 0).all().item():  # log(-A) would be NaN: every output would be
+            raise ModelLoadError(
+                f"GGUF file {str(h.path)!r}: {key!r} (ssm_a) holds A = -exp(A_log), so must be negative"
+            )
+        return mx.log(-a)
     if key.endswith(("mixer.D", "mixer.norm.weight")):
         return value.reshape(-1)
     return value[..., None] if key.endswith("conv1d.weight") and value.ndim == 2 else value
@@ -536,7 +541,7 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
             rope_freqs = value
             continue
         key = mlx_name(name, h)
-        value = family.reshape(key, value)
+        value = family.reshape(h, key, value)
         weights[key] = value - family.norm_shift if family.norm_shift and key.endswith("norm.weight") else value
         if name in h.tensors:
             source_types[key] = h.tensors[name].type_name
