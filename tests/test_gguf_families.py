@@ -285,3 +285,126 @@ def test_a_very_long_sentencepiece_token_loads(tmp_path):
     )
     kit = me.load_model(path, vocab_only=True)
     assert me.tokenize(kit, "hello")
+
+
+# -- recurrent families: lfm2 (short convolutions + attention), mamba2 ---------------
+RECURRENT = {"lfm2": "mlx_lm.models.lfm2", "mamba2": "mlx_lm.models.mamba2"}
+
+
+@pytest.mark.parametrize("family", list(RECURRENT))
+def test_recurrent_family_is_mlx_lms_class_and_computes_its_source(family_files, family):
+    """The GGUF loads into mlx-lm's own class (recurrent state in
+    ``ArraysCache`` layers, so the engine's rewinds, checkpoints and batching
+    apply) and a float32 file gives the source model's logits: exactly for
+    lfm2; for mamba2 to float32 rounding (A is stored as -exp(A_log))."""
+    from mlx_engine.caches.ragged import can_batch
+    from mlx_engine.caches.sequence import SequenceCache
+
+    from mlx_lm.models.cache import ArraysCache
+
+    path, reference, _ = family_files(family)
+    kit = me.load_model(path)
+    assert type(kit.model).__module__ == RECURRENT[family]
+    assert ArraysCache in {type(c) for c in kit.model.make_cache()}
+    assert can_batch(SequenceCache(kit.model))
+    ids = me.tokenize(kit, PROMPT)
+    got, want = _logits(kit.model, ids), _logits(reference, ids)
+    assert mx.abs(got - want).max().item() <= (0.0 if family == "lfm2" else 1e-5)
+
+
+@pytest.mark.parametrize("family", list(RECURRENT))
+def test_recurrent_family_speculates_exactly_and_the_next_turn_reuses_the_cache(family_files, family):
+    """On a Q8_0 file: prompt lookup speculates (no fallback) and gives plain
+    greedy's tokens; the next turn resumes from a checkpoint of the recurrent
+    state (cached tokens) and answers as a fresh kit does."""
+    path, _, _ = family_files(family, "Q8_0")
+    kit, fresh = me.load_model(path), me.load_model(path)
+    prompt = me.tokenize(kit, PROMPT * 2)
+    plain, _ = generate_ids(fresh, prompt, max_tokens=12, temp=0.0)
+    lookup, last = generate_ids(kit, prompt, max_tokens=12, temp=0.0, prompt_lookup_num_tokens=4)
+    assert lookup == plain
+    assert last.stats.decoding_mode == "prompt_lookup" and "fell back" not in last.stats.mode_reason
+    turn = prompt + plain + me.tokenize(kit, " def add(a, b):")
+    ids, last = generate_ids(kit, turn, max_tokens=8, temp=0.0)
+    assert last.stats.cached_tokens >= len(prompt) + len(plain) - 1, last.stats.cached_tokens
+    fresh.replace_prompt_cache(fresh.new_cache(fresh.model))
+    want, cold = generate_ids(fresh, turn, max_tokens=8, temp=0.0)
+    assert cold.stats.cached_tokens == 0 and ids == want
+
+
+def _changed_file(tmp_path, arch, tensors=None, metadata=None, drop=()):
+    """An F32 file of ``arch`` with ``tensors``/``metadata`` entries replaced and
+    the names in ``drop`` left out (tensors or metadata keys)."""
+    (tmp_path / "bpe").mkdir(exist_ok=True)
+    tok = bpe_metadata(tmp_path / "bpe")
+    model, config = reference_model(arch, len(tok["tokenizer.ggml.tokens"]))
+    all_tensors = {**gguf_tensors(model, config, arch), **(tensors or {})}
+    meta = {**arch_metadata(arch, config), **tok, **(metadata or {})}
+    path = tmp_path / f"bad-{arch}.gguf"
+    write_gguf(path, arch, {k: v for k, v in all_tensors.items() if k not in drop},
+               {k: v for k, v in meta.items() if k not in drop})  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            dict(drop=["blk.2.shortconv.in_proj.weight"]),
+            r"lacks 'blk\.2\.shortconv\.in_proj\.weight' \(layer 2, a conv",
+        ),
+        (dict(drop=["blk.1.attn_k_norm.weight"]), r"lacks 'blk\.1\.attn_k_norm\.weight' \(layer 1, a full_attention"),
+        (dict(drop=["token_embd_norm.weight"]), r"lacks 'token_embd_norm\.weight'"),
+        (dict(drop=["lfm2.shortconv.l_cache"]), r"lacks the metadata field 'lfm2\.shortconv\.l_cache'"),
+        (dict(metadata={"lfm2.shortconv.l_cache": 4}), r"'blk\.0\.shortconv\.conv\.weight' of shape \[3, 256\]"),
+        (dict(metadata={"lfm2.attention.head_count_kv": np.array([0, 1], np.int32)}), r"head_count_kv.*one per layer"),
+        (
+            dict(metadata={"lfm2.attention.head_count_kv": np.array([1, 1, 1], np.int32)}),
+            r"every layer 'full_attention'",
+        ),
+        (dict(tensors={"output.weight": np.zeros((400, 256), np.float32)}), r"untied output matrix"),
+        (dict(metadata={"lfm2.attention.sliding_window": 64}), r"sliding-window"),
+        (dict(metadata={"lfm2.attention.causal": False}), r"bidirectional"),
+        (dict(metadata={"lfm2.rope.dimension_count": 64}), r"partial RoPE"),
+    ],
+)
+def test_a_malformed_lfm2_file_is_refused_naming_it(tmp_path, change, message):
+    path = _changed_file(tmp_path, "lfm2", **change)
+    with pytest.raises(me.ModelLoadError, match=message) as info:
+        me.load_model(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(drop=["blk.1.ssm_a"]), r"lacks 'blk\.1\.ssm_a' \(Mamba-2 block 1\)"),
+        (dict(drop=["blk.0.ssm_dt.bias"]), r"lacks 'blk\.0\.ssm_dt\.bias'"),
+        (dict(drop=["mamba2.ssm.inner_size"]), r"lacks the metadata field 'mamba2\.ssm\.inner_size'"),
+        (dict(metadata={"mamba2.ssm.state_size": 32}), r"'blk\.0\.ssm_in\.weight' of shape \[256, 1064\]"),
+        (dict(metadata={"mamba2.ssm.group_count": 2}), r"mamba2 with 2 groups is not supported"),
+        (dict(metadata={"mamba2.ssm.time_step_rank": 7}), r"time_step_rank.*divisor"),
+        (dict(tensors={"blk.0.ssm_dt.weight": np.zeros((256, 8), np.float32)}), r"'blk\.0\.ssm_dt\.weight'"),
+        (dict(tensors={"blk.1.ssm_a": np.full((8, 1), 0.5, np.float32)}), r"ssm_a\) holds A = -exp\(A_log\)"),
+    ],
+)
+def test_a_malformed_mamba2_file_is_refused_naming_it(tmp_path, change, message):
+    path = _changed_file(tmp_path, "mamba2", **change)
+    with pytest.raises(me.ModelLoadError, match=message) as info:
+        me.load_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_per_layer_zero_kv_heads_are_refused_outside_hybrid_families(tmp_path):
+    """A 0 in ``head_count_kv`` marks a recurrent layer; an attention-only
+    family has none, so such a file is malformed there."""
+    (tmp_path / "bpe").mkdir()
+    tok = bpe_metadata(tmp_path / "bpe")
+    model, config = reference_model("qwen3", len(tok["tokenizer.ggml.tokens"]))
+    meta = {**arch_metadata("qwen3", config), **tok, "qwen3.attention.head_count_kv": np.array([1, 0], np.int32)}
+    path = write_gguf(tmp_path / "q.gguf", "qwen3", gguf_tensors(model, config, "qwen3"), meta)
+    with pytest.raises(me.ModelLoadError, match=r"head_count_kv.*same count for every attention layer"):
+        me.load_model(path)
+    meta["qwen3.attention.head_count_kv"] = np.array([1, 1], np.int32)  # per layer, all equal: as a scalar
+    path = write_gguf(tmp_path / "q2.gguf", "qwen3", gguf_tensors(model, config, "qwen3"), meta)
+    assert me.load_model(path).config["num_key_value_heads"] == 1

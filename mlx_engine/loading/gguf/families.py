@@ -11,6 +11,16 @@ Per family, what the converter does and what the mapping does about it:
 - ``qwen2``, ``qwen3``, ``phi3``: stored unpermuted (NeoX RoPE).
 - ``gemma2``, ``gemma3``: every ``*norm.weight`` stored as ``1 + w``; mlx-lm's
   Gemma RMSNorm adds the 1 itself, so 1 is subtracted back.
+- ``lfm2`` (hybrid: short-convolution and attention layers): the layer kinds
+  are ``attention.head_count_kv``, one entry per layer, 0 for a convolution
+  layer; the depthwise kernel, ``(hidden, 1, L)`` in the checkpoint, is stored
+  squeezed as ``[L, hidden]`` and gets its axis back; the final norm is named
+  ``token_embd_norm``; ``feed_forward_length`` is already the adjusted width.
+- ``mamba2`` (recurrent only): no attention metadata (head count 0); the SSM
+  sizes are ``ssm.*``; ``A_log`` is stored as ``A = -exp(A_log)`` (``ssm_a``,
+  like ``ssm_d`` without a ``.weight`` suffix, shape ``[1, heads]``), so the
+  log is taken back; the conv kernel is squeezed as for lfm2; the gated norm is
+  stored per group.
 """
 
 from __future__ import annotations
@@ -20,8 +30,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from ...errors import ModelLoadError
-from .reader import GGUFHeader, all_mlx_native, bad_field, meta_float, meta_int, meta_str, read_decoded, read_native
+from .reader import (
+    GGUFHeader,
+    all_mlx_native,
+    bad_field,
+    meta_flag,
+    meta_float,
+    meta_int,
+    meta_str,
+    read_decoded,
+    read_native,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +65,20 @@ _GEMMA_BLOCK = {
     **_ATTENTION,
     **_MLP,
 }
+_LFM2_GLOBAL = {**_GLOBAL_NAMES, "token_embd_norm": "model.embedding_norm"}
+_LFM2_FFN = {"ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2"}
+_LFM2_SHARED = {"attn_norm": "operator_norm", "ffn_norm": "ffn_norm", **_LFM2_FFN}
+_LFM2_KINDS = {  # GGUF block tensors by layer kind (mlx-lm's layer_types)
+    "conv": {"shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj"},
+    "full_attention": {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.out_proj",
+        "attn_q_norm": "self_attn.q_layernorm",
+        "attn_k_norm": "self_attn.k_layernorm",
+    },
+}
 _PHI3_BLOCK = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -63,6 +99,12 @@ class Family:
     norm_shift: float = 0.0  # subtracted from every *norm.weight (gemma stores 1 + w)
     rope_freqs: bool = False  # a rope_freqs tensor (Llama 3.x) is understood
     config: dict = field(default_factory=dict)
+    global_names: dict[str, str] = field(default_factory=lambda: dict(_GLOBAL_NAMES))
+    recurrent_layers: bool = False  # head_count_kv may be 0 for a layer: a recurrent one
+    reshape: Callable[[GGUFHeader, str, object], object] = lambda h, key, value: value  # a converter's transform undone
+    layer_prefix: str = "model.layers"
+    bare_names: dict[str, str] = field(default_factory=dict)  # block tensors named without .weight
+    own_config: Callable[[GGUFHeader], dict] | None = None  # families without attention metadata
 
 
 def _head_dim(h: GGUFHeader, config: dict) -> None:
@@ -107,11 +149,165 @@ def _gemma3(h: GGUFHeader, config: dict) -> None:
         config["rope_scaling"] = {"rope_type": "linear", "factor": config["rope_scaling"]["factor"]}
 
 
+def _no_head_dim(h: GGUFHeader, config: dict) -> None:
+    """For classes whose head size is always hidden / heads."""
+    if "head_dim" in config and config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
+        raise bad_field(
+            h, f"{h.architecture}.attention.key_length", config["head_dim"], "embedding_length / head_count"
+        )
+
+
 def _phi3(h: GGUFHeader, config: dict) -> None:
     if "rope_factors_long.weight" in h.tensors or "rope_factors_short.weight" in h.tensors:
         raise ModelLoadError(f"GGUF file {str(h.path)!r}: phi3 LongRoPE (rope_factors_long/short) is not mapped yet")
-    if "head_dim" in config and config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
-        raise bad_field(h, "phi3.attention.key_length", config["head_dim"], "embedding_length / head_count")
+    _no_head_dim(h, config)
+
+
+def _lfm2(h: GGUFHeader, config: dict) -> None:
+    """LFM2: layer kinds from the per-layer KV head counts (0: convolution);
+    what mlx-lm's class cannot express (an untied output, a sliding window,
+    bidirectional attention, partial or scaled RoPE) is refused."""
+    path, hidden = str(h.path), config["hidden_size"]
+    kinds = ["full_attention" if n else "conv" for n in _kv_heads_per_layer(h, config["num_hidden_layers"])]
+    if len(set(kinds)) < 2:
+        raise ModelLoadError(
+            f"GGUF file {path!r}: lfm2 needs both convolution and attention layers (mlx-lm's class indexes "
+            f"one of each), but 'lfm2.attention.head_count_kv' makes every layer {kinds[0]!r}"
+        )
+    unsupported = {
+        "an untied output matrix ('output.weight')": "output.weight" in h.tensors,
+        "sliding-window attention": meta_int(h, "lfm2.attention.sliding_window", 0, lo=0) > 0,
+        "bidirectional attention ('lfm2.attention.causal' false)": not _flag_or_true(h, "lfm2.attention.causal"),
+        "RoPE scaling": "rope_scaling" in config,
+        "partial RoPE": meta_int(h, "lfm2.rope.dimension_count", hidden // config["num_attention_heads"])
+        != hidden // config["num_attention_heads"],
+    }
+    for what, present in unsupported.items():
+        if present:
+            raise ModelLoadError(f"GGUF file {path!r}: lfm2 with {what} is not supported (mlx-lm's lfm2 has none)")
+    _no_head_dim(h, config)
+    l_cache = meta_int(h, "lfm2.shortconv.l_cache", lo=2, hi=64)
+    config.update(
+        layer_types=kinds, norm_eps=config["rms_norm_eps"], conv_bias=False, conv_L_cache=l_cache,
+        block_dim=hidden, block_ff_dim=config["intermediate_size"], block_auto_adjust_ff_dim=False,
+        block_multiple_of=1, block_ffn_dim_multiplier=1.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    _require_tensors(h, ["token_embd_norm.weight"], "lfm2's final norm")
+    for i, kind in enumerate(kinds):
+        names = [f"blk.{i}.{t}.weight" for t in [*_LFM2_SHARED, *_LFM2_KINDS[kind]]]
+        _require_tensors(h, names, f"layer {i}, a {kind} layer by 'lfm2.attention.head_count_kv'")
+    conv = h.tensors[f"blk.{kinds.index('conv')}.shortconv.conv.weight"]
+    if conv.shape != (l_cache, hidden):
+        raise ModelLoadError(
+            f"GGUF file {path!r}: tensor {conv.name!r} of shape {list(conv.shape)} does not match "
+            f"'lfm2.shortconv.l_cache' ({l_cache}) and 'lfm2.embedding_length' ({hidden})"
+        )
+
+
+def _lfm2_reshape(h: GGUFHeader, key: str, value):
+    """The depthwise kernel back to MLX's Conv1d layout ``(hidden, L, 1)``."""
+    return value[..., None] if key.endswith("conv.conv.weight") and value.ndim == 2 else value
+
+
+_MAMBA2_GLOBAL = {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"}
+_MAMBA2_BLOCK = {
+    "attn_norm": "norm",
+    "ssm_in": "mixer.in_proj",
+    "ssm_conv1d": "mixer.conv1d",
+    "ssm_dt": "mixer.dt_bias",  # only a bias: see mlx_name
+    "ssm_norm": "mixer.norm",
+    "ssm_out": "mixer.out_proj",
+}
+_MAMBA2_BARE = {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D"}
+
+
+def _mamba2_config(h: GGUFHeader) -> dict:
+    """Mamba-2 from its ``mamba2.ssm.*`` fields (llama.cpp writes no attention
+    or feed-forward sizes for it)."""
+    hidden, d_inner = meta_int(h, "mamba2.embedding_length"), meta_int(h, "mamba2.ssm.inner_size")
+    heads, groups = meta_int(h, "mamba2.ssm.time_step_rank"), meta_int(h, "mamba2.ssm.group_count")
+    if d_inner % heads:
+        raise bad_field(h, "mamba2.ssm.time_step_rank", heads, f"a divisor of 'mamba2.ssm.inner_size' ({d_inner})")
+    if groups != 1:  # mlx-lm's MambaRMSNormGated normalizes all of d_inner at once, not per group
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: mamba2 with {groups} groups is not supported (mlx-lm's mamba2 "
+            "normalizes the gated output over all groups at once; llama.cpp per group)"
+        )
+    eps = meta_float(h, "mamba2.attention.layer_norm_rms_epsilon", 1e-5)
+    if eps != 1e-5:  # mlx-lm's ResidualBlock norm always uses 1e-5
+        logger.info("GGUF %s: mamba2's layer norms use eps 1e-5 in mlx-lm, the file says %g", h.path.name, eps)
+    return dict(
+        model_type="mamba2", hidden_size=hidden, num_hidden_layers=meta_int(h, "mamba2.block_count"),
+        num_heads=heads, head_dim=d_inner // heads, intermediate_size=d_inner,
+        state_size=meta_int(h, "mamba2.ssm.state_size"), n_groups=groups, layer_norm_epsilon=eps,
+        conv_kernel=meta_int(h, "mamba2.ssm.conv_kernel", lo=2, hi=64), use_bias=False, use_conv_bias=True,
+        time_step_limit=(0.0, float("inf")), time_step_rank=heads,  # llama.cpp's scan clamps no time step
+        max_position_embeddings=meta_int(h, "mamba2.context_length", 4096),
+        tie_word_embeddings="output.weight" not in h.tensors,
+    )  # fmt: skip
+
+
+def _mamba2(h: GGUFHeader, config: dict) -> None:
+    """Every block's tensors present and the input projection's width the
+    SSM sizes give (gate, x, B, C and one time step per head)."""
+    _require_tensors(h, ["output_norm.weight"], "the final norm")
+    per_block = [*(f"{t}.weight" for t in _MAMBA2_BLOCK if t != "ssm_dt"), "ssm_conv1d.bias", "ssm_dt.bias"]
+    for i in range(config["num_hidden_layers"]):
+        _require_tensors(h, [f"blk.{i}.{t}" for t in [*per_block, *_MAMBA2_BARE]], f"Mamba-2 block {i}")
+    d_inner, groups, state = config["intermediate_size"], config["n_groups"], config["state_size"]
+    width = 2 * d_inner + 2 * groups * state + config["num_heads"]
+    expected = {
+        "blk.0.ssm_in.weight": (config["hidden_size"], width),
+        "blk.0.ssm_conv1d.weight": (config["conv_kernel"], d_inner + 2 * groups * state),
+    }
+    for name, shape in expected.items():
+        if h.tensors[name].shape != shape:
+            raise ModelLoadError(
+                f"GGUF file {str(h.path)!r}: tensor {name!r} of shape {list(h.tensors[name].shape)} does not match "
+                f"the 'mamba2.ssm.*' sizes, which give {list(shape)}"
+            )
+
+
+def _mamba2_reshape(h: GGUFHeader, key: str, value):
+    """``A = -exp(A_log)`` back to ``A_log``; ``[1, heads]`` vectors and the
+    per-group norm flat; the conv kernel to ``(channels, K, 1)``."""
+    import mlx.core as mx
+
+    if key.endswith("A_log"):
+        a = value.astype(mx.float32).reshape(-1)
+        if not (a < 0).all().item():  # log(-A) would be NaN: every output would be
+            raise ModelLoadError(
+                f"GGUF file {str(h.path)!r}: {key!r} (ssm_a) holds A = -exp(A_log), so must be negative"
+            )
+        return mx.log(-a)
+    if key.endswith(("mixer.D", "mixer.norm.weight")):
+        return value.reshape(-1)
+    return value[..., None] if key.endswith("conv1d.weight") and value.ndim == 2 else value
+
+
+def _flag_or_true(h: GGUFHeader, key: str) -> bool:
+    """A bool field that is true when absent."""
+    return meta_flag(h, key) if key in h.metadata else True
+
+
+def _require_tensors(h: GGUFHeader, names: list[str], what: str) -> None:
+    missing = [n for n in names if n not in h.tensors]
+    if missing:
+        raise ModelLoadError(f"GGUF file {str(h.path)!r} lacks {', '.join(map(repr, missing))} ({what})")
+
+
+def _kv_heads_per_layer(h: GGUFHeader, n_layers: int) -> list[int]:
+    """``<arch>.attention.head_count_kv`` per layer: llama.cpp accepts a scalar
+    (every layer) or one entry per layer (0 marks a layer without attention)."""
+    key = f"{h.architecture}.attention.head_count_kv"
+    value = h.metadata.get(key)
+    if value is None:
+        return [meta_int(h, f"{h.architecture}.attention.head_count")] * n_layers
+    if not isinstance(value, np.ndarray):
+        return [meta_int(h, key)] * n_layers
+    if value.ndim != 1 or len(value) != n_layers or value.dtype.kind not in "iu" or (value < 0).any():
+        raise bad_field(h, key, value, f"an integer or {n_layers} non-negative integers (one per layer)")
+    return [int(v) for v in value]
 
 
 FAMILIES = {
@@ -121,6 +317,25 @@ FAMILIES = {
     "gemma2": Family("gemma2", _GEMMA_BLOCK, _gemma2, norm_shift=1.0),
     "gemma3": Family("gemma3_text", {**_GEMMA_BLOCK, **_QK_NORM}, _gemma3, norm_shift=1.0),
     "phi3": Family("phi3", _PHI3_BLOCK, _phi3),
+    "lfm2": Family(
+        "lfm2",
+        {**_LFM2_SHARED, **_LFM2_KINDS["conv"], **_LFM2_KINDS["full_attention"]},
+        _lfm2,
+        global_names=_LFM2_GLOBAL,
+        recurrent_layers=True,
+        reshape=_lfm2_reshape,
+    ),
+    "mamba2": Family(
+        "mamba2",
+        _MAMBA2_BLOCK,
+        _mamba2,
+        global_names=_MAMBA2_GLOBAL,
+        recurrent_layers=True,
+        reshape=_mamba2_reshape,
+        layer_prefix="backbone.layers",
+        bare_names=_MAMBA2_BARE,
+        own_config=_mamba2_config,
+    ),
 }
 
 
@@ -133,15 +348,17 @@ def config_from_header(h: GGUFHeader) -> dict:
             f"GGUF file {str(h.path)!r} has architecture {arch or None!r}; supported: {', '.join(FAMILIES)}"
         )
     family = FAMILIES[arch]
-    heads = meta_int(h, f"{arch}.attention.head_count")
+    if family.own_config is not None:
+        return _checked(h, family, family.own_config(h))
+    heads, n_layers = meta_int(h, f"{arch}.attention.head_count"), meta_int(h, f"{arch}.block_count")
     config = dict(
         family.config,
         model_type=family.model_type,
         hidden_size=meta_int(h, f"{arch}.embedding_length"),
-        num_hidden_layers=meta_int(h, f"{arch}.block_count"),
+        num_hidden_layers=n_layers,
         intermediate_size=meta_int(h, f"{arch}.feed_forward_length"),
         num_attention_heads=heads,
-        num_key_value_heads=meta_int(h, f"{arch}.attention.head_count_kv", heads),
+        num_key_value_heads=_kv_heads(h, family, n_layers),
         rms_norm_eps=meta_float(h, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=meta_float(h, f"{arch}.rope.freq_base", 10000.0),
         max_position_embeddings=meta_int(h, f"{arch}.context_length", 4096),
@@ -149,16 +366,36 @@ def config_from_header(h: GGUFHeader) -> dict:
     )
     if f"{arch}.attention.key_length" in h.metadata:
         config["head_dim"] = meta_int(h, f"{arch}.attention.key_length")
+    _check_rope(h, config, family)
+    config = _checked(h, family, config)
+    _check_dims(h, config)
+    return config
+
+
+def _checked(h: GGUFHeader, family: Family, config: dict) -> dict:
+    """``config`` with the vocabulary size, after the checks every family shares
+    and the family's own (``extra_config``)."""
     embed = h.tensors.get("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
         raise ModelLoadError(f"GGUF file {str(h.path)!r} has no two-dimensional 'token_embd.weight' tensor")
     config["vocab_size"] = int(embed.shape[-1])
     _check_vocabulary(h, config["vocab_size"])
-    _check_rope(h, config, family)
     family.extra_config(h, config)
     _check_blocks(h, config["num_hidden_layers"])
-    _check_dims(h, config)
     return config
+
+
+def _kv_heads(h: GGUFHeader, family: Family, n_layers: int) -> int:
+    """The one KV head count of the attention layers (mlx-lm's classes take one);
+    a per-layer 0 (no attention) only in families with recurrent layers."""
+    per_layer = _kv_heads_per_layer(h, n_layers)
+    attention = sorted({n for n in per_layer if n})
+    if len(attention) != 1 or (0 in per_layer and not family.recurrent_layers):
+        wanted = "the same count for every attention layer" + (
+            ", 0 for a recurrent one" if family.recurrent_layers else ""
+        )
+        raise bad_field(h, f"{h.architecture}.attention.head_count_kv", per_layer, wanted)
+    return attention[0]
 
 
 def _check_vocabulary(h: GGUFHeader, rows: int) -> None:
@@ -187,11 +424,12 @@ def _check_dims(h: GGUFHeader, config: dict) -> None:
         raise bad_field(h, f"{arch}.attention.head_count_kv", kv_heads, f"a divisor of head_count ({heads})")
     head_dim, inter = config.get("head_dim") or hidden // heads, config["intermediate_size"]
     fused = arch == "phi3"
+    attn = next((i for i in range(config["num_hidden_layers"]) if f"blk.{i}.attn_k.weight" in h.tensors), 0)
     expected = {
         "token_embd.weight": (0, hidden, "embedding_length"),
         "blk.0.ffn_up.weight": (1, 2 * inter if fused else inter, "feed_forward_length"),
-        "blk.0.attn_q.weight": (1, heads * head_dim, "attention.head_count"),
-        "blk.0.attn_k.weight": (1, kv_heads * head_dim, "attention.head_count_kv"),
+        f"blk.{attn}.attn_q.weight": (1, heads * head_dim, "attention.head_count"),
+        f"blk.{attn}.attn_k.weight": (1, kv_heads * head_dim, "attention.head_count_kv"),
         "blk.0.attn_qkv.weight": (1, (heads + 2 * kv_heads) * head_dim, "attention.head_count"),
     }
     for name, (axis, size, field_name) in expected.items():
@@ -236,12 +474,19 @@ def mlx_name(name: str, h: GGUFHeader) -> str:
     """The mlx-lm parameter name of a GGUF tensor (``.scales``/``.biases`` are
     the quantization triple MLX's reader adds)."""
     stem, _, suffix = name.rpartition(".")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    block_names = FAMILIES[h.architecture].block_names
-    if m and m.group(2) in block_names:
-        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{suffix}"
+    family = FAMILIES[h.architecture]
+    if stem in family.global_names:
+        return f"{family.global_names[stem]}.{suffix}"
+    bare = re.fullmatch(r"blk\.(\d+)\.(\w+)", name)
+    if bare and bare.group(2) in family.bare_names:
+        return f"{family.layer_prefix}.{bare.group(1)}.{family.bare_names[bare.group(2)]}"
+    m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", stem)
+    if m and m.group(2) in family.block_names:
+        target = family.block_names[m.group(2)]
+        if not target.endswith("dt_bias"):
+            return f"{family.layer_prefix}.{m.group(1)}.{target}.{suffix}"
+        if suffix == "bias":  # a parameter of its own in mlx-lm, a bias in GGUF
+            return f"{family.layer_prefix}.{m.group(1)}.{target}"
     raise ModelLoadError(f"GGUF file {str(h.path)!r} has a tensor {name!r} the loader does not know how to map")
 
 
@@ -296,6 +541,7 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
             rope_freqs = value
             continue
         key = mlx_name(name, h)
+        value = family.reshape(h, key, value)
         weights[key] = value - family.norm_shift if family.norm_shift and key.endswith("norm.weight") else value
         if name in h.tensors:
             source_types[key] = h.tensors[name].type_name
