@@ -5,14 +5,23 @@
 # Installs @openai/codex and @anthropic-ai/claude-code from npm into a temp
 # folder, starts `python -m mlx_engine.server --model MODEL` on a free port,
 # runs each harness once with a short prompt, and prints its exit status and
-# the server's log lines. Harness prompts are long (Codex ~6-10k tokens, Claude
-# Code 20k+): a model whose context is shorter answers "prompt is too long",
-# unless the third argument starts the server with --context-overflow
-# truncate-middle (the middle of the conversation is cut to fit instead).
+# the server's log lines.
+#
+# The recipe for a small model (the default SmolLM2-135M has an 8k context):
+# - Codex: `model_instructions_file` replaces its ~17 KB built-in instructions
+#   with a short file, so its request is ~5.2k tokens (the tool definitions are
+#   the rest); `model_context_window` tells it the real window.
+# - Claude Code: `--tools ""` (print mode, no tools). Its default tool set is
+#   ~19.5k tokens alone; Bash, Read, Edit and Write (~2.1k) fit in 8k, but the
+#   135M model then never ends its answer (it writes to the context's end).
+# With a longer-context model, drop both (FULL=1 keeps the harnesses' defaults).
+# The third argument can start the server with --context-overflow
+# truncate-middle (the middle of the conversation is cut to fit).
 set -u
 MODEL="${1:-smollm2-135m-instruct}"
 WHICH="${2:-both}"
 OVERFLOW="${3:-error}"
+FULL="${FULL:-0}"   # CONTEXT=N: the model's context for Codex (default 8192)
 PY="${PYTHON:-python}"
 WORK="$(mktemp -d)"
 PORT="$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
@@ -29,9 +38,16 @@ for _ in $(seq 600); do curl -sf "$URL/health" >/dev/null && break; sleep 1; don
 if [ "$WHICH" != claude ]; then
   export CODEX_HOME="$WORK/codex-home"
   mkdir -p "$CODEX_HOME"
+  INSTRUCTIONS=""
+  if [ "$FULL" != 1 ]; then
+    echo "You are a coding assistant in a terminal. Answer the user briefly, then stop." >"$CODEX_HOME/instructions.md"
+    INSTRUCTIONS="model_instructions_file = \"$CODEX_HOME/instructions.md\""
+  fi
   cat >"$CODEX_HOME/config.toml" <<TOML
 model = "$MODEL"
 model_provider = "mlx-engine"
+$INSTRUCTIONS
+model_context_window = ${CONTEXT:-8192}
 
 [model_providers.mlx-engine]
 name = "mlx-engine"
@@ -50,7 +66,8 @@ fi
 if [ "$WHICH" != codex ]; then
   (cd "$WORK" && ANTHROPIC_BASE_URL="$URL" ANTHROPIC_API_KEY=none ANTHROPIC_MODEL="$MODEL" \
     ANTHROPIC_DEFAULT_HAIKU_MODEL="$MODEL" ANTHROPIC_SMALL_FAST_MODEL="$MODEL" DISABLE_TELEMETRY=1 \
-    timeout 900 "$WORK/node_modules/.bin/claude" -p "Say hello in one word." >"$WORK/claude.out" 2>&1)
+    CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 timeout 900 "$WORK/node_modules/.bin/claude" -p "Say hello in one word." \
+    $([ "$FULL" = 1 ] || echo '--tools=') >"$WORK/claude.out" 2>&1)
   echo "claude exit status: $?"
   tail -20 "$WORK/claude.out"
 fi

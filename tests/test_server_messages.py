@@ -4,7 +4,7 @@ docs/server.md), talked to as clients do: the official ``anthropic`` client's
 HTTP, over 127.0.0.1; and the same greedy request through all three APIs."""
 
 import mlx_engine as me
-from mlx_engine.server import core, create_app
+from mlx_engine.server import anthropic_messages, core, create_app
 
 import asyncio
 import json
@@ -305,8 +305,11 @@ def test_sixteen_clients_across_the_three_apis_equal_the_sdk_alone(server, tkit)
 
 
 # -- raw HTTP and error statuses ---------------------------------------------------------------------
-def post(url, body=None, *, content=None, path="/v1/messages", key=KEY, **kw):
-    headers = {"x-api-key": key, "anthropic-version": "2023-06-01", "anthropic-beta": "x"} if key else {}
+def post(url, body=None, *, content=None, path="/v1/messages", key=KEY, headers=None, **kw):
+    headers = {
+        **({"x-api-key": key, "anthropic-version": "2023-06-01", "anthropic-beta": "x"} if key else {}),
+        **(headers or {}),
+    }
     if content is not None:
         headers["Content-Type"] = "application/json"
     return httpx.post(url + path, json=body, content=content, headers=headers, timeout=60, **kw)
@@ -381,6 +384,53 @@ def test_keys_are_x_api_key_or_bearer(server):
         anthropic.Anthropic(base_url=server, api_key="nope", max_retries=0).messages.count_tokens(
             model=MODEL, messages=[{"role": "user", "content": "hi"}]
         )
+
+
+def _is_anthropic_error(r, status, kind):
+    got = r.json()
+    return (
+        r.status_code == status and got["type"] == "error" and got["error"]["type"] == kind and got["error"]["message"]
+    )
+
+
+@pytest.fixture(scope="module")
+def guarded(tkit):
+    """A server with a small body limit, a key and a Host list."""
+    app = create_app(tkit, model_id=MODEL, api_key=KEY, max_body_bytes=2000, allowed_hosts=["localhost", "127.0.0.1"])
+    with serve(app) as url:
+        yield url
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_server_level_errors_on_anthropic_routes_are_in_anthropic_shape(guarded, path):
+    big = hello(messages=[{"role": "user", "content": "x" * 3000}])
+    assert _is_anthropic_error(post(guarded, big, path=path), 413, "request_too_large")
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield json.dumps(big).encode()
+
+    assert _is_anthropic_error(post(guarded, content=chunked(), path=path), 413, "request_too_large")
+    assert _is_anthropic_error(post(guarded, hello(), path=path, key=None), 401, "authentication_error")
+    evil = post(guarded, hello(), path=path, headers={"Host": "evil.example"})
+    assert _is_anthropic_error(evil, 400, "invalid_request_error") and "Host" in evil.json()["error"]["message"]
+    wrong_method = httpx.get(guarded + path, headers={"x-api-key": KEY}, timeout=60)
+    assert _is_anthropic_error(wrong_method, 405, "invalid_request_error") and "POST" in wrong_method.headers["allow"]
+
+
+def test_unknown_anthropic_paths_and_the_openai_routes_keep_their_shapes(guarded):
+    assert _is_anthropic_error(post(guarded, hello(), path="/v1/messages/batches"), 404, "not_found_error")
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3000}]}
+    r = httpx.post(f"{guarded}/v1/chat/completions", json=big, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large" and "type" not in r.json()
+    assert "type" not in httpx.get(f"{guarded}/v1/nothing", timeout=60).json()
+
+
+def test_an_unexpected_failure_is_a_500_in_each_apis_shape(guarded, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(anthropic_messages, "render", broken)
+    assert _is_anthropic_error(post(guarded, hello(), path="/v1/messages/count_tokens"), 500, "api_error")
 
 
 def test_a_prompt_over_the_context_is_prompt_too_long(client, tkit):

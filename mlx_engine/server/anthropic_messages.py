@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .core import admit, collect, counts, internal_request, prepare, render, sse, with_heartbeat, with_truncated
-from .errors import APIError, bad_request, from_failure, from_validation
+from .errors import AnthropicError, APIError, bad_request, from_failure, from_validation
 from .responses import Choice, engine_stats
 from .runs import RequestRun
 from .schemas import EngineOptions
@@ -38,15 +38,6 @@ from .schemas import EngineOptions
 logger = logging.getLogger(__name__)
 
 BILLING_HEADER = "x-anthropic-billing-header:"
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
 _SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
 
 
@@ -75,29 +66,6 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     mlx_engine: EngineOptions = EngineOptions()
-
-
-class AnthropicError(Exception):
-    """An error the client gets in Anthropic's shape."""
-
-    def __init__(self, status: int, message: str, kind: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message = status, message
-        self.kind = kind or _ERROR_TYPES.get(status, "api_error")
-        self.headers = headers or {}
-
-    @classmethod
-    def of(cls, err: APIError) -> "AnthropicError":
-        """An OpenAI-shaped error of the core in Anthropic's vocabulary (a
-        server that is stopping is ``overloaded_error``, 529)."""
-        status = 529 if err.status == 503 else err.status
-        return cls(status, err.message, headers=err.headers)
-
-    def body(self) -> dict:
-        return {"type": "error", "error": {"type": self.kind, "message": self.message}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # -- the request, translated --------------------------------------------------------------------------

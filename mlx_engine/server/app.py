@@ -36,7 +36,7 @@ from . import params
 from .anthropic_messages import messages_router
 from .core import ClientGone, admit, collect, fit_context
 from .drafts import draft_router
-from .errors import APIError, bad_request, from_failure, from_validation
+from .errors import APIError, bad_request, from_failure, from_validation, response_for
 from .host import ModelHost
 from .hosts import AllowedHosts
 from .limits import BodySizeLimit
@@ -284,18 +284,20 @@ def _auth_dependency(api_key: str | None):
 
 
 def _install_errors(app: FastAPI) -> None:
+    """Server-level errors in the shape of the API the path belongs to (errors.py)."""
+
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return exc.response()
+        return response_for(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
-        return from_validation(list(exc.errors())).response()
+        return response_for(from_validation(list(exc.errors())), request.url.path)
 
     @app.exception_handler(RecursionError)
     async def too_deep(request, exc: RecursionError):
         # Past the nesting limits params.py checks: still the client's input, never a 500.
-        return bad_request("the request nests too deeply to be processed").response()
+        return response_for(bad_request("the request nests too deeply to be processed"), request.url.path)
 
     @app.exception_handler(ClientGone)
     async def client_gone(request, exc: ClientGone):
@@ -306,7 +308,13 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        err = APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
+        return response_for(err, request.url.path)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc: Exception):
+        # Starlette logs the traceback; the client gets its API's error object, not plain text.
+        return response_for(APIError(500, f"internal server error: {exc}", type="server_error"), request.url.path)
 
 
 def _add_routes(app: FastAPI, host: ModelHost, auth) -> None:

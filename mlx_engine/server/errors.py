@@ -1,5 +1,9 @@
-"""OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}``
-with the HTTP status that goes with them."""
+"""Error objects on the wire: OpenAI's ``{"error": {"message", "type", "param",
+"code"}}`` and, on Anthropic's routes (``/v1/messages``...), Anthropic's
+``{"type": "error", "error": {"type", "message"}}``, with the HTTP status that
+goes with each. Errors raised before a route runs (the body limit, the Host
+check, 404/405, validation) take the shape of the path they answer
+(``response_for``), so a client reads every error in its own API's shape."""
 
 from __future__ import annotations
 
@@ -50,6 +54,54 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+class AnthropicError(Exception):
+    """An error the client gets in Anthropic's shape."""
+
+    def __init__(self, status: int, message: str, kind: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message = status, message
+        fallback = "invalid_request_error" if status < 500 else "api_error"
+        self.kind = kind or _ANTHROPIC_TYPES.get(status, fallback)
+        self.headers = headers or {}
+
+    @classmethod
+    def of(cls, err: APIError) -> "AnthropicError":
+        """An OpenAI-shaped error in Anthropic's vocabulary (a server that is
+        stopping or loading, 503, is ``overloaded_error``, 529)."""
+        status = 529 if err.status == 503 else err.status
+        return cls(status, err.message, headers=err.headers)
+
+    def body(self) -> dict:
+        return {"type": "error", "error": {"type": self.kind, "message": self.message}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether ``path`` is one of Anthropic's routes (``/v1/messages`` and below)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def response_for(err: APIError, path: str) -> JSONResponse:
+    """``err`` in the shape of the API that serves ``path``."""
+    return AnthropicError.of(err).response() if is_anthropic_path(path) else err.response()
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import APIError
+from .errors import APIError, response_for
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
@@ -27,7 +27,8 @@ def host_name(header: str) -> str:
 
 class AllowedHosts:
     """ASGI middleware: requests whose ``Host`` is not one of ``names`` get a
-    400 OpenAI error object (``code: "invalid_host"``)."""
+    400 error object (OpenAI's with ``code: "invalid_host"``; Anthropic's on
+    its routes)."""
 
     def __init__(self, app: ASGIApp, names: list[str]):
         self.app = app
@@ -43,5 +44,5 @@ class AllowedHosts:
                     param=None,
                     code="invalid_host",
                 )
-                return await error.response()(scope, receive, send)
+                return await response_for(error, scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)

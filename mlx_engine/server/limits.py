@@ -2,7 +2,8 @@
 
 A declared ``Content-Length`` over the limit is refused at once; a body sent
 without one (chunked) is counted as it arrives and refused when it passes the
-limit. Either way the answer is a 413 OpenAI error object.
+limit. Either way the answer is a 413 error object in the shape of the route's
+API (OpenAI's, or Anthropic's ``request_too_large`` on ``/v1/messages``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import APIError
+from .errors import APIError, response_for
 
 
 class _TooLarge(HTTPException):
@@ -36,7 +37,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._error().response()(scope, receive, send)
+            return await response_for(self._error(), scope["path"])(scope, receive, send)
         seen = 0
         started = False
 
@@ -58,4 +59,4 @@ class BodySizeLimit:
             await self.app(scope, counted, tracked_send)
         except _TooLarge:
             if not started:
-                await self._error().response()(scope, receive, send)
+                await response_for(self._error(), scope["path"])(scope, receive, send)
