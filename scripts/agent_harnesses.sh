@@ -53,9 +53,9 @@ model_context_window = ${CONTEXT:-8192}
 name = "mlx-engine"
 base_url = "$URL/v1"
 wire_api = "responses"
-# A long prompt's prefill on a CPU can pass Codex's 5-minute stream idle
-# timeout (SSE keep-alive comments do not reset it): allow an hour.
-stream_idle_timeout_ms = 3600000
+# The server's keep-alive events (response.in_progress every 5 s) reset
+# Codex's stream idle timer during a long prefill; IDLE_MS=N sets the timer.
+${IDLE_MS:+stream_idle_timeout_ms = $IDLE_MS}
 TOML
   (cd "$WORK" && timeout 1800 "$WORK/node_modules/.bin/codex" exec --skip-git-repo-check "Say hello in one word." \
     >"$WORK/codex.out" 2>&1)

@@ -480,57 +480,7 @@ def responses_router(host, auth, store_size: int = DEFAULT_STORE_SIZE) -> APIRou
     @router.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
         async with host.kit_for(body.model) as service:
-            return await respond(service, body, request)
-
-    async def respond(service, body: ResponsesRequest, request: Request):
-        history: list[dict] = []
-        if body.previous_response_id is not None:
-            stored = store.get(body.previous_response_id)
-            if stored is None:
-                raise APIError(
-                    404,
-                    f"Previous response with id {body.previous_response_id!r} not found.",
-                    param="previous_response_id",
-                    code="previous_response_not_found",
-                )
-            history = stored.conversation
-        new = input_messages(body.input)
-        tools, sources = chat_tools(body.tools)
-        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        head = Head(body, service.model_id)
-        try:
-            chat = internal_request(
-                {
-                    "model": body.model,
-                    "messages": system + history + new,
-                    "tools": tools,
-                    "tool_choice": chat_tool_choice(body.tool_choice, tools is not None),
-                    "parallel_tool_calls": body.parallel_tool_calls,
-                    "response_format": response_format(body.text),
-                    "max_tokens": body.max_output_tokens,
-                    "temperature": body.temperature,
-                    "top_p": body.top_p,
-                    "mlx_engine": body.mlx_engine.model_dump(),
-                }
-            )
-            turn = await prepare(service, chat, _too_long, head.id)
-            run = await admit(service, request, turn.prompt, turn.kwargs, prompt_field="input")
-        except APIError as err:
-            raise _edge(err, sources) from None
-        prompt_len = len(turn.prompt.tokens)
-
-        def keep(response: dict, output: list[dict]) -> None:
-            if body.store:
-                store.put(head.id, response, history + new + output_messages(output))
-
-        if body.stream:
-            events = _events(run, head, (prompt_len, turn.truncated), keep, namespaces(body.tools))
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        choice = (await collect(run, request, 1, False))[0]
-        output = whole_output(choice, namespaces(body.tools))
-        response = head.final(choice, prompt_len, output, turn.truncated)
-        keep(response, output)
-        return response
+            return await _respond(service, store, body, request)
 
     @router.get("/v1/responses/{rid}")
     async def retrieve(rid: str):
@@ -548,11 +498,73 @@ def responses_router(host, auth, store_size: int = DEFAULT_STORE_SIZE) -> APIRou
     return router
 
 
+def _history(store: ResponseStore, body: ResponsesRequest) -> list[dict]:
+    """The stored conversation ``previous_response_id`` continues (none without one)."""
+    if body.previous_response_id is None:
+        return []
+    stored = store.get(body.previous_response_id)
+    if stored is None:
+        raise APIError(
+            404,
+            f"Previous response with id {body.previous_response_id!r} not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return stored.conversation
+
+
+def _chat_fields(body: ResponsesRequest, messages: list[dict], tools: list[dict] | None) -> dict:
+    """The internal (chat) request's fields for ``body`` over ``messages``."""
+    return {
+        "model": body.model,
+        "messages": messages,
+        "tools": tools,
+        "tool_choice": chat_tool_choice(body.tool_choice, tools is not None),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": response_format(body.text),
+        "max_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "mlx_engine": body.mlx_engine.model_dump(),
+    }
+
+
+async def _respond(service, store: ResponseStore, body: ResponsesRequest, request: Request):
+    """One Responses request on ``service``: translated to the core's request,
+    run, and answered whole or as a stream; kept in ``store`` when asked."""
+    history = _history(store, body)
+    new = input_messages(body.input)
+    tools, sources = chat_tools(body.tools)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    head = Head(body, service.model_id)
+    try:
+        chat = internal_request(_chat_fields(body, system + history + new, tools))
+        turn = await prepare(service, chat, _too_long, head.id)
+        run = await admit(service, request, turn.prompt, turn.kwargs, prompt_field="input")
+    except APIError as err:
+        raise _edge(err, sources) from None
+    prompt_len = len(turn.prompt.tokens)
+
+    def keep(response: dict, output: list[dict]) -> None:
+        if body.store:
+            store.put(head.id, response, history + new + output_messages(output))
+
+    if body.stream:
+        events = _events(run, head, (prompt_len, turn.truncated), keep, namespaces(body.tools))
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    choice = (await collect(run, request, 1, False))[0]
+    output = whole_output(choice, namespaces(body.tools))
+    response = head.final(choice, prompt_len, output, turn.truncated)
+    keep(response, output)
+    return response
+
+
 async def _events(run: RequestRun, head: Head, prompt: tuple[int, int], keep, spaces: set[str]) -> AsyncIterator[str]:
     """The stream as OpenAI sends it: ``response.created`` and ``.in_progress``,
     each output item's events, then ``response.completed`` (or ``.incomplete``
     when the budget cut it, ``.failed`` on an engine error) with usage. While
-    nothing comes (a long prefill) SSE comments keep the connection alive.
+    nothing comes (a long prefill) ``response.in_progress`` is sent again to
+    keep the connection alive.
     ``prompt``: its length and the tokens the overflow policy cut from it."""
     writer, choice = EventWriter(spaces), Choice(0)
     try:
@@ -560,7 +572,9 @@ async def _events(run: RequestRun, head: Head, prompt: tuple[int, int], keep, sp
         yield writer.event("response.in_progress", response=head.obj("in_progress", []))
         async for item in with_heartbeat(run.items()):
             if item is None:
-                yield ": keep-alive\n\n"
+                # An event, not an SSE comment: clients' idle timers (Codex CLI's
+                # stream_idle_timeout_ms) count events and skip comments.
+                yield writer.event("response.in_progress", response=head.obj("in_progress", []))
                 continue
             if item.error is not None:
                 err = from_failure(item.error)
