@@ -21,6 +21,12 @@ Per family, what the converter does and what the mapping does about it:
   like ``ssm_d`` without a ``.weight`` suffix, shape ``[1, heads]``), so the
   log is taken back; the conv kernel is squeezed as for lfm2; the gated norm is
   stored per group.
+- ``granitehybrid`` (Granite 4.0-H: Mamba-2 and attention layers): layer kinds
+  from ``head_count_kv`` as for lfm2 (0: Mamba-2), the Mamba-2 tensors as for
+  mamba2, Granite's multipliers from ``embedding_scale``, ``residual_scale``,
+  ``attention.scale`` and ``logit_scale``. Its q/k rows are stored permuted for
+  interleaved RoPE, but Granite 4.0-H uses no RoPE, and one permutation of both
+  q and k leaves every q.k product as it was.
 """
 
 from __future__ import annotations
@@ -221,51 +227,112 @@ _MAMBA2_BLOCK = {
 _MAMBA2_BARE = {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D"}
 
 
+def _ssm_sizes(h: GGUFHeader) -> dict:
+    """A Mamba-2 mixer's sizes from ``<arch>.ssm.*``: inner size, heads (llama.cpp's
+    ``time_step_rank``), state, groups (only 1) and conv kernel length."""
+    arch = h.architecture
+    d_inner, heads = meta_int(h, f"{arch}.ssm.inner_size"), meta_int(h, f"{arch}.ssm.time_step_rank")
+    groups = meta_int(h, f"{arch}.ssm.group_count")
+    if d_inner % heads:
+        raise bad_field(h, f"{arch}.ssm.time_step_rank", heads, f"a divisor of '{arch}.ssm.inner_size' ({d_inner})")
+    if groups != 1:  # mlx-lm's gated RMSNorm normalizes all of d_inner at once, not per group
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: {arch} with {groups} groups is not supported (mlx-lm normalizes "
+            "the gated output over all groups at once; llama.cpp per group)"
+        )
+    return dict(
+        d_inner=d_inner, heads=heads, state=meta_int(h, f"{arch}.ssm.state_size"), groups=groups,
+        conv=meta_int(h, f"{arch}.ssm.conv_kernel", lo=2, hi=64),
+    )  # fmt: skip
+
+
 def _mamba2_config(h: GGUFHeader) -> dict:
     """Mamba-2 from its ``mamba2.ssm.*`` fields (llama.cpp writes no attention
     or feed-forward sizes for it)."""
-    hidden, d_inner = meta_int(h, "mamba2.embedding_length"), meta_int(h, "mamba2.ssm.inner_size")
-    heads, groups = meta_int(h, "mamba2.ssm.time_step_rank"), meta_int(h, "mamba2.ssm.group_count")
-    if d_inner % heads:
-        raise bad_field(h, "mamba2.ssm.time_step_rank", heads, f"a divisor of 'mamba2.ssm.inner_size' ({d_inner})")
-    if groups != 1:  # mlx-lm's MambaRMSNormGated normalizes all of d_inner at once, not per group
-        raise ModelLoadError(
-            f"GGUF file {str(h.path)!r}: mamba2 with {groups} groups is not supported (mlx-lm's mamba2 "
-            "normalizes the gated output over all groups at once; llama.cpp per group)"
-        )
+    ssm = _ssm_sizes(h)
     eps = meta_float(h, "mamba2.attention.layer_norm_rms_epsilon", 1e-5)
     if eps != 1e-5:  # mlx-lm's ResidualBlock norm always uses 1e-5
         logger.info("GGUF %s: mamba2's layer norms use eps 1e-5 in mlx-lm, the file says %g", h.path.name, eps)
     return dict(
-        model_type="mamba2", hidden_size=hidden, num_hidden_layers=meta_int(h, "mamba2.block_count"),
-        num_heads=heads, head_dim=d_inner // heads, intermediate_size=d_inner,
-        state_size=meta_int(h, "mamba2.ssm.state_size"), n_groups=groups, layer_norm_epsilon=eps,
-        conv_kernel=meta_int(h, "mamba2.ssm.conv_kernel", lo=2, hi=64), use_bias=False, use_conv_bias=True,
-        time_step_limit=(0.0, float("inf")), time_step_rank=heads,  # llama.cpp's scan clamps no time step
-        max_position_embeddings=meta_int(h, "mamba2.context_length", 4096),
+        model_type="mamba2", hidden_size=meta_int(h, "mamba2.embedding_length"),
+        num_hidden_layers=meta_int(h, "mamba2.block_count"), num_heads=ssm["heads"],
+        head_dim=ssm["d_inner"] // ssm["heads"], intermediate_size=ssm["d_inner"], state_size=ssm["state"],
+        n_groups=ssm["groups"], layer_norm_epsilon=eps, conv_kernel=ssm["conv"], use_bias=False,
+        use_conv_bias=True, time_step_limit=(0.0, float("inf")),  # llama.cpp's scan clamps no time step
+        time_step_rank=ssm["heads"], max_position_embeddings=meta_int(h, "mamba2.context_length", 4096),
         tie_word_embeddings="output.weight" not in h.tensors,
     )  # fmt: skip
 
 
+_SSM_TENSORS = [*(f"{t}.weight" for t in ("ssm_in", "ssm_conv1d", "ssm_norm", "ssm_out")), "ssm_dt.bias", *_MAMBA2_BARE]
+
+
 def _mamba2(h: GGUFHeader, config: dict) -> None:
-    """Every block's tensors present and the input projection's width the
-    SSM sizes give (gate, x, B, C and one time step per head)."""
+    """Every block's tensors present, with the widths the SSM sizes give."""
     _require_tensors(h, ["output_norm.weight"], "the final norm")
-    per_block = [*(f"{t}.weight" for t in _MAMBA2_BLOCK if t != "ssm_dt"), "ssm_conv1d.bias", "ssm_dt.bias"]
     for i in range(config["num_hidden_layers"]):
-        _require_tensors(h, [f"blk.{i}.{t}" for t in [*per_block, *_MAMBA2_BARE]], f"Mamba-2 block {i}")
-    d_inner, groups, state = config["intermediate_size"], config["n_groups"], config["state_size"]
-    width = 2 * d_inner + 2 * groups * state + config["num_heads"]
+        names = [f"blk.{i}.{t}" for t in ["attn_norm.weight", "ssm_conv1d.bias", *_SSM_TENSORS]]
+        _require_tensors(h, names, f"Mamba-2 block {i}")
+    _check_ssm_shapes(h, 0, config["hidden_size"], _ssm_sizes(h))
+
+
+def _check_ssm_shapes(h: GGUFHeader, block: int, hidden: int, ssm: dict) -> None:
+    """The input projection's width (gate, x, B, C and one time step per head)
+    and the conv kernel's shape, against the ``ssm.*`` sizes."""
+    conv_dim = ssm["d_inner"] + 2 * ssm["groups"] * ssm["state"]
     expected = {
-        "blk.0.ssm_in.weight": (config["hidden_size"], width),
-        "blk.0.ssm_conv1d.weight": (config["conv_kernel"], d_inner + 2 * groups * state),
+        f"blk.{block}.ssm_in.weight": (hidden, ssm["d_inner"] + conv_dim + ssm["heads"]),
+        f"blk.{block}.ssm_conv1d.weight": (ssm["conv"], conv_dim),
     }
     for name, shape in expected.items():
         if h.tensors[name].shape != shape:
             raise ModelLoadError(
                 f"GGUF file {str(h.path)!r}: tensor {name!r} of shape {list(h.tensors[name].shape)} does not match "
-                f"the 'mamba2.ssm.*' sizes, which give {list(shape)}"
+                f"the '{h.architecture}.ssm.*' sizes, which give {list(shape)}"
             )
+
+
+_GRANITE_HYBRID_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    **_ATTENTION,
+    **_MLP,
+    **{k: v.replace("mixer.", "mamba.") for k, v in _MAMBA2_BLOCK.items() if k != "attn_norm"},
+}
+_GRANITE_HYBRID_BARE = {k: v.replace("mixer.", "mamba.") for k, v in _MAMBA2_BARE.items()}
+
+
+def _granitehybrid(h: GGUFHeader, config: dict) -> None:
+    """Granite 4.0-H, dense and without RoPE: layer kinds from the per-layer KV
+    head counts (0: Mamba-2), Granite's multipliers, the Mamba-2 sizes."""
+    arch, path, hidden = "granitehybrid", str(h.path), config["hidden_size"]
+    kinds = ["attention" if n else "mamba" for n in _kv_heads_per_layer(h, config["num_hidden_layers"])]
+    if any(name.endswith("ffn_gate_inp.weight") for name in h.tensors):
+        raise ModelLoadError(f"GGUF file {path!r}: granitehybrid with experts (MoE) is not mapped yet; dense files are")
+    if _flag_or_true(h, f"{arch}.rope.scaling.finetuned"):  # llama.cpp's switch for RoPE, on when absent
+        raise ModelLoadError(
+            f"GGUF file {path!r}: granitehybrid with RoPE (Bamba) is not mapped; Granite 4.0-H has none"
+        )
+    _no_head_dim(h, config)
+    ssm = _ssm_sizes(h)
+    config.update(
+        layer_types=kinds, position_embedding_type="nope", attention_bias=False, mlp_bias=False,
+        embedding_multiplier=meta_float(h, f"{arch}.embedding_scale", 1.0),
+        residual_multiplier=meta_float(h, f"{arch}.residual_scale", 1.0),
+        attention_multiplier=meta_float(h, f"{arch}.attention.scale", (hidden // config["num_attention_heads"]) ** -0.5),
+        logits_scaling=meta_float(h, f"{arch}.logit_scale", 1.0),
+        mamba_n_heads=ssm["heads"], mamba_d_head=ssm["d_inner"] // ssm["heads"], mamba_d_state=ssm["state"],
+        mamba_d_conv=ssm["conv"], mamba_n_groups=ssm["groups"], mamba_proj_bias=False,
+        mamba_conv_bias=any(name.endswith(".ssm_conv1d.bias") for name in h.tensors),
+        time_step_limit=(0.0, float("inf")),
+    )  # fmt: skip
+    _require_tensors(h, ["output_norm.weight"], "the final norm")
+    shared = ["attn_norm", "ffn_norm", *_MLP]
+    for i, kind in enumerate(kinds):
+        own = [f"{t}.weight" for t in _ATTENTION] if kind == "attention" else _SSM_TENSORS
+        _require_tensors(h, [f"blk.{i}.{t}" for t in [*(f"{s}.weight" for s in shared), *own]], f"layer {i}, {kind}")
+    if "mamba" in kinds:
+        _check_ssm_shapes(h, kinds.index("mamba"), hidden, ssm)
 
 
 def _mamba2_reshape(h: GGUFHeader, key: str, value):
@@ -280,7 +347,7 @@ def _mamba2_reshape(h: GGUFHeader, key: str, value):
                 f"GGUF file {str(h.path)!r}: {key!r} (ssm_a) holds A = -exp(A_log), so must be negative"
             )
         return mx.log(-a)
-    if key.endswith(("mixer.D", "mixer.norm.weight")):
+    if key.endswith((".D", "mixer.norm.weight", "mamba.norm.weight")):
         return value.reshape(-1)
     return value[..., None] if key.endswith("conv1d.weight") and value.ndim == 2 else value
 
@@ -335,6 +402,14 @@ FAMILIES = {
         layer_prefix="backbone.layers",
         bare_names=_MAMBA2_BARE,
         own_config=_mamba2_config,
+    ),
+    "granitehybrid": Family(
+        "granitemoehybrid",
+        _GRANITE_HYBRID_BLOCK,
+        _granitehybrid,
+        recurrent_layers=True,
+        reshape=_mamba2_reshape,
+        bare_names=_GRANITE_HYBRID_BARE,
     ),
 }
 
