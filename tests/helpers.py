@@ -27,6 +27,23 @@ def generate_ids(kit, prompt, **kw):
     return ids, last
 
 
+def round_robin(gens, after_each_pass=None) -> tuple[list[list[int]], list]:
+    """Drive ``gens`` one result each in turn, so every request is open at once,
+    until all have ended (``after_each_pass()`` after each turn round); each
+    one's token ids and final result."""
+    got, finals = [[] for _ in gens], [None] * len(gens)
+    while any(f is None for f in finals):
+        for i, g in enumerate(gens):
+            if finals[i] is None:
+                r = next(g)
+                got[i] += [t.id for t in r.tokens]
+                if r.stop_condition is not None:
+                    finals[i] = r
+        if after_each_pass is not None:
+            after_each_pass()
+    return got, finals
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

@@ -11,7 +11,7 @@ import time
 
 import mlx.core as mx
 import pytest
-from helpers import assert_same_or_near_tie, generate_ids, markov_kit
+from helpers import assert_same_or_near_tie, generate_ids, markov_kit, round_robin
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -116,15 +116,7 @@ def test_concurrent_requests_equal_their_solo_outputs_in_every_mode(llama_path, 
     jobs = [(me.tokenize(pkit, t), mode, n) for t, mode, n in zip(TEXTS, MODES, (24, 9, 17, 30))]
     want = [solo(one, p, max_tokens=n, **mode) for p, mode, n in jobs]
     gens = [me.create_generator(pkit, p, max_tokens=n, **mode) for p, mode, n in jobs]
-    got = [[] for _ in gens]
-    finals = [None] * len(gens)
-    while any(f is None for f in finals):  # round-robin: every request is open at once
-        for i, g in enumerate(gens):
-            if finals[i] is None:
-                r = next(g)
-                got[i] += [t.id for t in r.tokens]
-                if r.stop_condition is not None:
-                    finals[i] = r
+    got, finals = round_robin(gens)
     for (p, mode, n), w, ids, final in zip(jobs, want, got, finals):
         assert_same_or_near_tie(pkit, p, w, ids)
         assert final.stats.generated_tokens == len(ids) <= n

@@ -14,7 +14,7 @@ import zlib
 
 import mlx.core as mx
 import pytest
-from helpers import NEAR_TIE_TOLERANCE, first_divergence, generate_ids
+from helpers import NEAR_TIE_TOLERANCE, first_divergence, generate_ids, round_robin
 
 from fixtures.tiny_vlm import image_b64, make_gemma3, make_llava, make_qwen2_vl, make_text_draft
 
@@ -511,16 +511,10 @@ def test_image_requests_run_as_rows_of_one_batch_and_equal_their_solo_runs(qwen_
     first = [t.id for t in next(gens[0]).tokens]  # open while the long image prompt prefills
     p, imgs, kw = jobs[0]
     gens.insert(0, me.create_generator(kit, p, images_b64=imgs, max_tokens=10, prompt_progress_callback=seen.append))
-    got, done, widest = [[] for _ in gens], [False] * len(gens), 0
-    got[1] = first
-    while not all(done):  # round-robin: every request is open at once
-        for i, g in enumerate(gens):
-            if not done[i]:
-                r = next(g)
-                got[i] += [t.id for t in r.tokens]
-                done[i] = r.stop_condition is not None
-        widest = max(widest, kit.worker.call(lambda: len(kit.batch.rows) if kit.batch else 0))
-    assert widest >= 2
+    widths = []
+    got, _ = round_robin(gens, lambda: widths.append(kit.worker.call(lambda: len(kit.batch.rows) if kit.batch else 0)))
+    got[1] = first + got[1]
+    assert max(widths) >= 2
     assert len([p for p in seen if 0 < p < 100]) >= 2  # the image prompt prefilled in chunks between steps
     for (p, imgs, _), w, ids in zip(jobs, want, got):
         assert_same_or_near_tie_vision(kit, p, imgs, w, ids)
