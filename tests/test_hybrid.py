@@ -464,3 +464,22 @@ def test_release_keeps_an_idle_prefix_entry_whose_checkpoints_the_longer_one_lac
         cache.busy.append(longer)
         cache.release(longer)
         assert any(e is short for e in cache.entries) == kept
+
+
+def test_a_disk_entry_keeps_its_checkpoints_so_a_regenerate_resumes_from_it(hybrid_paths, tmp_path):
+    """The disk tier stores a hybrid entry's checkpoints too: after a restart,
+    regenerating the answer resumes from the prompt-end checkpoint read from
+    disk, and answers as a fresh kit does."""
+    path = hybrid_paths["qwen3_next"]
+    kit = mlx_engine.load_model(path, prompt_cache_dir=tmp_path)
+    prompt = mlx_engine.tokenize(kit, PROMPT)
+    answer, _ = generate_ids(kit, prompt, max_tokens=8, temp=0.0)
+    mlx_engine.unload(kit)  # writes the entry: prompt + answer, a checkpoint at the prompt's end
+    kit = mlx_engine.load_model(path, prompt_cache_dir=tmp_path)
+    try:
+        again, last = generate_ids(kit, prompt, max_tokens=8, temp=0.0)
+        assert last.stats.cache_source == "disk"
+        assert last.stats.cached_tokens == len(prompt) - 1
+        assert again == answer
+    finally:
+        mlx_engine.unload(kit)

@@ -1,8 +1,9 @@
 """The prompt cache's disk tier: evicted entries as safetensors files.
 
-A hybrid model's entry holds its attention KV and its recurrent state after
-its tokens (the state is read back as the entry's checkpoint), so it serves a
-prompt that extends it.
+A hybrid model's entry holds its attention KV, its recurrent state after its
+tokens and the state at each of its checkpoints, read back as the entry's
+checkpoints: it serves a prompt that shares a prefix reaching one of them (the
+next turn, a regenerated answer, an edited message) as the entry did in memory.
 
 Each entry is ``<dir>/<identity>/<name>.safetensors`` (the KV layers, written
 with mlx-lm's ``save_prompt_cache``) plus ``<name>.json``, its record (its
@@ -163,26 +164,47 @@ def _savable(cache: SequenceCache) -> bool:
 
 def _save_hybrid(path: Path, cache: SequenceCache) -> None:
     """A hybrid cache's layers (``CacheList`` opened up): KV layer i as
-    ``i.0``/``i.1``, a recurrent layer's arrays as ``i.s0``, ``i.s1``, ...; the
-    state is the one after the entry's tokens, a checkpoint when read back."""
+    ``i.0``/``i.1``, a recurrent layer's arrays as ``i.s0``, ``i.s1``, ... (the
+    state after the entry's tokens) and, per checkpoint at position p before
+    the end, ``i.cP.s0``, ``i.cP.s1``, ... (in the header, so the checksum
+    covers the positions too)."""
     tensors = {}
-    for i, c in enumerate(flat_layers(cache.layers)):
+    flat = flat_layers(cache.layers)
+    recurrent = [i for i, c in enumerate(flat) if isinstance(c, ArraysCache)]
+    for i, c in enumerate(flat):
         if isinstance(c, ArraysCache):
             tensors.update({f"{i}.s{j}": a for j, a in enumerate(c.cache)})
         else:
             tensors[f"{i}.0"], tensors[f"{i}.1"] = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+    for p, state in cache.checkpoints:
+        if 0 < p < len(cache.tokens) and all(a is not None for arrays in state for a in arrays):
+            for i, arrays in zip(recurrent, state):
+                tensors.update({f"{i}.c{p}.s{j}": a for j, a in enumerate(arrays)})
     mx.save_safetensors(str(path), tensors, metadata={"format": "mlx-engine-hybrid"})
 
 
 def _fill_hybrid(cache: SequenceCache, tensors: dict[str, mx.array], tokens: list[int]) -> None:
-    """Set a fresh hybrid cache from an entry's checked tensors."""
-    for i, c in enumerate(flat_layers(cache.layers)):
+    """Set a fresh hybrid cache from an entry's checked tensors: its layers, and
+    its checkpoints (those stored, and its end)."""
+    flat = flat_layers(cache.layers)
+    for i, c in enumerate(flat):
         if isinstance(c, ArraysCache):
             c.cache = [tensors[f"{i}.s{j}"] for j in range(len(c.cache))]
         else:
             c.state = (tensors[f"{i}.0"], tensors[f"{i}.1"], len(tokens))
     cache.tokens = list(tokens)
-    cache.checkpoint()  # a branch or a rewind may land here
+    recurrent = [(i, len(c.cache)) for i, c in enumerate(flat) if isinstance(c, ArraysCache)]
+    stored = [
+        (p, tuple(tuple(tensors[f"{i}.c{p}.s{j}"] for j in range(n)) for i, n in recurrent))
+        for p in _positions(tensors)
+    ]
+    cache.adopt_checkpoints(stored)
+    cache.checkpoint()  # the end: a branch or a rewind may land here
+
+
+def _positions(tensors) -> list[int]:
+    """The checkpoint positions an entry's tensor names (``i.cP.sJ``) hold, sorted."""
+    return sorted({int(name.split(".")[1][1:]) for name in tensors if name.split(".")[1].startswith("c")})
 
 
 class DiskCache:
@@ -281,19 +303,19 @@ class DiskCache:
             candidates = sorted((c for c in candidates if c[0] > better_than), key=lambda c: -c[0])
             if not candidates or self._model_layout(make) is None:
                 return None
-            if any(isinstance(lay, StateLayout) for lay in self._layout):
-                # A hybrid entry holds its recurrent state at its end only: usable when the prompt extends it.
-                candidates = [c for c in candidates if c[0] == len(c[1].tokens)]
-            for _, item in candidates:
+            for shared, item in candidates:
                 layers = self._read_checked(item)
-                if layers is not None:
-                    cache = make()
-                    if isinstance(layers, dict):
-                        _fill_hybrid(cache, layers, item.tokens)
-                    else:
-                        cache.layers, cache.tokens = layers, list(item.tokens)
-                    _touch(self.dir / f"{item.name}.safetensors")
-                    return cache
+                if layers is None:
+                    continue
+                cache = make()
+                if isinstance(layers, dict):
+                    _fill_hybrid(cache, layers, item.tokens)
+                    if cache.restorable(shared) <= better_than:
+                        continue  # no checkpoint of it within the shared prefix: no better than memory
+                else:
+                    cache.layers, cache.tokens = layers, list(item.tokens)
+                _touch(self.dir / f"{item.name}.safetensors")
+                return cache
         except Exception as exc:  # the disk tier only ever saves work: failing to read it is a miss
             logger.warning(
                 "prompt cache: could not read %s (%s: %s); continuing without it", self.dir, type(exc).__name__, exc
@@ -407,9 +429,14 @@ def _check_header(tensors: dict, layout: list[KVLayout | StateLayout | None], n:
     if len(held) != len(layout):
         raise ValueError(f"{len(held)} layers; this model has {len(layout)}")
     allowed = set()
+    positions = _checkpoint_positions(tensors, n)
     for i, lay in enumerate(layout):
         if isinstance(lay, StateLayout):
-            parts = [(f"{i}.s{j}", shape, dtype) for j, (shape, dtype) in enumerate(zip(lay.shapes, lay.dtypes))]
+            parts = [
+                (f"{i}.{at}s{j}", shape, dtype)
+                for at in ["", *(f"c{p}." for p in positions)]
+                for j, (shape, dtype) in enumerate(zip(lay.shapes, lay.dtypes))
+            ]
         else:
             parts = [
                 (f"{i}.{j}", (1, lay.heads, n, dim), lay.dtype) for j, dim in enumerate((lay.key_dim, lay.value_dim))
@@ -427,6 +454,19 @@ def _check_header(tensors: dict, layout: list[KVLayout | StateLayout | None], n:
     extra = set(tensors) - allowed
     if extra:
         raise ValueError(f"unexpected tensors {sorted(extra)[:3]}")
+
+
+def _checkpoint_positions(tensors: dict, n: int) -> list[int]:
+    """The checkpoint positions named in an entry's header (``i.cP.sJ``), each
+    a position inside its ``n`` tokens; ``ValueError`` for any other."""
+    positions = set()
+    for name in tensors:
+        part = name.split(".")[1] if name.count(".") == 2 else ""
+        if part.startswith("c"):
+            if not part[1:].isdigit() or not 0 < int(part[1:]) < n:
+                raise ValueError(f"tensor {name} names no checkpoint inside its {n} tokens")
+            positions.add(int(part[1:]))
+    return sorted(positions)
 
 
 def _touch(path: Path) -> None:

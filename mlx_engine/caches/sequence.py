@@ -257,6 +257,12 @@ class SequenceCache:
         if len(self.checkpoints) > MAX_CHECKPOINTS:
             del self.checkpoints[0]
 
+    def adopt_checkpoints(self, checkpoints: list[tuple[int, State]]) -> None:
+        """Keep these (position, state) checkpoints (read back from the disk
+        tier), the latest ``MAX_CHECKPOINTS``."""
+        if self.recurrent and self.rewind_points:
+            self.checkpoints = sorted(checkpoints, key=lambda ps: ps[0])[-MAX_CHECKPOINTS:]
+
     def restorable(self, length: int) -> int:
         """The longest length not above ``length`` this cache can rewind to."""
         if length >= len(self.tokens):
