@@ -551,7 +551,7 @@ def test_router_shadow_drafts_use_lookup_memory():
     )
     assert router.mode == "plain"
     assert router.propose([50, 51, 52], 8) == []  # plain rounds draft nothing themselves
-    assert router._shadows == [(3, [53, 54, 55, 56, 57, 58], 0, False)]  # (position, drafts, scored, weak)
+    assert router.shadows.open == [(3, [53, 54, 55, 56, 57, 58], 0, False)]  # (position, drafts, scored, weak)
 
 
 def test_router_probe_drafts_from_lookup_memory():
@@ -707,7 +707,7 @@ def test_router_skips_weak_lookup_matches_where_they_do_not_pay_and_drafts_stron
     history = cycle * 4 + [300, 7]
     router = AutoRouter(cycle * 4, cpu_costs(), PromptLookupDrafter(32))
     router._enter("prompt_lookup", "test")
-    router.lookup_acceptance = router.shadow  # good evidence: strong matches draft long
+    router.lookup_acceptance = router.shadows.record  # good evidence: strong matches draft long
     for _ in range(3):
         router.lookup_acceptance.observe(16, 16)
     assert router.propose(history, 32) == []  # [7] matched alone: weak, at 25% it does not pay here
@@ -730,7 +730,7 @@ def test_router_scores_weak_shadow_drafts_in_the_weak_record():
     history.append(99)  # it missed
     router.propose(history, 16)
     assert router.weak.drafted > 0 and router.weak.accepted == 0
-    assert router.shadow_positions == 0  # the shadow record did not count it
+    assert router.shadows.positions == 0  # the shadow record did not count it
 
 
 def test_router_probe_skips_a_weak_match_that_does_not_pay():

@@ -256,3 +256,22 @@ def test_context_budget_caps_the_answer_by_the_room_the_prompt_leaves():
         me.context_budget(kit, 64)
     assert err.value.param == "prompt_tokens"
     assert me.context_budget(SimpleNamespace(context_length=None), 10_000) == me.GenerationOptions.max_tokens
+
+
+def test_shadow_lookup_scores_positions_as_they_are_decided():
+    """The worked example of speculative/shadow.py: a shadow counts its accepted
+    positions as the output decides them, then its miss; a weak one teaches the
+    weak record only."""
+    from mlx_engine.speculative.shadow import ShadowLookup
+    from mlx_engine.speculative.speedup import AcceptanceModel
+
+    shadows, weak = ShadowLookup(), AcceptanceModel(prior=0.5)
+    shadows.add(3, [53, 54, 55], weak=False)
+    shadows.score([0, 1, 2, 53, 54], weak)
+    assert (shadows.positions, shadows.scored, len(shadows.open)) == (2, 1, 1)
+    shadows.score([0, 1, 2, 53, 54, 9], weak)
+    assert (shadows.positions, shadows.scored, shadows.open) == (3, 1, [])
+    assert (shadows.record.drafted, shadows.record.accepted) == (3, 2)
+    shadows.add(6, [7, 8], weak=True)
+    shadows.score([0, 1, 2, 53, 54, 9, 7, 8], weak)
+    assert shadows.positions == 3 and (weak.drafted, weak.accepted) == (2, 2)

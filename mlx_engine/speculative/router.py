@@ -32,6 +32,7 @@ from .batch_pricing import COPYING, BatchPricing, LookupPricing, strength_accept
 from .loop import Drafts
 from .policy import rejection_cap
 from .prompt_lookup import Match, PromptLookupDrafter, density_score
+from .shadow import ShadowLookup
 from .speedup import AcceptanceModel, best_draft_length
 
 logger = logging.getLogger(__name__)
@@ -163,12 +164,7 @@ class AutoRouter:
         self.lookup_acceptance = AcceptanceModel(prior=0.5)
         # Lookup's own rounds only (lookup_acceptance may start from the shadow's).
         self.lookup_own = AcceptanceModel(prior=0.5)
-        # Shadow lookup: what prompt lookup would have drafted while another
-        # mode runs, scored against the tokens that followed. Free evidence.
-        self.shadow = AcceptanceModel(prior=0.5)
-        self.shadow_scored = 0  # shadow drafts with a decided first token
-        self.shadow_positions = 0  # shadow draft positions decided
-        self._shadows: list[tuple[int, list[int], int, bool]] = []  # (position, drafts, positions scored, weak)
+        self.shadows = ShadowLookup()  # what lookup would have drafted meanwhile (shadow.py)
 
     def _enter(self, mode: Mode, why: str) -> None:
         previous = getattr(self, "mode", None)
@@ -288,16 +284,16 @@ class AutoRouter:
         if not m.drafts or self._is_weak(m):
             return []
         drafts = m.drafts
-        k, speedup = best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), len(drafts))
-        evidence = 1 + self.s.thin_evidence / self.shadow_positions
+        k, speedup = best_draft_length(self.shadows.record, self._lookup_rounds_beside_draft(), len(drafts))
+        evidence = 1 + self.s.thin_evidence / self.shadows.positions
         return drafts[:k] if k and speedup > evidence * max(1.0, self._draft_speedup()) else []
 
     def _lookup_earns(self) -> bool:
         """Whether lookup's record on this request (enough decided shadow
         positions) makes some lookup length pay beside the draft model."""
-        if self.shadow_positions < self.s.shadow_rounds or self._lookup_retired:
+        if self.shadows.positions < self.s.shadow_rounds or self._lookup_retired:
             return False
-        return best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), self.max_lookup)[0] > 0
+        return best_draft_length(self.shadows.record, self._lookup_rounds_beside_draft(), self.max_lookup)[0] > 0
 
     def _draft_speedup(self) -> float:
         """The draft model's expected speed-up from its record on this request."""
@@ -426,39 +422,16 @@ class AutoRouter:
             self._after_probe_round()
 
     def _shadow_lookup(self, history: list[int]) -> None:
-        """Score earlier shadow proposals position by position as the output
-        decides them (a shadow of 8 tokens that keeps matching counts from its
-        first token on, not 8 rounds later), then make one for this round (an
-        index lookup: microseconds)."""
-        open_ = []
-        for pos, drafts, done, weak in self._shadows:
-            actual = history[pos : pos + len(drafts)]
-            n = done
-            while n < len(actual) and actual[n] == drafts[n]:
-                n += 1
-            missed = n < len(actual)
-            record = self.weak if weak else self.shadow
-            if n > done or missed:
-                record.observe_positions(done, n - done, missed, new=done == 0)
-                if not weak:
-                    self.shadow_scored += done == 0
-                    self.shadow_positions += n - done + missed
-            if missed or n == len(drafts):
-                record.drafted += len(drafts)
-                record.accepted += n
-            else:
-                open_.append((pos, drafts, n, weak))
-        self._shadows = open_
+        """Score earlier shadow drafts (shadow.py), then make one for this
+        round (an index lookup: microseconds)."""
+        self.shadows.score(history, self.weak)
         # What lookup would draft now, lookup memory included (the kit's other
         # conversations), so a short prompt whose answer was cached elsewhere
         # can still move the router to lookup. Not while an open shadow still
         # matches: lookup's own round would have drafted this position in that
-        # shadow's round, and a shadow per copied token would count every phrase
-        # copied from the prompt many times over.
-        if not open_ and (m := self.lookup.match(history, self.max_lookup)).drafts:
-            # A weak match's shadow teaches the weak-match record, not the
-            # shadow record: lookup would not draft it the way it drafts the rest.
-            self._shadows.append((len(history), m.drafts, 0, self._is_weak(m)))
+        # shadow's round.
+        if not self.shadows.open and (m := self.lookup.match(history, self.max_lookup)).drafts:
+            self.shadows.add(len(history), m.drafts, self._is_weak(m))
 
     def _consider_lookup(self) -> None:
         """Switch to prompt lookup when its shadow record promises clearly more
@@ -470,21 +443,21 @@ class AutoRouter:
         )
         # Evidence is counted in decided positions: one shadow matching three
         # tokens in a row says as much as three matching their first.
-        if self.shadow_positions < needed or (self.mode == Mode.DRAFT_MODEL and self._lookup_retired):
+        if self.shadows.positions < needed or (self.mode == Mode.DRAFT_MODEL and self._lookup_retired):
             return
         current = 1.0
         if self.mode == Mode.DRAFT_MODEL:
             current = self._draft_speedup()
-            k, speedup = best_draft_length(self.shadow, self._lookup_rounds_beside_draft(), self.max_lookup)
+            k, speedup = best_draft_length(self.shadows.record, self._lookup_rounds_beside_draft(), self.max_lookup)
         else:
-            k, speedup = self._best_lookup(self.shadow, self.max_lookup)
-        margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadow_positions)
+            k, speedup = self._best_lookup(self.shadows.record, self.max_lookup)
+        margin = self.s.switch_margin * (1 + self.s.thin_evidence / self.shadows.positions)
         if k and speedup > margin * current:
-            shadow = self.shadow
+            shadow = self.shadows.record
             self._replaced_draft_speedup = current if self.mode == Mode.DRAFT_MODEL else None
             self._enter(
                 Mode.PROMPT_LOOKUP,
-                f"{self.shadow_scored} shadow drafts ({self.shadow_positions} positions) scored, lookup would have had "
+                f"{self.shadows.scored} shadow drafts ({self.shadows.positions} positions) scored, lookup would have had "
                 f"{shadow.conditional()[0]:.0%} of "
                 f"their first tokens accepted: expected speed-up x{speedup:.2f} at k={k} against x{current:.2f}",
             )
@@ -518,7 +491,7 @@ class AutoRouter:
         first evidence, so a switch back needs what lookup failed to deliver to
         change (docs/decoding.md, "Tuning history")."""
         self._enter(self._fallback_mode(), why)
-        self.shadow = own
+        self.shadows = ShadowLookup(own)
 
     def _watch_lookup(self) -> None:
         if self.rounds < self.s.watch_rounds or self.drafted == 0:
