@@ -4,7 +4,8 @@ is expected to give the most tokens per second on this machine.
 
 Without a draft model, a probe of up to 16 tokens with prompt lookup that stops
 after 4 consecutive misses, its draft growing 4x each time it is accepted whole;
-commit to prompt lookup above 30% acceptance. With a draft model loaded, the
+commit to prompt lookup above 30% acceptance (with a draft model, also when
+lookup's record expects more than the draft model's). With a draft model loaded, the
 drafter is chosen per round: the probe's rounds and lookup's that lookup would
 not draft are the draft model's, and while the draft model runs, a round drafts
 from lookup when lookup's record on this request (its shadow drafts, below)
@@ -505,13 +506,23 @@ class AutoRouter:
             return
         k, speedup, rate = self._lookup_speedup()
         facts = f"probe acceptance {rate:.0%} over {self.drafted} drafted, expected speed-up x{speedup:.2f} at k={k}"
-        if rate > self.s.commit_acceptance and k > 0:
+        if k > 0 and (rate > self.s.commit_acceptance or self._probe_beats_draft(speedup)):
             probed = self.lookup_acceptance
             self._enter(Mode.PROMPT_LOOKUP, facts)
             # The probe's rounds are lookup's first evidence (docs/decoding.md, "Tuning history").
             self.lookup_k, self.lookup_acceptance = k, probed
         else:
             self._leave_lookup(facts, self.lookup_acceptance)
+
+    def _probe_beats_draft(self, lookup_speedup: float) -> bool:
+        """With a draft model loaded, whether the probe's record (per draft
+        position) expects clearly more from lookup than the draft model's record
+        on this request expects from it: a copy whose one long draft ran past
+        its end has a low token rate, yet its rounds' first tokens pay
+        (docs/decoding.md, "Tuning history")."""
+        if self.draft_drafter is None:
+            return False
+        return lookup_speedup > self.s.switch_margin * max(1.0, self._draft_speedup())
 
     def _leave_lookup(self, why: str, own: AcceptanceModel) -> None:
         """Back to the fallback mode. Lookup's own rounds stay the shadow record's
