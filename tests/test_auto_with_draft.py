@@ -176,3 +176,16 @@ def test_a_probe_whose_long_draft_overran_a_copy_still_commits_to_lookup_over_a_
     # The probe's token rate alone would not have committed.
     rate = int(router.mode_switches[0].split("probe acceptance ")[1].split("%")[0])
     assert rate / 100 <= RouterSettings().commit_acceptance, router.mode_switches
+
+
+def test_with_a_draft_loaded_the_probe_drafts_a_copys_whole_match_at_once():
+    """Without a draft the probe's first lookup draft is short and grows while
+    accepted whole; with one loaded it is lookup's whole match (issue 40)."""
+    copied = list(range(50))
+    history = list(range(100, 150)) + [7] + copied + [8] + copied[:3]
+    alone = AutoRouter(list(history), CPU_COSTS, PromptLookupDrafter(32))
+    beside = AutoRouter(list(history), CPU_COSTS, PromptLookupDrafter(32), _WrongDraft())
+    assert beside.mode == alone.mode == "probe"
+    first_alone, first_beside = alone.propose(list(history), 64), beside.propose(list(history), 64)
+    assert first_beside == copied[3:35]
+    assert len(first_alone) < len(first_beside)

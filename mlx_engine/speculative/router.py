@@ -77,6 +77,11 @@ class RouterSettings:
     probe_tokens: int = 16
     probe_max_misses: int = 4
     probe_draft_tokens: int = 4
+    # With a draft model loaded the probe drafts lookup's whole match from its
+    # first round: a round lookup does not draft is the draft model's anyway,
+    # and a 33-token verify costs little more than a 5-token one on these CPUs
+    # (docs/decoding.md, "Tuning history").
+    probe_draft_tokens_with_draft: int = 32
     commit_acceptance: float = 0.30
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
     shadow_rounds: int = 3  # shadow draft positions decided before plain may switch to lookup
@@ -124,7 +129,7 @@ class AutoRouter:
         self.density = density_score(prompt, settings.min_prompt_tokens)
         self.lookup_allowed = len(prompt) >= settings.min_prompt_tokens and self.density >= settings.min_density
         self.max_lookup = lookup.num_tokens
-        self.lookup_k = min(settings.probe_draft_tokens, self.max_lookup)
+        self.lookup_k = self._probe_start()
         # Shadow drafts are scored where the draft model's rounds start, not
         # where lookup's own would: they can promise more than lookup then gets.
         # So a switch from the draft model is checked against what it replaced,
@@ -264,6 +269,11 @@ class AutoRouter:
             k = min(k, self._best_lookup(self.lookup_acceptance, k)[0])
         return k
 
+    def _probe_start(self) -> int:
+        """The probe's first lookup draft length (RouterSettings)."""
+        start = self.s.probe_draft_tokens if self.draft_drafter is None else self.s.probe_draft_tokens_with_draft
+        return min(start, self.max_lookup)
+
     def _draft_turn(self, history: list[int], limit: int) -> Drafts:
         """A probe or lookup round that lookup does not draft (no match, or one
         that does not pay): the draft model's, at the length its own record
@@ -396,9 +406,7 @@ class AutoRouter:
                 self.lookup_k = min(self.max_lookup, self.lookup_k * self.s.probe_growth)
             elif drafted:
                 # A copy that ended: back to the rejection bound (as lookup's own rounds).
-                self.lookup_k = max(
-                    rejection_cap(accepted + 1, self.lookup_k), min(self.s.probe_draft_tokens, self.max_lookup)
-                )
+                self.lookup_k = max(rejection_cap(accepted + 1, self.lookup_k), self._probe_start())
             self._after_probe_round()
         elif self.mode == Mode.PROMPT_LOOKUP:
             self.lookup_acceptance.observe(drafted, accepted)
