@@ -28,6 +28,9 @@ fixed lookup lengths and the engine's own ``AutoRouter`` are replayed on them
 (every proposal checked against the recorded output), priced with round costs
 ``1 + JUMP + SLOPE*k`` (``--cost-lines toy=...,chat=...``).
 
+``--real-draft PATH`` does the same with a real draft model's recorded
+proposals (bench/replay_real.py).
+
 ``--draft-mix 0.2,0.6`` replays the router with a draft model loaded on those
 traces: a simulated draft right at that share of output positions (a fixed
 pseudo-random draw per position), its lengths from the engine's
@@ -399,7 +402,23 @@ def main(argv: list[str] | None = None) -> None:
         "context CTX (128 or 1024) instead of measuring; e.g. '128=0.55+0.12k,1024=0.45+0.16k', "
         "the lines timed rounds fitted on the development machine. Deterministic.",
     )
+    p.add_argument(
+        "--real-draft",
+        metavar="PATH",
+        help="replay the router with this real draft model on bench.chat's workloads (bench/replay_real.py)",
+    )
+    p.add_argument("--real-traces", type=Path, default=Path("bench/results/raw/real_draft_traces.json"))
+    p.add_argument("--draft-prior", type=float, default=0.6, help="with --real-draft: the draft's record on the kit")
+    p.add_argument("--rounds", help="with --real-draft: workloads whose replayed rounds are printed")
+    p.add_argument("--timed", help="with --real-draft: workloads run by the real engine, rounds printed")
+    p.add_argument(
+        "--timed-system", default="auto", help="with --timed: the modes run in turn (auto, draft), on one kit"
+    )
     args = p.parse_args(argv)
+    if args.real_draft:
+        from . import replay_real
+
+        return replay_real.main(args)
     if args.draft_mix:
         return draft_mix_main(args)
     if args.lookup:

@@ -14,7 +14,7 @@ from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.costs import CostModel, RoundCosts
 from mlx_engine.speculative.loop import decode as _decode
 from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
-from mlx_engine.speculative.router import AutoRouter
+from mlx_engine.speculative.router import AutoRouter, RouterSettings
 
 from itertools import pairwise
 
@@ -129,3 +129,63 @@ def test_auto_with_a_draft_drafts_from_lookup_on_a_copy_and_from_the_draft_on_fr
     assert _drafted_by(spy.rounds, "draft", copy_start + 8, copy_end) <= 4
     # The free text after the copy: the draft model's again, not plain rounds.
     assert _drafted_by(spy.rounds, "draft", copy_end + 4, n) >= len(FRESH_2) // 2
+
+
+class _WrongDraft:
+    """A scripted draft model that is always wrong, with a poor record: what
+    the router reads of a DraftModelDrafter, and nothing else."""
+
+    def __init__(self):
+        from mlx_engine.speculative.policy import DraftLengthPolicy
+
+        self.policy = DraftLengthPolicy(None, RoundCosts(CPU_COSTS, draft_step=DRAFT_STEP), prior_acceptance=0.1)
+        self.acceptance, self.round_costs = self.policy.acceptance, self.policy.round_costs
+        self.rounds = 0
+
+    def plain_ahead(self, history) -> bool:
+        return False
+
+    def propose(self, history, limit):
+        k = self.policy.num_tokens(limit)
+        self.rounds += k > 0
+        return [VOCAB - 1] * k
+
+    def observe(self, drafted, accepted, seconds=None):
+        self.policy.observe(drafted, accepted, None)
+
+
+def test_a_probe_whose_long_draft_overran_a_copy_still_commits_to_lookup_over_a_worse_draft():
+    """Copied segments of 8 tokens, each after a fresh token: the probe's
+    first draft is accepted whole, its next one (32 tokens) runs past the
+    segment's end, so fewer than 30% of its drafted tokens are accepted; yet
+    every round's first drafts were, and the draft model's record is far
+    worse: the probe commits to prompt lookup (issue 40)."""
+    segments = [PASSAGE[8 * i : 8 * i + 8] for i in range(6)]
+    output = [t for i, seg in enumerate(segments) for t in (200 + i, *seg)]
+    router = AutoRouter(list(PROMPT), CPU_COSTS, PromptLookupDrafter(32), _WrongDraft())
+    history, t = list(PROMPT), 0
+    while t < len(output) and router.mode == "probe":
+        drafts = list(router.propose(history, len(output) - t - 1))
+        n = 0
+        while n < len(drafts) and drafts[n] == output[t + n]:
+            n += 1
+        router.observe(len(drafts), n, None)
+        history += output[t : t + n + 1]
+        t += n + 1
+    assert router.mode == "prompt_lookup", router.mode_switches
+    # The probe's token rate alone would not have committed.
+    rate = int(router.mode_switches[0].split("probe acceptance ")[1].split("%")[0])
+    assert rate / 100 <= RouterSettings().commit_acceptance, router.mode_switches
+
+
+def test_with_a_draft_loaded_the_probe_drafts_a_copys_whole_match_at_once():
+    """Without a draft the probe's first lookup draft is short and grows while
+    accepted whole; with one loaded it is lookup's whole match (issue 40)."""
+    copied = list(range(50))
+    history = list(range(100, 150)) + [7] + copied + [8] + copied[:3]
+    alone = AutoRouter(list(history), CPU_COSTS, PromptLookupDrafter(32))
+    beside = AutoRouter(list(history), CPU_COSTS, PromptLookupDrafter(32), _WrongDraft())
+    assert beside.mode == alone.mode == "probe"
+    first_alone, first_beside = alone.propose(list(history), 64), beside.propose(list(history), 64)
+    assert first_beside == copied[3:35]
+    assert len(first_alone) < len(first_beside)

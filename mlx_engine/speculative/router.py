@@ -4,7 +4,8 @@ is expected to give the most tokens per second on this machine.
 
 Without a draft model, a probe of up to 16 tokens with prompt lookup that stops
 after 4 consecutive misses, its draft growing 4x each time it is accepted whole;
-commit to prompt lookup above 30% acceptance. With a draft model loaded, the
+commit to prompt lookup above 30% acceptance (with a draft model, also when
+lookup's record expects more than the draft model's). With a draft model loaded, the
 drafter is chosen per round: the probe's rounds and lookup's that lookup would
 not draft are the draft model's, and while the draft model runs, a round drafts
 from lookup when lookup's record on this request (its shadow drafts, below)
@@ -77,6 +78,11 @@ class RouterSettings:
     probe_tokens: int = 16
     probe_max_misses: int = 4
     probe_draft_tokens: int = 4
+    # With a draft model loaded the probe drafts lookup's whole match from its
+    # first round: a round lookup does not draft is the draft model's anyway,
+    # and a 33-token verify costs little more than a 5-token one on these CPUs
+    # (docs/decoding.md, "Tuning history").
+    probe_draft_tokens_with_draft: int = 32
     commit_acceptance: float = 0.30
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
     shadow_rounds: int = 3  # shadow draft positions decided before plain may switch to lookup
@@ -124,7 +130,7 @@ class AutoRouter:
         self.density = density_score(prompt, settings.min_prompt_tokens)
         self.lookup_allowed = len(prompt) >= settings.min_prompt_tokens and self.density >= settings.min_density
         self.max_lookup = lookup.num_tokens
-        self.lookup_k = min(settings.probe_draft_tokens, self.max_lookup)
+        self.lookup_k = self._probe_start()
         # Shadow drafts are scored where the draft model's rounds start, not
         # where lookup's own would: they can promise more than lookup then gets.
         # So a switch from the draft model is checked against what it replaced,
@@ -259,6 +265,11 @@ class AutoRouter:
             k = min(k, self._best_lookup(self.lookup_acceptance, k)[0])
         return k
 
+    def _probe_start(self) -> int:
+        """The probe's first lookup draft length (RouterSettings)."""
+        start = self.s.probe_draft_tokens if self.draft_drafter is None else self.s.probe_draft_tokens_with_draft
+        return min(start, self.max_lookup)
+
     def _draft_turn(self, history: list[int], limit: int) -> Drafts:
         """A probe or lookup round that lookup does not draft (no match, or one
         that does not pay): the draft model's, at the length its own record
@@ -391,9 +402,7 @@ class AutoRouter:
                 self.lookup_k = min(self.max_lookup, self.lookup_k * self.s.probe_growth)
             elif drafted:
                 # A copy that ended: back to the rejection bound (as lookup's own rounds).
-                self.lookup_k = max(
-                    rejection_cap(accepted + 1, self.lookup_k), min(self.s.probe_draft_tokens, self.max_lookup)
-                )
+                self.lookup_k = max(rejection_cap(accepted + 1, self.lookup_k), self._probe_start())
             self._after_probe_round()
         elif self.mode == Mode.PROMPT_LOOKUP:
             self.lookup_acceptance.observe(drafted, accepted)
@@ -478,13 +487,23 @@ class AutoRouter:
             return
         k, speedup, rate = self._lookup_speedup()
         facts = f"probe acceptance {rate:.0%} over {self.drafted} drafted, expected speed-up x{speedup:.2f} at k={k}"
-        if rate > self.s.commit_acceptance and k > 0:
+        if k > 0 and (rate > self.s.commit_acceptance or self._probe_beats_draft(speedup)):
             probed = self.lookup_acceptance
             self._enter(Mode.PROMPT_LOOKUP, facts)
             # The probe's rounds are lookup's first evidence (docs/decoding.md, "Tuning history").
             self.lookup_k, self.lookup_acceptance = k, probed
         else:
             self._leave_lookup(facts, self.lookup_acceptance)
+
+    def _probe_beats_draft(self, lookup_speedup: float) -> bool:
+        """With a draft model loaded, whether the probe's record (per draft
+        position) expects clearly more from lookup than the draft model's record
+        on this request expects from it: a copy whose one long draft ran past
+        its end has a low token rate, yet its rounds' first tokens pay
+        (docs/decoding.md, "Tuning history")."""
+        if self.draft_drafter is None:
+            return False
+        return lookup_speedup > self.s.switch_margin * max(1.0, self._draft_speedup())
 
     def _leave_lookup(self, why: str, own: AcceptanceModel) -> None:
         """Back to the fallback mode. Lookup's own rounds stay the shadow record's
