@@ -234,9 +234,11 @@ def chat_answer(events: list[dict]) -> tuple[int, int, int]:
     return usage["prompt_tokens"], cached, usage["completion_tokens"]
 
 
-def decode_rate(tokens: int, ttft: float, total: float) -> float:
-    """Answer tokens after the first per second of streaming after it."""
-    return (tokens - 1) / (total - ttft) if tokens > 1 and total > ttft else 0.0
+def decode_rate(tokens: int, first_token: float, total: float) -> float:
+    """Answer tokens after the first per second after the first was generated
+    (the engine's time to first token: a tool call's first streamed piece comes
+    only once its name is decoded, so the client's would hide decoding)."""
+    return (tokens - 1) / (total - first_token) if tokens > 1 and total > first_token else 0.0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -281,7 +283,9 @@ def _turns(kit: me.ModelKit, api: str, turns: int, cold: bool, opts: dict) -> tu
                     "reused": reused,
                     "ttft": ttft,
                     "engine_ttft": engine_ttft,
-                    "decode_tps": decode_rate(answer_len, ttft, total),
+                    "decode_tps": decode_rate(answer_len, min(engine_ttft, ttft), total),
+                    "answer": answer_len,
+                    "total": total,
                 }
             )
             bodies.append(body)
@@ -324,6 +328,8 @@ def run_mlx_lm(kit: me.ModelKit, url: str, api: str, bodies: list[dict]) -> list
                     "ttft": ttft,
                     "engine_ttft": ttft,
                     "decode_tps": decode_rate(answer_len, ttft, total),
+                    "answer": answer_len,
+                    "total": total,
                 }
             )
     return rows
@@ -393,7 +399,7 @@ def report(results: dict, args) -> list[str]:
         "to the first streamed piece; `ttft / cold`: client ttft over the same turn's in the `cold` session,",
         "whose first system line changes every turn (Claude Code with `--keep-billing-header`; Codex with a",
         "nonce line), so its every turn is a cold prefill of a prompt as long; `decode tok/s`: answer tokens",
-        "after the first over the seconds after the first piece. `mlx-lm`: the plain session's requests,",
+        "after the first over the seconds after the engine's first token. `mlx-lm`: the plain session's requests,",
         "rendered by the engine (tools included) and sent as text to `mlx_lm.server`'s completions, same weights.",
         "",
     ]
