@@ -275,22 +275,26 @@ def lookup_main(args: argparse.Namespace) -> None:
     print("| geomean | " + " | ".join(f"{math.exp(sum(v) / len(v)):.3f}" for v in logs.values()) + " |")
 
 
-class SimulatedDraft:
-    """A draft model for ``--draft-mix``: right at each output position with
-    probability ``rate`` (a fixed pseudo-random draw per position, so every
-    replay sees the same draft), its length chosen by the engine's own
-    ``DraftLengthPolicy``; each of its rounds also costs ``draft_step`` undrafted
-    rounds per draft token plus one for catching up. Implements what the router
-    reads of a ``DraftModelDrafter``."""
+class ReplayedDraft:
+    """A draft model replayed from its accept lengths: at output position t it
+    drafts ``lengths[t]`` right tokens then wrong ones (-1), its length chosen by
+    the engine's own ``DraftLengthPolicy`` from the ``prior`` acceptance; each of
+    its rounds also costs ``draft_step`` undrafted rounds per draft token plus
+    one for catching up. Implements what the router reads of a
+    ``DraftModelDrafter`` (``--draft-mix`` simulates the lengths, replay_real.py
+    records a real draft's)."""
 
-    def __init__(self, output: list[int], start: int, rate: float, rounds: costs.RoundCosts, draft_step: float):
-        import random
-
-        draw = random.Random(f"{rate}:{len(output)}")
-        self.right = [draw.random() < rate for _ in output]
-        self.output, self.start, self.draft_step = output, start, draft_step
-        # Its record on the kit (DraftModel.acceptance_prior) after a few requests: its rate.
-        self.policy = DraftLengthPolicy(None, rounds, prior_acceptance=rate)
+    def __init__(
+        self,
+        output: list[int],
+        lengths: list[int],
+        start: int,
+        rounds: costs.RoundCosts,
+        prior: float,
+        draft_step: float,
+    ):
+        self.output, self.lengths, self.start, self.draft_step = output, lengths, start, draft_step
+        self.policy = DraftLengthPolicy(None, rounds, prior_acceptance=prior)
         self.drafted_last = 0  # drafts of the last round this drafter made (0 if it made none)
         self._proposed = False
 
@@ -305,7 +309,8 @@ class SimulatedDraft:
         t = len(history) - self.start
         k = self.policy.num_tokens(min(limit, len(self.output) - t))
         self.drafted_last = k
-        return [self.output[t + i] if self.right[t + i] else -1 for i in range(k)]
+        right = min(k, self.lengths[t] if t < len(self.lengths) else 0)
+        return self.output[t : t + right] + [-1] * (k - right)
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if not self._proposed:
@@ -317,6 +322,21 @@ class SimulatedDraft:
         """The draft model's work in the round just made (0 when it made none)."""
         k, self.drafted_last = self.drafted_last, 0
         return (k + 1) * self.draft_step if k else 0.0
+
+
+def simulated_lengths(output: list[int], rate: float) -> list[int]:
+    """The accept lengths of a draft right at each output position with
+    probability ``rate`` (a fixed pseudo-random draw per position, so every
+    replay sees the same draft): at t, how many positions from t on it is right."""
+    import random
+
+    draw = random.Random(f"{rate}:{len(output)}")
+    right = [draw.random() < rate for _ in output]
+    lengths, run = [0] * len(output), 0
+    for t in reversed(range(len(output))):
+        run = run + 1 if right[t] else 0
+        lengths[t] = run
+    return lengths
 
 
 def draft_mix_main(args: argparse.Namespace) -> None:
@@ -338,7 +358,10 @@ def draft_mix_main(args: argparse.Namespace) -> None:
             prompt, output = tr["prompt"], tr["output"][:200]
 
             def run(make_router: bool, prompt=prompt, output=output, rate=rate) -> tuple[float, str]:
-                sim = SimulatedDraft(output, len(prompt), rate, costs.RoundCosts(cm, args.draft_step), args.draft_step)
+                lengths = simulated_lengths(output, rate)
+                sim = ReplayedDraft(
+                    output, lengths, len(prompt), costs.RoundCosts(cm, args.draft_step), rate, args.draft_step
+                )
                 drafter = AutoRouter(prompt, cm, PromptLookupDrafter(costs.MAX_DRAFT), sim) if make_router else sim
                 cost = lambda k: line[k] + sim.extra_cost()  # noqa: E731
                 speed = replay_drafter(prompt, output, drafter, cost)[0]

@@ -28,49 +28,12 @@ import json  # noqa: E402
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-
-class RealDraft:
-    """The draft model as its recorded accept lengths: at output position t it
-    drafts ``lengths[t]`` right tokens then wrong ones, its length chosen by the
-    engine's ``DraftLengthPolicy``. Implements what the router reads of a
-    ``DraftModelDrafter``."""
-
-    def __init__(self, output: list[int], lengths: list[int], start: int, rounds: costs.RoundCosts, prior: float):
-        self.output, self.lengths, self.start = output, lengths, start
-        self.policy = DraftLengthPolicy(None, rounds, prior_acceptance=prior)
-        self.drafted_last = 0
-        self._proposed = False
-
-    acceptance = property(lambda self: self.policy.acceptance)
-    round_costs = property(lambda self: self.policy.round_costs)
-
-    def plain_ahead(self, history: list[int]) -> bool:
-        return False
-
-    def propose(self, history: list[int], limit: int) -> list[int]:
-        self._proposed = True
-        t = len(history) - self.start
-        k = self.policy.num_tokens(min(limit, len(self.output) - t))
-        self.drafted_last = k
-        right = min(k, self.lengths[t] if t < len(self.lengths) else 0)
-        return self.output[t : t + right] + [-1] * (k - right)
-
-    def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        if not self._proposed:
-            self.policy.skip()
-        self._proposed = False
-        self.policy.observe(drafted, accepted, seconds)
-
-    def extra_cost(self, draft_step: float) -> float:
-        """The draft model's work in the round just made (0 when it made none)."""
-        k, self.drafted_last = self.drafted_last, 0
-        return (k + 1) * draft_step if k else 0.0
+from .replay import ReplayedDraft, accept_lengths, replay_drafter  # noqa: E402
 
 
 def record(path: Path, draft: str, tokens: int, only: list[str] | None) -> dict:
     """``name -> {prompt, output, draft_lengths}`` for bench.chat's workloads, saved as JSON."""
     from . import chat as C
-    from .replay import accept_lengths
 
     traces: dict = json.loads(path.read_text()) if path.exists() else {}
     kit = me.load_model(me.DEFAULT_MODEL, suffix_memory_tokens=0)
@@ -121,9 +84,7 @@ class Recorder:
 
 def replay_one(prompt, output, lengths, line, cm, draft_step, prior, router: str) -> tuple[float, object, list]:
     """Replay one system on one trace; returns (speed, drafter, per-round cost log)."""
-    from .replay import replay_drafter
-
-    sim = RealDraft(output, lengths, len(prompt), costs.RoundCosts(cm, draft_step), prior)
+    sim = ReplayedDraft(output, lengths, len(prompt), costs.RoundCosts(cm, draft_step), prior, draft_step)
     if router == "lookup":
         drafter = PromptLookupDrafter(costs.MAX_DRAFT)
     elif router == "draft":
@@ -138,7 +99,7 @@ def replay_one(prompt, output, lengths, line, cm, draft_step, prior, router: str
     spent: list[float] = []
 
     def cost(k: int) -> float:
-        c = line[k] + sim.extra_cost(draft_step)
+        c = line[k] + sim.extra_cost()
         spent.append(c)
         return c
 
