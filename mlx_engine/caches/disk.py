@@ -196,15 +196,10 @@ def _fill_hybrid(cache: SequenceCache, tensors: dict[str, mx.array], tokens: lis
     recurrent = [(i, len(c.cache)) for i, c in enumerate(flat) if isinstance(c, ArraysCache)]
     stored = [
         (p, tuple(tuple(tensors[f"{i}.c{p}.s{j}"] for j in range(n)) for i, n in recurrent))
-        for p in _positions(tensors)
+        for p in _checkpoint_positions(tensors, len(tokens))
     ]
     cache.adopt_checkpoints(stored)
     cache.checkpoint()  # the end: a branch or a rewind may land here
-
-
-def _positions(tensors) -> list[int]:
-    """The checkpoint positions an entry's tensor names (``i.cP.sJ``) hold, sorted."""
-    return sorted({int(name.split(".")[1][1:]) for name in tensors if name.split(".")[1].startswith("c")})
 
 
 class DiskCache:
