@@ -89,13 +89,22 @@ def accept_lengths(
 
 
 def replay(lengths: list[int], round_cost: list[float], policy) -> float:
-    """Tokens per undrafted-round time when ``policy.num_tokens`` picks each round's k."""
+    """Tokens per undrafted-round time when ``policy.num_tokens`` picks each
+    round's k. A policy that ``scores`` gets the draft model's predictions at
+    the positions it catches up on, as the engine's drafter gives them
+    (``observe_scored``; the scoring pass itself is not priced here)."""
     t, tokens, spent = 0, 0, 0.0
+    fed = -1  # the last output position the draft model was fed (-1: the prompt's end)
     while t < len(lengths):
         if hasattr(policy, "reveal"):
             policy.reveal(lengths, t)
         k = policy.num_tokens(costs.MAX_MODEL_DRAFT)
+        if getattr(policy, "scores", False) and (policy.score_now or (k and t - fed > policy.steady_catch_up)):
+            policy.observe_scored([n > 0 for n in lengths[fed + 1 : t]])
+            fed = t - 1
         accepted = min(k, lengths[t])
+        if k:
+            fed = t + min(accepted, k - 1)  # the accepted drafts it fed
         tokens += accepted + 1
         spent += round_cost[k]
         t += accepted + 1
@@ -280,9 +289,15 @@ class ReplayedDraft:
     drafts ``lengths[t]`` right tokens then wrong ones (-1), its length chosen by
     the engine's own ``DraftLengthPolicy`` from the ``prior`` acceptance; each of
     its rounds also costs ``draft_step`` undrafted rounds per draft token plus
-    one for catching up. Implements what the router reads of a
+    one for catching up. As the engine's drafter, it scores the draft model on
+    the positions it catches up on (a scoring round's pass costs
+    ``SCORING_STEPS`` draft steps): its prediction at output position p was
+    right when ``lengths[p] > 0``. Implements what the router reads of a
     ``DraftModelDrafter`` (``--draft-mix`` simulates the lengths, replay_real.py
     records a real draft's)."""
+
+    #: A scoring pass (a few tokens through the draft model), in draft steps.
+    SCORING_STEPS = 1.5
 
     def __init__(
         self,
@@ -292,10 +307,17 @@ class ReplayedDraft:
         rounds: costs.RoundCosts,
         prior: float,
         draft_step: float,
+        scores: bool = True,
     ):
         self.output, self.lengths, self.start, self.draft_step = output, lengths, start, draft_step
-        self.policy = DraftLengthPolicy(None, rounds, prior_acceptance=prior)
+        self.policy = DraftLengthPolicy(None, rounds, prior_acceptance=prior, scores=scores)
         self.drafted_last = 0  # drafts of the last round this drafter made (0 if it made none)
+        self.scored_last = False  # the last round was a scoring one
+        self.fed = (
+            start - 1
+        )  # the draft model holds the true history up to here (a prefill stops before the last token)
+        self._round: tuple[int, int] | None = None  # (history length, drafts) of the drafted round in flight
+        self._predicted: list[bool] = []  # scored positions not yet observed
         self._proposed = False
 
     acceptance = property(lambda self: self.policy.acceptance)
@@ -309,19 +331,40 @@ class ReplayedDraft:
         t = len(history) - self.start
         k = self.policy.num_tokens(min(limit, len(self.output) - t))
         self.drafted_last = k
+        if k == 0:
+            if self.policy.score_now and len(history) - 1 - self.fed >= 2:
+                self._score(len(history))
+                self.fed, self.scored_last = len(history) - 1, True
+            return []
+        if len(history) - self.fed > self.policy.steady_catch_up:
+            self._score(len(history))
+        self._round = (len(history), k)
         right = min(k, self.lengths[t] if t < len(self.lengths) else 0)
         return self.output[t : t + right] + [-1] * (k - right)
+
+    def _score(self, end: int) -> None:
+        """The draft model's predictions at positions fed+1 .. end-1 (absolute)."""
+        if self.policy.scores:
+            self._predicted = [self.lengths[p - self.start] > 0 for p in range(self.fed + 1, end)]
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if not self._proposed:
             self.policy.skip()
         self._proposed = False
+        if self._predicted:
+            self.policy.observe_scored(self._predicted)
+            self._predicted = []
+        if self._round is not None:
+            # Its cache keeps the accepted drafts it fed (all but its last draft).
+            self.fed = self._round[0] + min(accepted, self._round[1] - 1)
+            self._round = None
         self.policy.observe(drafted, accepted, seconds)
 
     def extra_cost(self) -> float:
         """The draft model's work in the round just made (0 when it made none)."""
         k, self.drafted_last = self.drafted_last, 0
-        return (k + 1) * self.draft_step if k else 0.0
+        scored, self.scored_last = self.scored_last, False
+        return (k + 1) * self.draft_step if k else self.SCORING_STEPS * self.draft_step if scored else 0.0
 
 
 def simulated_lengths(output: list[int], rate: float) -> list[int]:
@@ -455,13 +498,13 @@ def main(argv: list[str] | None = None) -> None:
     workloads = W.build_workloads(
         tokenize, lambda p, n: greedy(kit, p, n), lengths=(128, 512, 1024), multi_turn_lengths=(512,)
     )
-    draft_step = costs.measure_chained_step(kit.draft.model, kit.vocab_size) if lines is None else 0.0
+    draft_step = costs.measure_draft_step_ratio(kit.model, kit.draft.model, kit.vocab_size) if lines is None else 0.0
     measured: dict[int, costs.CostModel] = {}
     policies = {f"k={k}": (lambda rounds, k=k: Fixed(k)) for k in (1, 2, 3, 4, 6, 8)}
     for decay in (float(d) for d in args.decays.split(",")):
 
         def adaptive(rounds: costs.RoundCosts, decay: float = decay) -> DraftLengthPolicy:
-            return DraftLengthPolicy(None, rounds, decay=decay)
+            return DraftLengthPolicy(None, rounds, decay=decay, scores=True)
 
         policies[f"adaptive d={decay:g}"] = adaptive
     policies["follow-the-leader"] = lambda rounds: FollowTheLeader([t / rounds.prior[0] for t in rounds.prior])
@@ -481,7 +524,7 @@ def main(argv: list[str] | None = None) -> None:
             if context not in measured:
                 measured[context] = costs.measure(kit.model, kit.vocab_size, context=context)
             cm = measured[context]
-            rounds = costs.RoundCosts(cm, draft_step / cm.step())
+            rounds = costs.RoundCosts(cm, draft_step)
         round_cost = [t / rounds.prior[0] for t in rounds.prior]
         row = {name: replay(lengths, round_cost, make(rounds)) for name, make in policies.items()}
         fixed = {k: replay(lengths, round_cost, Fixed(k)) for k in range(costs.MAX_MODEL_DRAFT + 1)}

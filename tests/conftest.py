@@ -48,6 +48,18 @@ def foreign_tokenizer_path(models_dir) -> Path:
 
 
 @pytest.fixture
+def cheap_draft(monkeypatch):
+    """Draft models priced at a tenth of their target's step. The tiny random
+    fixtures cost about what their targets do, which no real draft does, so
+    the adaptive draft length would never draft with them; with this it
+    drafts from the prior in its first rounds (their drafts are rejected, and
+    scoring then keeps it undrafted)."""
+    from mlx_engine.kits.text import DraftModel
+
+    monkeypatch.setattr(DraftModel, "chained_step_ratio", lambda self, *a, **k: 0.1)
+
+
+@pytest.fixture
 def kit(llama_path):
     k = mlx_engine.load_model(llama_path)
     yield k

@@ -40,7 +40,7 @@ def test_same_model_draft_accepts_everything(llama_path):
 
 
 @pytest.mark.parametrize("k", [None, 1, 3, 8])
-def test_draft_greedy_output_equals_plain(llama_path, draft_path, k):
+def test_draft_greedy_output_equals_plain(llama_path, draft_path, k, cheap_draft):
     kit = me.load_model(llama_path)
     prompt = me.tokenize(kit, TEXT)
     plain, _ = generate_ids(kit, prompt, max_tokens=30, speculative_decoding_toggle=None)
@@ -282,10 +282,56 @@ def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
     stats = loop_stats(steps)
     spec = [s.token for s in steps]
     assert spec == plain
-    # After the first rejections it stops drafting, except short exploration
-    # drafts, ever further apart, to notice a change.
+    # After the first rejections it stops drafting: the draft model is scored
+    # on the decoded tokens instead, which never shows a length that pays.
     assert stats.verify_rounds <= 8, stats.verify_rounds
     assert stats.drafted_tokens <= 2 * stats.verify_rounds
+
+
+def test_adaptive_length_scores_the_idle_draft_model_and_resumes_where_it_is_right():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+
+    table = successor_table(96)
+    # The draft is wrong after tokens below 25 (it skips one) and right after the rest.
+    draft_table = mx.where(mx.arange(96)[:, None] < 25, mx.roll(table, 1, axis=1), table)
+    target, draft_model = MarkovLM(table), MarkovLM(draft_table)
+    verify = CostModel(tuple(0.01 * (1 + 0.3 * (n - 1)) for n in range(1, 18)))
+    sampler = build_sampler(SamplingParams())
+    plain = [s.token for s in decode(SequenceCache(target), [3], 70, sampler, [], 20, None)]
+    draft = DraftModel(None, draft_model, SequenceCache(draft_model), 0)
+    drafter = DraftModelDrafter(draft, None, RoundCosts(verify, draft_step=0.2), vocab_size=96)
+    scored = []
+    observe_scored = drafter.policy.observe_scored
+    drafter.policy.observe_scored = lambda matches: (scored.append(matches), observe_scored(matches))
+    steps = list(decode(SequenceCache(target), [3], 70, sampler, [], 20, drafter))
+    assert [s.token for s in steps] == plain  # 4, 5, ...: drafts are right from output position 22 on
+    rounds = [(i, s.outcome) for i, s in enumerate(steps) if s.outcome is not None and s.outcome.drafted]
+    # No exploration drafts in the wrong stretch: only the first rounds, drafted
+    # on the prior, before any evidence.
+    assert len([i for i, _ in rounds if i < 22]) <= 2, rounds
+    # Scoring saw both stretches, a few positions at a time (further apart while
+    # nothing paid), and drafting resumed at the first scoring after the draft
+    # turned right.
+    gap = drafter.policy.max_score_gap
+    assert any(m and not any(m) for m in scored) and any(m and all(m) for m in scored), scored
+    assert all(len(m) <= gap + 2 for m in scored), scored
+    resumed = [i for i, _ in rounds if i >= 22]
+    assert resumed and resumed[0] <= 22 + gap + 2, rounds
+    assert sum(o.accepted for i, o in rounds if i >= 22) >= 20, rounds
+
+
+def test_scored_positions_count_as_the_rounds_drafting_through_them_would_make():
+    from mlx_engine.speculative.policy import DraftLengthPolicy
+
+    scored, drafted = DraftLengthPolicy(None, scores=True), DraftLengthPolicy(None)
+    scored.observe_scored([True, True, False, False, True])
+    # A round drafting from each position: 2 accepted, 1, none, none, and 1
+    # cut off by the end (the next position is not decoded yet).
+    for k, a in ((3, 2), (2, 1), (1, 0), (1, 0), (1, 1)):
+        drafted.acceptance.observe(k, a)
+    assert scored.acceptance.tries == drafted.acceptance.tries
+    assert scored.acceptance.hits == drafted.acceptance.hits
+    assert scored.acceptance.conditional()[:3] == drafted.acceptance.conditional()[:3]
 
 
 def test_adaptive_length_backs_off_exploring_and_times_undrafted_rounds():
@@ -358,7 +404,7 @@ def test_rounds_after_the_draft_model_caught_up_are_not_timed():
     assert timed == [(3, None), (3, 0.02), (0, 0.01)]
 
 
-def test_after_a_rejection_the_next_draft_is_at_most_twice_as_far_plus_two():
+def test_the_next_draft_is_at_most_twice_as_far_as_the_last_got_plus_two():
     from mlx_engine.speculative.costs import CostModel, RoundCosts
 
     # Drafts are nearly free and acceptance has been perfect: the longest pays.
@@ -368,7 +414,10 @@ def test_after_a_rejection_the_next_draft_is_at_most_twice_as_far_plus_two():
     assert drafter.num_tokens(16) == 16
     drafter.observe(16, 1)  # the burst ends at the second draft
     assert drafter.num_tokens(16) == 2 * (1 + 1) + 2
-    drafter.observe(6, 6)  # a fully accepted round lifts the bound
+    for _ in range(5):
+        drafter.observe(3, 3)  # short rounds, every draft accepted
+    assert drafter.num_tokens(16) == 2 * 3 + 2  # not straight to 16: positions past 3 are untested
+    drafter.observe(8, 8)  # a fully accepted longer round lifts the bound
     assert drafter.num_tokens(16) == 16
 
 
@@ -425,7 +474,7 @@ def test_a_draft_model_remembers_its_acceptance_across_requests():
     assert draft.acceptance_prior(0.6) == pytest.approx(seen)
 
 
-def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_explores():
+def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_scores():
     from mlx_engine.speculative.costs import CostModel, RoundCosts
 
     table = successor_table(50)
@@ -439,12 +488,16 @@ def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_explores
         RoundCosts(verify, draft_step=0.2),
         vocab_size=50,
     )
-    skipped = []
-    skip = drafter.policy.skip
+    skipped, scored = [], []
+    skip, observe_scored = drafter.policy.skip, drafter.policy.observe_scored
     drafter.policy.skip = lambda: (skipped.append(1), skip())[1]
+    drafter.policy.observe_scored = lambda matches: (scored.append(len(matches)), observe_scored(matches))
     steps = list(decode(SequenceCache(target), [3], 120, sampler, [], 20, drafter))
     stats = loop_stats(steps)
     spec = [s.token for s in steps]
     assert spec == plain
     assert len(skipped) > 60  # most idle rounds were queued ahead, without propose
-    assert stats.verify_rounds >= 4  # exploration drafts still came, ever further apart
+    # Idle rounds scored the draft model on what was decoded since, every
+    # score_every-th at first, then further apart while nothing paid.
+    assert len(scored) >= 120 // (drafter.policy.max_score_gap + 1) and sum(scored) >= 60, scored
+    assert stats.verify_rounds <= 2

@@ -399,14 +399,14 @@ def test_draft_step_cost_is_stored(llama_path, draft_path, tmp_path, monkeypatch
     me.load_draft_model(kit, draft_path)
     prompt = me.tokenize(kit, "a b c a b c a b c")
     generate_ids(kit, prompt, max_tokens=3)
-    step = kit.draft.step_cost
-    assert cost_store.load(kit.cost_key("draft_step", kit.draft.path)) == {"seconds": step}
+    step = kit.draft.step_ratio
+    assert cost_store.load(kit.cost_key("draft_step_ratio", kit.draft.path)) == {"ratio": step}
     me.unload(kit)
-    monkeypatch.setattr(costs, "measure_chained_step", lambda *a, **k: pytest.fail("measured a stored draft step"))
+    monkeypatch.setattr(costs, "measure_draft_step_ratio", lambda *a, **k: pytest.fail("measured a stored draft step"))
     again = me.load_model(llama_path)
     me.load_draft_model(again, draft_path)
     generate_ids(again, prompt, max_tokens=3)
-    assert again.draft.step_cost == step
+    assert again.draft.step_ratio == step
     me.unload(again)
 
 

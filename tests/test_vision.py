@@ -413,7 +413,7 @@ def test_lookup_drafter_sees_real_token_ids(qwen_kit):
     assert seen and min(seen) >= 0
 
 
-def test_text_draft_model_drafts_for_image_prompts(qwen_vl_path, vlm_draft_path):
+def test_text_draft_model_drafts_for_image_prompts(qwen_vl_path, vlm_draft_path, cheap_draft):
     kit = me.load_model(qwen_vl_path)
     report = me.check_draft_model(kit, vlm_draft_path)
     assert report.compatible, report.reasons

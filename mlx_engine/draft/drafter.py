@@ -50,7 +50,13 @@ class DraftModelDrafter:
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         if draft is not None:
             prior_acceptance = draft.acceptance_prior(prior_acceptance)
-        self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance)
+        # The adaptive length scores the draft model on tokens decoded without
+        # it instead of exploring with drafts (DraftLengthPolicy.observe_scored).
+        scores = draft is not None and num_draft_tokens is None
+        self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance, scores=scores)
+        # The draft model's greedy predictions at positions it was fed in one
+        # pass, not yet compared (evaluated lazily), and the tokens decoded there.
+        self._predicted: tuple[mx.array, list[int]] | None = None
         self._unresolved: tuple[int, mx.array] | None = None
         self._catch_up = 0  # tokens the draft model processed before this round's drafts
         self._proposed = False  # the length of the round observed next was decided (num_tokens ran)
@@ -97,6 +103,8 @@ class DraftModelDrafter:
         k = self.num_tokens(limit)
         self._last_drafted = k > 0
         if k <= 0:
+            if self.policy.score_now:
+                self._score(history)
             return []
         cache = self.cache
         # Back to the accepted history (a recurrent draft to the state after
@@ -117,7 +125,9 @@ class DraftModelDrafter:
         and one evaluation runs both (no sync per token or per model)."""
         cache = self.cache
         release_row(self.draft.batch, cache)
-        y = mx.argmax(cache.feed(feed)[-1][: self.vocab_size])
+        logits = cache.feed(feed)
+        self.note_catch_up(logits, feed)
+        y = mx.argmax(logits[-1][: self.vocab_size])
         mx.async_eval(y)
         ys = [y]
         start = len(cache)
@@ -135,6 +145,45 @@ class DraftModelDrafter:
         their ids are named in the cache when the next round is proposed."""
         self._unresolved = (start, drafts)
 
+    def _score(self, history: list[int]) -> None:
+        """A scoring round: feed the draft model what was decoded without it
+        (all but the last token, as a prefill leaves it) in one pass, for its
+        predictions there; they are compared when the round is observed."""
+        cache = self.cache
+        keep = cache.rewind_to(min(common_prefix_length(cache.tokens, history), len(history) - 1))
+        feed = history[keep:-1]
+        if len(feed) < 2:
+            return
+        batch = self.draft.batch
+        if self.batched and batch is not None and cache in batch:
+            logits = batch.feed([(cache, feed, None)])[0][0]  # no row leaves the draft batch
+        else:
+            release_row(batch, cache)
+            logits = cache.feed(feed)
+        self._keep_predictions(logits, history[keep + 1 :])
+
+    def note_catch_up(self, logits: mx.array, feed: list[int]) -> None:
+        """Keep the predictions of a drafting pass that first caught the draft
+        model up on ``feed`` (tokens decoded without it, more than a drafted
+        round's steady catch-up), to score them."""
+        if len(feed) > self.policy.steady_catch_up:
+            self._keep_predictions(logits, feed[1:])
+
+    def _keep_predictions(self, logits: mx.array, actual: list[int]) -> None:
+        """Keep the greedy predictions of ``logits``' first rows, which
+        ``actual`` follow, to compare them when the round is observed."""
+        if self.policy.scores and actual:
+            predicted = mx.argmax(logits[: len(actual), : self.vocab_size], axis=-1)
+            mx.async_eval(predicted)
+            self._predicted = (predicted, actual)
+
+    def _observe_predictions(self) -> None:
+        """Score the kept predictions against the tokens decoded there."""
+        if self._predicted is not None:
+            predicted, actual = self._predicted
+            self._predicted = None
+            self.policy.observe_scored([p == a for p, a in zip(predicted.tolist(), actual)])
+
     def _resolve(self) -> None:
         """Name the draft ids fed lazily last round (evaluated by now)."""
         if self._unresolved is not None:
@@ -146,6 +195,7 @@ class DraftModelDrafter:
         if not self._proposed:  # a round the loop queued ahead (plain_ahead)
             self.policy.skip()
         self._proposed = False
+        self._observe_predictions()  # positions before this round's
         if drafted and self.draft is not None:
             self.draft.record(drafted, accepted)
         self.policy.observe(drafted, accepted, seconds, catch_up=self._catch_up)
@@ -180,6 +230,8 @@ class DraftJob(PendingDrafts):
             if job.drafter.cache not in batch:
                 batch.join(job.drafter.cache)
         out = batch.feed([(j.drafter.cache, j.feed, None) for j in jobs])
+        for job, (logits, _) in zip(jobs, out):
+            job.drafter.note_catch_up(logits, job.feed)
         chains = [[mx.argmax(logits[-1][:vocab])] for logits, _ in out]
         mx.async_eval([c[-1] for c in chains])
         starts = [len(j.drafter.cache) for j in jobs]

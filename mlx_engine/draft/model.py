@@ -23,7 +23,7 @@ class DraftModel:
     model: nn.Module
     first_cache: SequenceCache  # the pool's first cache; a drafter given no cache drafts with it
     num_params: int
-    step_cost: float | None = None  # seconds per chained draft step, measured when first needed
+    step_ratio: float | None = None  # a chained draft step in main-model steps, measured when first needed
     spare: list[SequenceCache] = field(default_factory=list)  # more caches, for parallel requests
     lent: list[SequenceCache] = field(default_factory=list)  # caches running requests draft with
     batch: RaggedBatch | None = None  # rows of the lent caches while parallel requests draft
@@ -44,22 +44,22 @@ class DraftModel:
             return default
         return self.accepted_seen / self.drafted_seen
 
-    def chained_step_seconds(self, vocab_size: int, key: dict | None = None) -> float:
-        """Seconds per draft step as a drafter chains them, found once per loaded
-        draft: the record stored under ``key`` (cost_store.py), else measured and
-        stored there."""
-        if self.step_cost is None:
+    def chained_step_ratio(self, main: nn.Module, vocab_size: int, key: dict | None = None) -> float:
+        """A draft step, as a drafter chains them, in single steps of the main
+        model ``main``; found once per loaded draft: the record stored under
+        ``key`` (cost_store.py), else measured and stored there."""
+        if self.step_ratio is None:
             record = (cost_store.load(key) if key is not None else None) or {}
-            stored = cost_store.positive_floats([record.get("seconds")], 1)
+            stored = cost_store.positive_floats([record.get("ratio")], 1)
             if stored is not None:
-                self.step_cost = stored[0]
+                self.step_ratio = stored[0]
             else:
-                # Short (12 draft steps): it is paid in a request's time to first
-                # token, and timed rounds correct what it misses.
-                self.step_cost = costs.measure_chained_step(self.model, vocab_size, context=32, repeats=2)
+                # Short (16 draft steps, 4 main ones): it is paid in a request's
+                # time to first token, and timed rounds correct what it misses.
+                self.step_ratio = costs.measure_draft_step_ratio(main, self.model, vocab_size)
                 if key is not None:
-                    cost_store.save(key, {"seconds": self.step_cost})
-        return self.step_cost
+                    cost_store.save(key, {"ratio": self.step_ratio})
+        return self.step_ratio
 
     def lend(self, prompt: list[int], make) -> SequenceCache:
         """An idle draft cache for a request (the one sharing the longest prefix

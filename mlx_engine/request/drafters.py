@@ -19,10 +19,7 @@ from .plan import DecodingPlan
 
 def draft_step_cost(kit: ModelKit) -> float:
     """A draft-model step, as the drafter chains them, in main-model steps."""
-    return (
-        kit.draft.chained_step_seconds(kit.vocab_size, kit.cost_key("draft_step", kit.draft.path))
-        / kit.forward_costs().step()
-    )
+    return kit.draft.chained_step_ratio(kit.model, kit.vocab_size, kit.cost_key("draft_step_ratio", kit.draft.path))
 
 
 def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:

@@ -15,18 +15,27 @@ def rejection_cap(rejected_at: int | None, max_k: int) -> int:
     """The longest next draft after a round rejected at draft position
     ``rejected_at`` (a + 1 for a drafts accepted; None: nothing rejected):
     2·(a+1)+2. The burst that just ended says little past there; every
-    drafter (the draft model's policy, lookup under the router) caps by it."""
+    drafter (the draft model's policy, lookup under the router) caps by it.
+    The draft model's policy also caps a round after one that accepted all
+    its k drafts, at 2·k+2: the acceptance learned from short rounds says
+    little about positions twice as deep."""
     return max_k if rejected_at is None else min(max_k, 2 * rejected_at + 2)
 
 
 class DraftLengthPolicy:
     """Chooses each round's draft length from the observed acceptance and round
     times (``round_costs``). It is at most ``2·(a+1)+2`` after a round that
-    accepted ``a`` drafts and rejected one. When no length pays, rounds go
+    accepted ``a`` drafts and rejected one, and ``2·k+2`` after one that
+    accepted all its ``k``. When no length pays, rounds go
     undrafted, with an exploration draft after ``explore_every`` of them so a
     change in acceptance is noticed (the gap doubles, up to ``max_explore_gap``,
-    while those drafts keep not paying). docs/decoding.md explains each rule and
-    how it was chosen."""
+    while those drafts keep not paying). A drafter that can ``score`` the draft
+    model on the tokens decoded without it (``observe_scored``) is asked to do
+    that instead, every ``score_every`` undrafted rounds and further apart (up
+    to ``max_score_gap``) while scoring finds nothing that pays: a pass of the draft
+    model over those tokens costs a fraction of a verify pass carrying
+    exploration drafts, and tells exactly what drafting there would have had
+    accepted. docs/decoding.md explains each rule and how it was chosen."""
 
     explore_every = 2
     max_explore_gap = 64
@@ -34,6 +43,9 @@ class DraftLengthPolicy:
     # Between drafted rounds the draft model is one or two tokens behind: the
     # target's own token, after the last draft it had not been fed.
     steady_catch_up = 2
+    score_every = 4
+    max_score_gap = 16
+    MAX_SCORED = 64
 
     def __init__(
         self,
@@ -41,21 +53,28 @@ class DraftLengthPolicy:
         round_costs: costs.RoundCosts | None = None,
         prior_acceptance: float = 0.6,
         decay: float = 0.8,
+        scores: bool = False,
     ):
         self.fixed = fixed
+        self.scores = scores  # undrafted rounds are scored (observe_scored) instead of explored
+        self.score_now = False  # the round num_tokens just chose is a scoring one
         self.round_costs = round_costs
         # A draft model's acceptance changes quickly between copied and free
         # text, so its evidence turns over faster than the default.
         self.acceptance = speedup.AcceptanceModel(prior_acceptance, decay=decay)
         self.idle_rounds = 0  # consecutive undrafted rounds (adaptive length only)
         self.explore_gap = self.explore_every
+        self.score_gap = self.score_every
         # How far the last drafted round got (accepted + 1) if it had a draft
         # rejected, else None; bounds the next draft (see observe).
         self._rejected_at: int | None = None
+        self._last_drafted = 0  # drafts of the last drafted round
         self._timing_wait = 0  # rounds an undrafted timing has waited for a rejection
 
     def num_tokens(self, limit: int) -> int:
-        """The next round's draft length (0: an undrafted round)."""
+        """The next round's draft length (0: an undrafted round, a scoring one
+        when ``score_now`` is then set)."""
+        self.score_now = False
         if self.fixed is not None:
             return min(self.fixed, limit)
         if self.round_costs is None:
@@ -63,11 +82,18 @@ class DraftLengthPolicy:
         if self._time_undrafted_now():
             return 0
         max_k = min(limit, costs.MAX_MODEL_DRAFT)
-        max_k = rejection_cap(self._rejected_at, max_k)
+        # Not much further than the last drafted round got: it was rejected at
+        # _rejected_at, or accepted all its _last_drafted drafts.
+        max_k = rejection_cap(self._rejected_at or self._last_drafted or None, max_k)
         k, _ = speedup.best_draft_length(self.acceptance, self.round_costs, max_k)
         if k == 0:
             self.idle_rounds += 1
-            if self.idle_rounds < self.explore_gap:
+            if self.idle_rounds < self._gap():
+                return 0
+            if self.scores:
+                # Further apart while scoring keeps finding nothing that pays.
+                self.idle_rounds, self.score_now = 0, True
+                self.score_gap = min(2 * self.score_gap, self.max_score_gap)
                 return 0
             # Explore with the most promising drafted length, not one token: on
             # MLX's CPU backend the step from a 1- to a 2-token pass is the dear
@@ -77,16 +103,20 @@ class DraftLengthPolicy:
             self.explore_gap = min(2 * self.explore_gap, self.max_explore_gap)
             return speedup.best_draft_length(self.acceptance, self.round_costs, max_k, min_k=1)[0]
         self.idle_rounds = 0
-        self.explore_gap = self.explore_every
+        self.explore_gap, self.score_gap = self.explore_every, self.score_every
         return k
 
     def idle_next(self) -> bool:
         """Whether the next round is undrafted whatever this one's outcome (no
         length pays and no exploration is due), so the loop may queue it ahead
         as plain decoding does; ``skip`` then counts it."""
-        if self.fixed is not None or self.round_costs is None or self.idle_rounds + 1 >= self.explore_gap:
+        if self.fixed is not None or self.round_costs is None or self.idle_rounds + 1 >= self._gap():
             return False
         return speedup.best_draft_length(self.acceptance, self.round_costs, costs.MAX_MODEL_DRAFT)[0] == 0
+
+    def _gap(self) -> int:
+        """Undrafted rounds before the next exploration draft or scoring."""
+        return self.score_gap if self.scores else self.explore_gap
 
     def skip(self) -> None:
         """An undrafted round the loop queued ahead (``idle_next`` was true)."""
@@ -115,6 +145,7 @@ class DraftLengthPolicy:
             # two: the next round starts right after a token the draft missed, and
             # acceptance learned deep inside the burst that just ended is stale there.
             self._rejected_at = accepted + 1 if accepted < drafted else None
+            self._last_drafted = drafted
             if catch_up > self.steady_catch_up:
                 # The draft model first caught up on tokens decoded without it: a
                 # one-off cost of resuming drafting, not what a round of this length
@@ -122,3 +153,23 @@ class DraftLengthPolicy:
                 seconds = None
         if self.round_costs is not None:
             self.round_costs.observe(drafted, seconds)
+
+    def observe_scored(self, matches: list[bool]) -> None:
+        """Acceptance evidence without a verify pass: whether the draft model's
+        greedy prediction at each of a run of decoded positions was the token
+        decoded there (teacher forcing). For greedy drafts, n matches in a row
+        from a position are exactly what a round drafting from there would have
+        had accepted, so each position counts as such a round: ``[T, T, F]`` as
+        rounds accepting 2 then rejecting, rejecting the second draft, and
+        rejecting the first. A run reaching the end is cut there (what follows
+        is not decoded yet): ``[F, T]`` ends with a round accepting 1. Only
+        the last ``MAX_SCORED`` positions count (older evidence has decayed)."""
+        matches = matches[-self.MAX_SCORED :]
+        runs, run = [], 0  # runs[j]: matches in a row from position j
+        for hit in reversed(matches):
+            run = run + 1 if hit else 0
+            runs.append(run)
+        for j, run in enumerate(reversed(runs)):
+            cut = j + run == len(matches)
+            if run or not cut:
+                self.acceptance.observe(run + (not cut), run)

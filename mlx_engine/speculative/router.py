@@ -410,7 +410,7 @@ class AutoRouter:
             self._watch_lookup()
         elif self.mode == Mode.DRAFT_MODEL and by is None:
             # Not left for plain decoding when it stops paying: the drafter then
-            # pauses drafting by itself and keeps exploring, so it resumes when
+            # pauses drafting by itself and keeps scoring the draft model, so it resumes when
             # the text turns predictable (plain decoding could only leave for
             # prompt lookup, so a pessimistic start would forfeit the draft). A
             # lookup round (by == "lookup") is scored by its shadow draft, not here.
