@@ -207,8 +207,8 @@ def measure_draft_step_ratio(
 ) -> float:
     """A chained draft step (``measure_chained_step``) in single steps of
     ``model``, the two timed in turn so that other work on the machine slows
-    both alike: two separate measurements, each stored, once gave 0.03 and
-    0.56 for a draft whose step costs a tenth of the main model's."""
+    both alike (two separate timings, each stored, can each catch a different
+    load: docs/decoding.md, *Round costs*)."""
     draft_timer = _chained_timer(draft, vocab_size, chain, context)
     cache = make_prompt_cache(model)
     tokens = mx.random.randint(0, vocab_size, (context + 1,), key=mx.random.key(2))
