@@ -19,6 +19,18 @@ def decode(*args, **kwargs):
     return run_alone(_decode(*args, **kwargs))
 
 
+def untimed_costs(verify, draft_step: float = 0.0):
+    """Round costs that stay at ``verify``'s: the tiny models' timed rounds
+    would otherwise re-price drafting by this machine's scheduling noise."""
+    from mlx_engine.speculative.costs import RoundCosts
+
+    class Untimed(RoundCosts):
+        def observe(self, k: int, seconds: float | None) -> None:
+            pass
+
+    return Untimed(verify, draft_step=draft_step)
+
+
 TEXT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 
 
@@ -268,28 +280,36 @@ def test_decode_reports_round_times_to_the_drafter():
     assert len(seen) > 3 and all(s > 0 for _, s in seen[1:])
 
 
-def test_adaptive_length_skips_drafting_that_does_not_pay_and_keeps_exploring():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
+def test_adaptive_length_rests_a_confident_draft_model_that_is_always_wrong():
+    from mlx_engine.speculative.costs import CostModel
 
     table = successor_table(50)
     target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong
     verify = CostModel(tuple(0.01 * (1 + 0.3 * (n - 1)) for n in range(1, 18)))  # each drafted token costs 0.3 steps
     sampler = build_sampler(SamplingParams())
-    plain = [s.token for s in decode(SequenceCache(target), [3], 60, sampler, [], 20, None)]
+    plain = [s.token for s in decode(SequenceCache(target), [3], 120, sampler, [], 20, None)]
     draft = DraftModel(None, draft_model, SequenceCache(draft_model), 0)
-    drafter = DraftModelDrafter(draft, None, RoundCosts(verify, draft_step=0.2), vocab_size=50)
-    steps = list(decode(SequenceCache(target), [3], 60, sampler, [], 20, drafter))
-    stats = loop_stats(steps)
-    spec = [s.token for s in steps]
-    assert spec == plain
-    # After the first rejections it stops drafting: the draft model is scored
-    # on the decoded tokens instead, which never shows a length that pays.
-    assert stats.verify_rounds <= 8, stats.verify_rounds
-    assert stats.drafted_tokens <= 2 * stats.verify_rounds
+    drafter = DraftModelDrafter(draft, None, untimed_costs(verify, draft_step=0.2), vocab_size=50)
+    steps = list(decode(SequenceCache(target), [3], 120, sampler, [], 20, drafter))
+    assert [s.token for s in steps] == plain
+    drafted = [(i, s.outcome.drafted) for i, s in enumerate(steps) if s.outcome is not None and s.outcome.drafted]
+    # The draft is ~98% sure of each wrong draft: the first round drafts far on
+    # that, then the rejections scale its confidence down, so the next drafts
+    # are shorter, until score_every rounds in a row accepted nothing.
+    first = [k for _, k in drafted[: drafter.policy.score_every]]
+    assert first[0] > 2 and first[1:] == sorted(first[1:], reverse=True) and first[-1] == 1, drafted
+    # Then it rests, and after each rest one drafted round that accepts nothing
+    # sends it back to rest, twice as long, up to max_score_gap rounds.
+    starts = [i for i, _ in drafted[drafter.policy.score_every - 1 :]]
+    gaps = [b - a - 1 for a, b in zip(starts, starts[1:])]
+    gap = drafter.policy.max_score_gap
+    assert gaps == sorted(gaps) and gaps[0] <= drafter.policy.score_every + 1 and gaps[-1] >= gap, drafted
+    assert max(gaps) <= gap + 1, drafted  # (+1: an undrafted round timed after a rejection)
+    assert all(k == 1 for _, k in drafted[drafter.policy.score_every :])
 
 
-def test_adaptive_length_scores_the_idle_draft_model_and_resumes_where_it_is_right():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
+def test_adaptive_length_resumes_when_the_draft_model_turns_right():
+    from mlx_engine.speculative.costs import CostModel
 
     table = successor_table(96)
     # The draft is wrong after tokens below 25 (it skips one) and right after the rest.
@@ -299,25 +319,40 @@ def test_adaptive_length_scores_the_idle_draft_model_and_resumes_where_it_is_rig
     sampler = build_sampler(SamplingParams())
     plain = [s.token for s in decode(SequenceCache(target), [3], 70, sampler, [], 20, None)]
     draft = DraftModel(None, draft_model, SequenceCache(draft_model), 0)
-    drafter = DraftModelDrafter(draft, None, RoundCosts(verify, draft_step=0.2), vocab_size=96)
-    scored = []
-    observe_scored = drafter.policy.observe_scored
-    drafter.policy.observe_scored = lambda matches: (scored.append(matches), observe_scored(matches))
+    drafter = DraftModelDrafter(draft, None, untimed_costs(verify, draft_step=0.2), vocab_size=96)
     steps = list(decode(SequenceCache(target), [3], 70, sampler, [], 20, drafter))
     assert [s.token for s in steps] == plain  # 4, 5, ...: drafts are right from output position 22 on
     rounds = [(i, s.outcome) for i, s in enumerate(steps) if s.outcome is not None and s.outcome.drafted]
-    # No exploration drafts in the wrong stretch: only the first rounds, drafted
-    # on the prior, before any evidence.
-    assert len([i for i, _ in rounds if i < 22]) <= 2, rounds
-    # Scoring saw both stretches, a few positions at a time (further apart while
-    # nothing paid), and drafting resumed at the first scoring after the draft
-    # turned right.
-    gap = drafter.policy.max_score_gap
-    assert any(m and not any(m) for m in scored) and any(m and all(m) for m in scored), scored
-    assert all(len(m) <= gap + 2 for m in scored), scored
-    resumed = [i for i, _ in rounds if i >= 22]
-    assert resumed and resumed[0] <= 22 + gap + 2, rounds
-    assert sum(o.accepted for i, o in rounds if i >= 22) >= 20, rounds
+    # In the wrong stretch: the first rounds, then one after each rest.
+    assert len([i for i, _ in rounds if i < 22]) <= drafter.policy.score_every + 2, rounds
+    # Drafting resumed after the rest the draft was in when it turned right, and
+    # the drafts grew as they kept being accepted.
+    resumed = [(i, o) for i, o in rounds if i >= 22]
+    assert resumed and resumed[0][0] <= 22 + drafter.policy.max_score_gap + 2, rounds
+    assert all(o.accepted == o.drafted for _, o in resumed) and max(o.drafted for _, o in resumed) > 3, rounds
+    assert sum(o.accepted for _, o in resumed) >= 20, rounds
+
+
+def test_the_next_draft_is_worth_computing_while_its_best_chance_pays_for_it():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+    from mlx_engine.speculative.policy import DraftLengthPolicy
+
+    # Rounds of k drafts cost 1.34 + 0.19·k undrafted steps (the example in keep_drafting).
+    verify = CostModel((0.01,) + tuple(0.01 * (1.34 + 0.19 * k) for k in range(1, 17)))
+    policy = DraftLengthPolicy(None, RoundCosts(verify), confident=True)
+    assert policy.keep_drafting([0.9, 0.6 / 0.9])  # survivals 0.9, 0.6: a third may add 0.6 tokens
+    assert not policy.keep_drafting([0.9, 0.2 / 0.9])
+    assert policy.keep_drafting([0.3])  # one draft this sure does not pay, but with a second it may
+    assert not policy.keep_drafting([0.1])
+    # Drafts accepted less often than the draft was sure of them scale its
+    # confidence down; drafts accepted more often never scale it up.
+    policy.note_drafts([0.95, 0.95, 0.95])
+    policy.observe(3, 0)
+    assert policy.survival([0.95])[0] == pytest.approx(0.95 * 2 / (2 + 0.95))  # weight 2 at 1.0, one miss at 0.95
+    sure = DraftLengthPolicy(None, RoundCosts(verify), confident=True)
+    sure.note_drafts([0.5, 0.5])
+    sure.observe(2, 2)
+    assert sure.survival([0.5, 0.5]) == [0.5, 0.25]
 
 
 def test_scored_positions_count_as_the_rounds_drafting_through_them_would_make():
@@ -474,8 +509,8 @@ def test_a_draft_model_remembers_its_acceptance_across_requests():
     assert draft.acceptance_prior(0.6) == pytest.approx(seen)
 
 
-def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_scores():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
+def test_a_resting_draft_model_lets_the_loop_queue_rounds_ahead():
+    from mlx_engine.speculative.costs import CostModel
 
     table = successor_table(50)
     target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong
@@ -485,19 +520,14 @@ def test_an_idle_draft_model_lets_the_loop_queue_rounds_ahead_and_still_scores()
     drafter = DraftModelDrafter(
         DraftModel(None, draft_model, SequenceCache(draft_model), 0),
         None,
-        RoundCosts(verify, draft_step=0.2),
+        untimed_costs(verify, draft_step=0.2),
         vocab_size=50,
     )
-    skipped, scored = [], []
-    skip, observe_scored = drafter.policy.skip, drafter.policy.observe_scored
+    skipped, proposed = [], []
+    skip, propose = drafter.policy.skip, drafter.propose
     drafter.policy.skip = lambda: (skipped.append(1), skip())[1]
-    drafter.policy.observe_scored = lambda matches: (scored.append(len(matches)), observe_scored(matches))
+    drafter.propose = lambda history, limit: (proposed.append(len(history)), propose(history, limit))[1]
     steps = list(decode(SequenceCache(target), [3], 120, sampler, [], 20, drafter))
-    stats = loop_stats(steps)
-    spec = [s.token for s in steps]
-    assert spec == plain
-    assert len(skipped) > 60  # most idle rounds were queued ahead, without propose
-    # Idle rounds scored the draft model on what was decoded since, every
-    # score_every-th at first, then further apart while nothing paid.
-    assert len(scored) >= 120 // (drafter.policy.max_score_gap + 1) and sum(scored) >= 60, scored
-    assert stats.verify_rounds <= 2
+    assert [s.token for s in steps] == plain
+    assert len(skipped) > 80  # most rounds of a rest were queued ahead, without propose
+    assert loop_stats(steps).verify_rounds <= 12 and len(proposed) + len(skipped) >= 119

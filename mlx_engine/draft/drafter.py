@@ -24,8 +24,9 @@ class DraftModelDrafter:
 
     The draft cache is synchronised to the history by longest common prefix each
     round, which rewinds rejected drafts and reuses prefixes across requests with
-    the same mechanism. The draft steps are chained lazily and handed to the loop
-    unevaluated. How many tokens to draft is ``policy``'s decision
+    the same mechanism. With a fixed length the draft steps are chained lazily
+    and handed to the loop unevaluated; the adaptive length reads each step, as
+    its confidence decides whether to draft the next. How many tokens to draft is ``policy``'s decision
     (policy.DraftLengthPolicy); this class only tells it how far the draft model
     had to catch up before drafting, so such rounds are not timed."""
 
@@ -50,10 +51,14 @@ class DraftModelDrafter:
         self.vocab_size = vocab_size  # the main model's: padded draft rows are never proposed
         if draft is not None:
             prior_acceptance = draft.acceptance_prior(prior_acceptance)
-        # The adaptive length scores the draft model on tokens decoded without
-        # it instead of exploring with drafts (DraftLengthPolicy.observe_scored).
-        scores = draft is not None and num_draft_tokens is None
-        self.policy = DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance, scores=scores)
+        # The adaptive length drafts as far as the draft model is confident
+        # (DraftLengthPolicy.keep_drafting). Its catch-ups after undrafted
+        # rounds are scored into the acceptance by position (observe_scored),
+        # which the router weighs the draft model by.
+        adaptive = draft is not None and num_draft_tokens is None
+        self.policy = DraftLengthPolicy(
+            num_draft_tokens, round_costs, prior_acceptance, scores=adaptive, confident=adaptive
+        )
         # The draft model's greedy predictions at positions it was fed in one
         # pass, not yet compared (evaluated lazily), and the tokens decoded there.
         self._predicted: tuple[mx.array, list[int]] | None = None
@@ -103,8 +108,6 @@ class DraftModelDrafter:
         k = self.num_tokens(limit)
         self._last_drafted = k > 0
         if k <= 0:
-            if self.policy.score_now:
-                self._score(history)
             return []
         cache = self.cache
         # Back to the accepted history (a recurrent draft to the state after
@@ -122,7 +125,11 @@ class DraftModelDrafter:
 
         The steps are chained lazily, each queued as soon as it is built, and
         handed over unevaluated: the main model's verify pass is built on them
-        and one evaluation runs both (no sync per token or per model)."""
+        and one evaluation runs both (no sync per token or per model). In
+        confident mode each step is read instead: its confidence decides
+        whether the next is computed (``confident_chain``)."""
+        if self.policy.confident:
+            return self.confident_chain(feed, k)
         cache = self.cache
         release_row(self.draft.batch, cache)
         logits = cache.feed(feed)
@@ -140,27 +147,28 @@ class DraftModelDrafter:
         self.fed_lazily(start, drafts)
         return drafts
 
+    def confident_chain(self, feed: list[int], k: int) -> mx.array:
+        """Feed ``feed``, then draft up to k tokens while the policy finds the
+        next one worth computing (``keep_drafting``); returns the drafts."""
+        cache = self.cache
+        release_row(self.draft.batch, cache)
+        logits = cache.feed(feed)
+        self.note_catch_up(logits, feed)
+        ids: list[int] = []
+        confidences: list[float] = []
+        while True:
+            ((token, confidence),) = greedy_picks([logits[-1]], self.vocab_size)
+            ids.append(token)
+            confidences.append(confidence)
+            if len(ids) >= k or not self.policy.keep_drafting(confidences):
+                self.policy.note_drafts(confidences)
+                return mx.array(ids, dtype=mx.uint32)
+            logits = cache.feed([token])
+
     def fed_lazily(self, start: int, drafts: mx.array) -> None:
         """All but the last of ``drafts`` were fed from ``start`` unevaluated;
         their ids are named in the cache when the next round is proposed."""
         self._unresolved = (start, drafts)
-
-    def _score(self, history: list[int]) -> None:
-        """A scoring round: feed the draft model what was decoded without it
-        (all but the last token, as a prefill leaves it) in one pass, for its
-        predictions there; they are compared when the round is observed."""
-        cache = self.cache
-        keep = cache.rewind_to(min(common_prefix_length(cache.tokens, history), len(history) - 1))
-        feed = history[keep:-1]
-        if len(feed) < 2:
-            return
-        batch = self.draft.batch
-        if self.batched and batch is not None and cache in batch:
-            logits = batch.feed([(cache, feed, None)])[0][0]  # no row leaves the draft batch
-        else:
-            release_row(batch, cache)
-            logits = cache.feed(feed)
-        self._keep_predictions(logits, history[keep + 1 :])
 
     def note_catch_up(self, logits: mx.array, feed: list[int]) -> None:
         """Keep the predictions of a drafting pass that first caught the draft
@@ -232,6 +240,9 @@ class DraftJob(PendingDrafts):
         out = batch.feed([(j.drafter.cache, j.feed, None) for j in jobs])
         for job, (logits, _) in zip(jobs, out):
             job.drafter.note_catch_up(logits, job.feed)
+        if any(j.drafter.policy.confident for j in jobs):
+            DraftJob._draft_step_by_step(jobs, batch, [logits for logits, _ in out])
+            return
         chains = [[mx.argmax(logits[-1][:vocab])] for logits, _ in out]
         mx.async_eval([c[-1] for c in chains])
         starts = [len(j.drafter.cache) for j in jobs]
@@ -244,3 +255,38 @@ class DraftJob(PendingDrafts):
         for job, chain, start in zip(jobs, chains, starts):
             job.drafts = mx.stack(chain)
             job.drafter.fed_lazily(start, job.drafts)
+
+    @staticmethod
+    def _draft_step_by_step(jobs: list[DraftJob], batch, logits: list[mx.array]) -> None:
+        """``run_together`` when a job drafts in confident mode: every step is
+        read, and a confident job's row stops when its policy finds the next
+        draft not worth computing (the others run to their k)."""
+        vocab = jobs[0].drafter.vocab_size
+        ids: list[list[int]] = [[] for _ in jobs]
+        confidences: list[list[float]] = [[] for _ in jobs]
+        active = list(range(len(jobs)))
+        while active:
+            going = []
+            for i, (token, confidence) in zip(active, greedy_picks([row[-1] for row in logits], vocab)):
+                ids[i].append(token)
+                confidences[i].append(confidence)
+                policy = jobs[i].drafter.policy
+                if len(ids[i]) < jobs[i].k and (not policy.confident or policy.keep_drafting(confidences[i])):
+                    going.append(i)
+            if going:
+                logits = [r for r, _ in batch.feed([(jobs[i].drafter.cache, [ids[i][-1]], None) for i in going])]
+            active = going
+        for job, row_ids, row_confidences in zip(jobs, ids, confidences):
+            if job.drafter.policy.confident:
+                job.drafter.policy.note_drafts(row_confidences)
+            job.drafts = mx.array(row_ids, dtype=mx.uint32)
+
+
+def greedy_picks(rows: list[mx.array], vocab_size: int | None) -> list[tuple[int, float]]:
+    """The greedy token of each row of logits (its first ``vocab_size``
+    entries) and that token's probability, evaluated together."""
+    rows = [row[:vocab_size] for row in rows]
+    tokens = [mx.argmax(row) for row in rows]
+    confidences = [mx.exp(row[t] - mx.logsumexp(row)) for row, t in zip(rows, tokens)]
+    mx.eval(tokens, confidences)
+    return [(t.item(), c.item()) for t, c in zip(tokens, confidences)]
