@@ -75,7 +75,7 @@ class DraftLengthPolicy:
         self.confident = confident and fixed is None and round_costs is not None
         self.calibration = [0.0, 0.0]  # decaying sums over verified positions: confidence, accepted
         self._confidences: list[float] = []  # of the drafts the round observed next verifies
-        self._fruitless = 0  # consecutive drafted rounds that accepted nothing or were not expected to pay
+        self._fruitless = 0  # drafted rounds that accepted nothing, since one expected to pay accepted some
         self._promising = False  # the drafts noted last were expected to pay
         self._asleep = 0  # undrafted rounds left before the draft model is run again
         self.scores = scores  # undrafted rounds are scored (observe_scored) instead of explored
@@ -196,8 +196,9 @@ class DraftLengthPolicy:
         return out
 
     def _rest_if_fruitless(self, accepted: int) -> None:
-        """After ``score_every`` drafted rounds in a row accepted nothing (or
-        drafted nothing expected to pay: too unsure), the draft model rests: the next ``score_gap`` rounds go undrafted without
+        """After ``score_every`` drafted rounds in a row accepted nothing (a
+        round whose drafts were not expected to pay that got lucky does not
+        break the row), the draft model rests: the next ``score_gap`` rounds go undrafted without
         running it. If the first drafted round after a rest accepts nothing
         too, it rests again, twice as long (up to ``max_score_gap``)."""
         if accepted:
@@ -235,8 +236,8 @@ class DraftLengthPolicy:
         before drafting (a round after undrafted ones starts by catching up)."""
         self.acceptance.observe(drafted, accepted)
         if self.confident and drafted:
-            # A lucky accept of drafts not expected to pay does not count.
-            self._rest_if_fruitless(accepted if self._promising else 0)
+            if self._promising or not accepted:  # a lucky accept of drafts not expected to pay: neither
+                self._rest_if_fruitless(accepted)
             self.calibrate(self._confidences[:drafted], accepted)
             self._confidences = []
         if drafted:
