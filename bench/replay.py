@@ -14,8 +14,10 @@ per undrafted-round time: 1.0 is plain decoding. Measuring, run it on a quiet
 machine: the cost measurement sees any other load.
 
 The adaptive policy replayed is the engine's own ``DraftLengthPolicy``
-(with fixed round costs: nothing is timed here). Used to choose the acceptance
-model's decay; see docs/decoding.md. Two references frame it: the best fixed
+(with fixed round costs: nothing is timed here) in its acceptance-by-position
+mode, which chose the draft model's length until its confident mode did (the
+traces hold accept lengths, not the draft's confidences that mode reads). Used
+to choose the acceptance model's decay; see docs/decoding.md. Two references frame it: the best fixed
 length in hindsight and the oracle (every round's length chosen knowing the
 accept lengths), and one learner, ``FollowTheLeader``, shows what learning a
 fixed length online costs even with full information.
