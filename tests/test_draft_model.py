@@ -344,6 +344,9 @@ def test_the_next_draft_is_worth_computing_while_its_best_chance_pays_for_it():
     assert not policy.keep_drafting([0.9, 0.2 / 0.9])
     assert policy.keep_drafting([0.3])  # one draft this sure does not pay, but with a second it may
     assert not policy.keep_drafting([0.1])
+    # Rounds fitted to cost the same whatever they draft (slope 0): draft on.
+    flat = DraftLengthPolicy(None, RoundCosts(CostModel((0.01,) + (0.02,) * 16)), confident=True)
+    assert flat.keep_drafting([0.5, 0.2, 0.1])
     # Drafts accepted less often than the draft was sure of them scale its
     # confidence down; drafts accepted more often never scale it up.
     policy.note_drafts([0.95, 0.95, 0.95])

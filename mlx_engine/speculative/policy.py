@@ -170,7 +170,9 @@ class DraftLengthPolicy:
         k = len(survival)
         if k >= len(table) - 1:
             return False
-        return survival[-1] / (table[k + 1] - table[k]) > _best_rate(survival, table)[1]
+        # survival / added time > rate, multiplied out: a draft that adds no time
+        # (the fitted slope can be 0) is worth computing whenever it may be accepted.
+        return survival[-1] > (table[k + 1] - table[k]) * _best_rate(survival, table)[1]
 
     def note_drafts(self, confidences: list[float]) -> None:
         """Confident mode: the confidences of the drafts the next observed
