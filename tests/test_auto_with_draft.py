@@ -189,3 +189,51 @@ def test_with_a_draft_loaded_the_probe_drafts_a_copys_whole_match_at_once():
     first_alone, first_beside = alone.propose(list(history), 64), beside.propose(list(history), 64)
     assert first_beside == copied[3:35]
     assert len(first_alone) < len(first_beside)
+
+
+def _drive(router: AutoRouter, history: list[int], output: list[int], modes: list[str]) -> None:
+    """Decode ``output`` after ``history`` under ``router`` (drafts checked
+    against it, every round's time withheld), the mode after each round in ``modes``."""
+    t = 0
+    while t < len(output):
+        drafts = [] if router.plain_ahead(history) else list(router.propose(history, len(output) - t - 1))
+        n = 0
+        while n < len(drafts) and drafts[n] == output[t + n]:
+            n += 1
+        router.observe(len(drafts), n, None)
+        history += output[t : t + n + 1]
+        t += n + 1
+        modes.append(str(router.mode))
+
+
+def test_a_probe_that_drafted_nothing_does_not_commit_to_lookup_on_its_prior():
+    """Fresh text from the first token: the probe finds nothing to draft, so
+    with a draft model loaded it ends in the draft model's mode, not in prompt
+    lookup's, where every round would be built after the previous one is read."""
+    router = AutoRouter(list(PROMPT), CPU_COSTS, PromptLookupDrafter(32), _WrongDraft())
+    modes: list[str] = []
+    _drive(router, list(PROMPT), FRESH_1[:20], modes)
+    assert modes[0] == "probe" and modes[-1] == "draft_model", router.mode_switches
+    assert "prompt_lookup" not in modes, router.mode_switches
+
+
+def test_lookup_that_finds_nothing_to_draft_gives_way_and_returns_on_the_next_copy():
+    """A copy, then fresh text where lookup has no match: after
+    idle_lookup_rounds rounds that drafted nothing the router leaves lookup for
+    plain decoding (whose rounds are queued ahead), and the next copy brings it
+    back."""
+    router = AutoRouter(list(PROMPT), CPU_COSTS, PromptLookupDrafter(32))
+    modes: list[str] = []
+    _drive(router, list(PROMPT), [30, 31, 199, *PASSAGE[:40]], modes)
+    assert modes[-1] == "prompt_lookup", router.mode_switches
+    history = list(PROMPT) + [30, 31, 199, *PASSAGE[:40]]
+    fresh: list[str] = []
+    _drive(router, history, FRESH_1[:20], fresh)
+    idle = RouterSettings().idle_lookup_rounds
+    # The first fresh round still drafts the passage's continuation (rejected).
+    assert fresh[:idle] == ["prompt_lookup"] * idle and fresh[idle] == "plain", router.mode_switches
+    assert "nothing drafted in" in router.mode_switches[-1]
+    assert router.plain_ahead(history)
+    back: list[str] = []
+    _drive(router, history, [199, *PASSAGE[:40]], back)
+    assert back[-1] == "prompt_lookup", router.mode_switches

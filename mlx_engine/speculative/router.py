@@ -58,9 +58,10 @@ TRANSITIONS: dict[tuple[Mode | None, Mode], str] = {
     (Mode.PROBE, Mode.PROMPT_LOOKUP): "the probe's acceptance passes commit_acceptance and a length pays",
     (Mode.PROBE, Mode.DRAFT_MODEL): "the probe ends without that, a draft model loaded",
     (Mode.PROBE, Mode.PLAIN): "the probe ends without that, no draft model",
-    (Mode.PROMPT_LOOKUP, Mode.DRAFT_MODEL): "no lookup length pays any more, or lookup delivers less than the "
-    "draft model it replaced",
-    (Mode.PROMPT_LOOKUP, Mode.PLAIN): "no lookup length pays any more, no draft model",
+    (Mode.PROMPT_LOOKUP, Mode.DRAFT_MODEL): "no lookup length pays any more, nothing was drafted in "
+    "idle_lookup_rounds rounds, or lookup delivers less than the draft model it replaced",
+    (Mode.PROMPT_LOOKUP, Mode.PLAIN): "no lookup length pays any more, or nothing was drafted in idle_lookup_rounds "
+    "rounds; no draft model",
     (Mode.PLAIN, Mode.PROMPT_LOOKUP): "shadow lookup drafts promise clearly more than plain decoding",
     (Mode.DRAFT_MODEL, Mode.PROMPT_LOOKUP): "shadow lookup drafts promise clearly more than the draft model",
 }
@@ -85,6 +86,11 @@ class RouterSettings:
     probe_draft_tokens_with_draft: int = 32
     commit_acceptance: float = 0.30
     watch_rounds: int = 6  # rounds of evidence before a mode may be dropped
+    # Lookup's mode is left after this many rounds in a row that drafted nothing
+    # (lookup found no match that pays, the draft model none either): alone, such a
+    # round is built only after the previous one is read, where the fallback
+    # mode's idle rounds are queued ahead as plain decoding queues them.
+    idle_lookup_rounds: int = 8
     shadow_rounds: int = 3  # shadow draft positions decided before plain may switch to lookup
     switch_margin: float = 1.1  # how much better shadow lookup must look to switch to it
     # The switch margin grows on thin evidence, x(1 + thin_evidence / positions
@@ -167,6 +173,7 @@ class AutoRouter:
     # -- bookkeeping -------------------------------------------------------
     def _reset_evidence(self) -> None:
         self.rounds = self.drafted = self.accepted = self.produced = self.misses = 0
+        self.idle_run = 0  # lookup-mode rounds in a row that drafted nothing
         self.lookup_acceptance = AcceptanceModel(prior=0.5)
         # Lookup's own rounds only (lookup_acceptance may start from the shadow's).
         self.lookup_own = AcceptanceModel(prior=0.5)
@@ -373,6 +380,8 @@ class AutoRouter:
             self._shadow_lookup(self._history)
         self._proposed = False
         by, self._round_by = self._round_by, None
+        if self.mode == Mode.PROMPT_LOOKUP:
+            self.idle_run = 0 if drafted else self.idle_run + 1
         if by == "draft_model":
             self._observe_draft_round(drafted, accepted, seconds)
             return
@@ -429,6 +438,8 @@ class AutoRouter:
         if self.mode == Mode.PROBE:
             self.produced += accepted + 1
             self._after_probe_round()
+        elif self.mode == Mode.PROMPT_LOOKUP:
+            self._leave_idle_lookup()
 
     def _shadow_lookup(self, history: list[int]) -> None:
         """Score earlier shadow drafts (shadow.py), then make one for this
@@ -501,8 +512,8 @@ class AutoRouter:
         on this request expects from it: a copy whose one long draft ran past
         its end has a low token rate, yet its rounds' first tokens pay
         (docs/decoding.md, "Tuning history")."""
-        if self.draft_drafter is None:
-            return False
+        if self.draft_drafter is None or not self.drafted:
+            return False  # on the prior alone (a probe that drafted nothing) lookup has no record
         return lookup_speedup > self.s.switch_margin * max(1.0, self._draft_speedup())
 
     def _leave_lookup(self, why: str, own: AcceptanceModel) -> None:
@@ -512,7 +523,18 @@ class AutoRouter:
         self._enter(self._fallback_mode(), why)
         self.shadows = ShadowLookup(own)
 
+    def _leave_idle_lookup(self) -> bool:
+        """Leave lookup's mode after ``idle_lookup_rounds`` rounds in a row drafted
+        nothing (RouterSettings); its shadow drafts bring it back when the text
+        copies again. Not counted as lookup not paying (``_lookup_exits``)."""
+        if self.idle_run < self.s.idle_lookup_rounds:
+            return False
+        self._leave_lookup(f"nothing drafted in {self.idle_run} rounds", self.lookup_own)
+        return True
+
     def _watch_lookup(self) -> None:
+        if self._leave_idle_lookup():
+            return
         if self.rounds < self.s.watch_rounds or self.drafted == 0:
             return
         k, speedup, rate = self._lookup_speedup()
