@@ -163,15 +163,7 @@ def test_a_probe_whose_long_draft_overran_a_copy_still_commits_to_lookup_over_a_
     segments = [PASSAGE[8 * i : 8 * i + 8] for i in range(6)]
     output = [t for i, seg in enumerate(segments) for t in (200 + i, *seg)]
     router = AutoRouter(list(PROMPT), CPU_COSTS, PromptLookupDrafter(32), _WrongDraft())
-    history, t = list(PROMPT), 0
-    while t < len(output) and router.mode == "probe":
-        drafts = list(router.propose(history, len(output) - t - 1))
-        n = 0
-        while n < len(drafts) and drafts[n] == output[t + n]:
-            n += 1
-        router.observe(len(drafts), n, None)
-        history += output[t : t + n + 1]
-        t += n + 1
+    _drive(router, list(PROMPT), output, [], while_mode="probe")
     assert router.mode == "prompt_lookup", router.mode_switches
     # The probe's token rate alone would not have committed.
     rate = int(router.mode_switches[0].split("probe acceptance ")[1].split("%")[0])
@@ -191,11 +183,14 @@ def test_with_a_draft_loaded_the_probe_drafts_a_copys_whole_match_at_once():
     assert len(first_alone) < len(first_beside)
 
 
-def _drive(router: AutoRouter, history: list[int], output: list[int], modes: list[str]) -> None:
+def _drive(
+    router: AutoRouter, history: list[int], output: list[int], modes: list[str], while_mode: str | None = None
+) -> None:
     """Decode ``output`` after ``history`` under ``router`` (drafts checked
-    against it, every round's time withheld), the mode after each round in ``modes``."""
+    against it, every round's time withheld), the mode after each round in
+    ``modes``; stop early once the mode is not ``while_mode`` (if given)."""
     t = 0
-    while t < len(output):
+    while t < len(output) and (while_mode is None or router.mode == while_mode):
         drafts = [] if router.plain_ahead(history) else list(router.propose(history, len(output) - t - 1))
         n = 0
         while n < len(drafts) and drafts[n] == output[t + n]:
