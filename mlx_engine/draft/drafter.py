@@ -160,10 +160,15 @@ class DraftModelDrafter:
             ((token, confidence),) = greedy_picks([logits[-1]], self.vocab_size)
             ids.append(token)
             confidences.append(confidence)
-            if len(ids) >= k or not self.policy.keep_drafting(confidences):
+            if not self.drafts_on(confidences, k):
                 self.policy.note_drafts(confidences)
                 return mx.array(ids, dtype=mx.uint32)
             logits = cache.feed([token])
+
+    def drafts_on(self, confidences: list[float], k: int) -> bool:
+        """Whether a round with drafts of these ``confidences`` drafts one more:
+        up to ``k``, in confident mode only while ``keep_drafting`` says so."""
+        return len(confidences) < k and (not self.policy.confident or self.policy.keep_drafting(confidences))
 
     def fed_lazily(self, start: int, drafts: mx.array) -> None:
         """All but the last of ``drafts`` were fed from ``start`` unevaluated;
@@ -270,8 +275,7 @@ class DraftJob(PendingDrafts):
             for i, (token, confidence) in zip(active, greedy_picks([row[-1] for row in logits], vocab)):
                 ids[i].append(token)
                 confidences[i].append(confidence)
-                policy = jobs[i].drafter.policy
-                if len(ids[i]) < jobs[i].k and (not policy.confident or policy.keep_drafting(confidences[i])):
+                if jobs[i].drafter.drafts_on(confidences[i], jobs[i].k):
                     going.append(i)
             if going:
                 logits = [r for r, _ in batch.feed([(jobs[i].drafter.cache, [ids[i][-1]], None) for i in going])]
