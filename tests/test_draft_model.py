@@ -325,10 +325,12 @@ def test_adaptive_length_resumes_when_the_draft_model_turns_right():
     rounds = [(i, s.outcome) for i, s in enumerate(steps) if s.outcome is not None and s.outcome.drafted]
     # In the wrong stretch: the first rounds, then one after each rest.
     assert len([i for i, _ in rounds if i < 22]) <= drafter.policy.score_every + 2, rounds
-    # Drafting resumed after the rest the draft was in when it turned right, and
-    # the drafts grew as they kept being accepted.
+    # Drafting resumed mid-rest: the resting draft model is scored every
+    # score_every rounds, and it wakes once that record makes drafting pay (the
+    # rest it was in when it turned right had max_score_gap rounds to go). The
+    # drafts grew as they kept being accepted.
     resumed = [(i, o) for i, o in rounds if i >= 22]
-    assert resumed and resumed[0][0] <= 22 + drafter.policy.max_score_gap + 2, rounds
+    assert resumed and resumed[0][0] <= 22 + 2 * drafter.policy.score_every + 2, rounds
     assert all(o.accepted == o.drafted for _, o in resumed) and max(o.drafted for _, o in resumed) > 3, rounds
     assert sum(o.accepted for _, o in resumed) >= 20, rounds
 
@@ -356,6 +358,46 @@ def test_the_next_draft_is_worth_computing_while_its_best_chance_pays_for_it():
     sure.note_drafts([0.5, 0.5])
     sure.observe(2, 2)
     assert sure.survival([0.5, 0.5]) == [0.5, 0.25]
+
+
+def test_a_resting_draft_model_is_scored_and_wakes_only_where_it_is_right_now():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+    from mlx_engine.speculative.policy import DraftLengthPolicy
+
+    verify = CostModel((0.01,) + tuple(0.01 * (1.34 + 0.19 * k) for k in range(1, 17)))
+
+    def resting() -> DraftLengthPolicy:
+        policy = DraftLengthPolicy(None, RoundCosts(verify), scores=True, confident=True)
+        # Sure drafts, all rejected: rests of 4 and 8 rounds, each followed by one
+        # more rejected round, then the longest rest (max_score_gap).
+        rests = [policy.score_every, 2 * policy.score_every]
+        for i in range(policy.score_every + len(rests)):
+            policy.note_drafts([0.9])
+            policy.observe(1, 0)
+            if i >= policy.score_every - 1 and rests:
+                for _ in range(rests.pop(0)):
+                    assert policy.idle_next() and not policy.score_due()
+                    policy.skip()
+        assert policy.idle_next() and not policy.score_due()
+        for _ in range(policy.rest_score_every):
+            policy.skip()
+        assert policy.score_due() and policy.idle_next()
+        policy.scoring()
+        assert not policy.score_due()
+        return policy
+
+    # Right over the last positions decoded: drafting pays again, the rest ends.
+    woken = resting()
+    woken.observe_scored([False] + [True] * 7)
+    assert not woken.idle_next() and woken.num_tokens(64) > 0
+    # As often right, but wrong at the last position: it rests on.
+    wrong_now = resting()
+    wrong_now.observe_scored([True] * 7 + [False])
+    assert wrong_now.idle_next() and wrong_now.num_tokens(64) == 0
+    # Right at the last position only, on a record of misses: it rests on.
+    lucky = resting()
+    lucky.observe_scored([False] * 7 + [True])
+    assert lucky.idle_next()
 
 
 def test_scored_positions_count_as_the_rounds_drafting_through_them_would_make():

@@ -53,8 +53,9 @@ class DraftModelDrafter:
             prior_acceptance = draft.acceptance_prior(prior_acceptance)
         # The adaptive length drafts as far as the draft model is confident
         # (DraftLengthPolicy.keep_drafting). Its catch-ups after undrafted
-        # rounds are scored into the acceptance by position (observe_scored),
-        # which the router weighs the draft model by.
+        # rounds, and its scoring passes while it rests (score_due), are scored
+        # into the acceptance by position (observe_scored), which the router
+        # weighs the draft model by and which ends a rest early.
         adaptive = draft is not None and num_draft_tokens is None
         self.policy = DraftLengthPolicy(
             num_draft_tokens, round_costs, prior_acceptance, scores=adaptive, confident=adaptive
@@ -85,7 +86,21 @@ class DraftModelDrafter:
         each round before the previous one is read, as plain decoding does (so
         an idle draft model's rounds cost what plain ones do). Never right after a
         drafted round: the next one starts where its accepted drafts end."""
+        if self.policy.score_due():
+            self._score_resting(history)
         return not self._last_drafted and self.policy.idle_next()
+
+    def _score_resting(self, history: list[int]) -> None:
+        """Catch the resting draft model up on ``history`` in one pass, its
+        predictions there kept to score it when the round is observed
+        (``DraftLengthPolicy.score_due``). Queued, not waited for: the next
+        round is queued behind it."""
+        self._resolve()
+        cache = self.cache
+        release_row(self.draft.batch, cache)
+        feed = history[cache.rewind_to(min(common_prefix_length(cache.tokens, history), len(history) - 1)) :]
+        self.policy.scoring()
+        self._keep_predictions(cache.feed(feed), feed[1:])
 
     def prefill_prompt(
         self, prompt: list[int], on_chunk: Callable[[int], None] | None = None, chunk_size: int = PREFILL_CHUNK

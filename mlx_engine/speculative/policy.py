@@ -43,7 +43,10 @@ class DraftLengthPolicy:
     down where this request's drafts were accepted less often (``calibrate``),
     tells which rounds a draft will get far in, which the acceptance by
     position cannot. ``num_tokens`` then only gives the ceiling, or 0 while the
-    draft model rests after rounds that accepted nothing.
+    draft model rests after rounds that accepted nothing; every ``rest_score_every``
+    rounds of a rest the drafter scores it on the tokens decoded meanwhile
+    (``score_due``), and the rest ends early once that record makes a drafted
+    round pay.
     docs/decoding.md explains each rule and how it was chosen."""
 
     explore_every = 2
@@ -54,6 +57,10 @@ class DraftLengthPolicy:
     steady_catch_up = 2
     score_every = 4
     max_score_gap = 16
+    # A resting draft model is scored every this many rounds (score_due): a
+    # scoring pass costs about a fifth of a target step on this CPU, so every 4
+    # rounds cost free text about 4%.
+    rest_score_every = 8
     MAX_SCORED = 64
     # Confident mode: the draft's own confidence, scaled by how often drafts
     # were accepted where it was that confident (this request), counts like
@@ -78,6 +85,7 @@ class DraftLengthPolicy:
         self._fruitless = 0  # drafted rounds that accepted nothing, since one expected to pay accepted some
         self._promising = False  # the drafts noted last were expected to pay
         self._asleep = 0  # undrafted rounds left before the draft model is run again
+        self._rested = 0  # rounds of the current rest since it began or was last scored
         self.scores = scores  # undrafted rounds are scored (observe_scored) instead of explored
         self.score_now = False  # the round num_tokens just chose is a scoring one
         self.round_costs = round_costs
@@ -105,7 +113,7 @@ class DraftLengthPolicy:
             return 0
         if self.confident:
             if self._asleep:
-                self._asleep -= 1
+                self._rest_one_round()
                 return 0
             return min(limit, costs.MAX_MODEL_DRAFT)  # the ceiling: keep_drafting stops before
         max_k = min(limit, costs.MAX_MODEL_DRAFT)
@@ -141,7 +149,7 @@ class DraftLengthPolicy:
             return self._asleep > 0
         if self.fixed is not None or self.round_costs is None or self.idle_rounds + 1 >= self._gap():
             return False
-        return speedup.best_draft_length(self.acceptance, self.round_costs, costs.MAX_MODEL_DRAFT)[0] == 0
+        return not self._drafting_pays()
 
     def _gap(self) -> int:
         """Undrafted rounds before the next exploration draft or scoring."""
@@ -150,7 +158,25 @@ class DraftLengthPolicy:
     def skip(self) -> None:
         """An undrafted round the loop queued ahead (``idle_next`` was true)."""
         self.idle_rounds += 1
-        self._asleep = max(0, self._asleep - 1)
+        if self._asleep:
+            self._rest_one_round()
+
+    def _rest_one_round(self) -> None:
+        self._asleep -= 1
+        self._rested += 1
+
+    def score_due(self) -> bool:
+        """Confident mode: whether the resting draft model is due to be scored
+        on the tokens decoded since it last ran (``observe_scored``): every
+        ``rest_score_every`` rounds of a rest, so a draft that turns right
+        mid-rest is noticed within that many rounds, not at the rest's end (up
+        to ``max_score_gap`` rounds later). The drafter calls ``scoring`` when
+        it does."""
+        return self.confident and self._asleep > 0 and self._rested >= self.rest_score_every
+
+    def scoring(self) -> None:
+        """The drafter scores the resting draft model now (``score_due``)."""
+        self._rested = 0
 
     def keep_drafting(self, confidences: list[float]) -> bool:
         """Confident mode, after each draft step (``confidences``: the draft
@@ -208,7 +234,7 @@ class DraftLengthPolicy:
             return
         self._fruitless += 1
         if self._fruitless >= self.score_every:
-            self._fruitless, self._asleep = self.score_every - 1, self.score_gap
+            self._fruitless, self._asleep, self._rested = self.score_every - 1, self.score_gap, 0
             self.score_gap = min(2 * self.score_gap, self.max_score_gap)
 
     def calibrate(self, confidences: list[float], accepted: int) -> None:
@@ -275,6 +301,14 @@ class DraftLengthPolicy:
             cut = j + run == len(matches)
             if run or not cut:
                 self.acceptance.observe(run + (not cut), run)
+        if self.confident and self._asleep and matches and matches[-1] and self._drafting_pays():
+            # The draft turned right mid-rest (score_due): it is right at the
+            # last position decoded, and its record makes drafting pay.
+            self._asleep = 0
+
+    def _drafting_pays(self) -> bool:
+        """Whether some draft length pays at the acceptance by position."""
+        return speedup.best_draft_length(self.acceptance, self.round_costs, costs.MAX_MODEL_DRAFT)[0] > 0
 
 
 def _best_rate(survival: list[float], table: list[float]) -> tuple[int, float]:
