@@ -43,10 +43,10 @@ class DraftLengthPolicy:
     down where this request's drafts were accepted less often (``calibrate``),
     tells which rounds a draft will get far in, which the acceptance by
     position cannot. ``num_tokens`` then only gives the ceiling, or 0 while the
-    draft model rests after rounds that accepted nothing; every ``rest_score_every``
-    rounds of a rest the drafter scores it on the tokens decoded meanwhile
-    (``score_due``), and the rest ends early once that record makes a drafted
-    round pay.
+    draft model rests after rounds that accepted nothing. A rest ends only where
+    scoring finds the draft model right again (``score_due``): it is scored on
+    the tokens decoded meanwhile every ``rest_score_every`` rounds of a rest and
+    at its end, and a rest whose end finds it wrong is followed by a longer one.
     docs/decoding.md explains each rule and how it was chosen."""
 
     explore_every = 2
@@ -86,6 +86,7 @@ class DraftLengthPolicy:
         self._promising = False  # the drafts noted last were expected to pay
         self._asleep = 0  # undrafted rounds left before the draft model is run again
         self._rested = 0  # rounds of the current rest since it began or was last scored
+        self._rest_scored = False  # the scores observed next are a resting draft model's
         self.scores = scores  # undrafted rounds are scored (observe_scored) instead of explored
         self.score_now = False  # the round num_tokens just chose is a scoring one
         self.round_costs = round_costs
@@ -167,16 +168,16 @@ class DraftLengthPolicy:
 
     def score_due(self) -> bool:
         """Confident mode: whether the resting draft model is due to be scored
-        on the tokens decoded since it last ran (``observe_scored``): every
-        ``rest_score_every`` rounds of a rest, so a draft that turns right
-        mid-rest is noticed within that many rounds, not at the rest's end (up
-        to ``max_score_gap`` rounds later). The drafter calls ``scoring`` when
-        it does."""
-        return self.confident and self._asleep > 0 and self._rested >= self.rest_score_every
+        on the tokens decoded since it last ran (``observe_scored``): in the
+        last round of a rest, which decides whether it drafts again, and every
+        ``rest_score_every`` rounds of a long one, so a draft that turns right
+        mid-rest is noticed within that many rounds, not at the rest's end. The
+        drafter calls ``scoring`` when it does."""
+        return self.confident and self._asleep > 0 and (self._asleep == 1 or self._rested >= self.rest_score_every)
 
     def scoring(self) -> None:
         """The drafter scores the resting draft model now (``score_due``)."""
-        self._rested = 0
+        self._rested, self._rest_scored = 0, True
 
     def keep_drafting(self, confidences: list[float]) -> bool:
         """Confident mode, after each draft step (``confidences``: the draft
@@ -228,7 +229,9 @@ class DraftLengthPolicy:
         round whose drafts were not expected to pay that got lucky does not
         break the row), the draft model rests: the next ``score_gap`` rounds go undrafted without
         running it. If the first drafted round after a rest accepts nothing
-        too, it rests again, twice as long (up to ``max_score_gap``)."""
+        too, it rests again, twice as long (up to ``max_score_gap``); so does
+        a rest whose scoring at its end finds the draft model wrong
+        (``_wake_if_right``)."""
         if accepted:
             self._fruitless, self.score_gap = 0, self.score_every
             return
@@ -301,10 +304,19 @@ class DraftLengthPolicy:
             cut = j + run == len(matches)
             if run or not cut:
                 self.acceptance.observe(run + (not cut), run)
-        if self.confident and self._asleep and matches and matches[-1] and self._drafting_pays():
-            # The draft turned right mid-rest (score_due): it is right at the
-            # last position decoded, and its record makes drafting pay.
+        if self._rest_scored:
+            self._rest_scored = False
+            self._wake_if_right(matches)
+
+    def _wake_if_right(self, matches: list[bool]) -> None:
+        """After scoring a resting draft model: end the rest if it was right at
+        the last position decoded and its record makes drafting pay; else, at
+        the rest's end, rest again, twice as long (up to ``max_score_gap``)."""
+        if matches and matches[-1] and self._drafting_pays():
             self._asleep = 0
+        elif self._asleep == 0:
+            self._asleep, self._rested = self.score_gap, 0
+            self.score_gap = min(2 * self.score_gap, self.max_score_gap)
 
     def _drafting_pays(self) -> bool:
         """Whether some draft length pays at the acceptance by position."""
