@@ -99,8 +99,9 @@ class DraftModelDrafter:
         cache = self.cache
         release_row(self.draft.batch, cache)
         feed = history[cache.rewind_to(min(common_prefix_length(cache.tokens, history), len(history) - 1)) :]
-        self.policy.scoring()
-        self._keep_predictions(cache.feed(feed), feed[1:])
+        if len(feed) > 1:  # else there is nothing new to score it on
+            self.policy.scoring()
+            self._keep_predictions(cache.feed(feed), feed[1:])
 
     def prefill_prompt(
         self, prompt: list[int], on_chunk: Callable[[int], None] | None = None, chunk_size: int = PREFILL_CHUNK
