@@ -744,3 +744,19 @@ def test_router_probe_skips_a_weak_match_that_does_not_pay():
     assert len(drafts) > 4 and drafts == cycle[: len(drafts)]
     cheap = AutoRouter(cycle * 4, flat_costs(1.01), PromptLookupDrafter(32))
     assert cheap.propose(history, 32)[:4] == [8, 9, 10, 11]  # verifying is nearly free: the weak match is probed
+
+
+def test_router_probe_drafts_a_weak_match_whole_until_one_misses_then_what_weak_matches_pay_for():
+    # A copy often starts from a one-token match, so the probe drafts the first
+    # weak match at its whole length; once one has missed in this request, a weak
+    # match drafts only what the weak record pays for (fresh text's one-token
+    # matches keep missing).
+    cycle = list(range(50))
+    history = cycle * 4 + [300, 7]  # [7] matched alone
+    router = AutoRouter(cycle * 4, flat_costs(1.3), PromptLookupDrafter(32))
+    first = router.propose(history, 32)
+    assert first == [8, 9, 10, 11] and router._weak_length(32) < len(first)
+    router.observe(len(first), 0)
+    assert router.mode == "probe"
+    second = router.propose(history + [301, 9], 32)  # [9] matched alone again
+    assert second == [10, 11][: router._weak_length(32)] and 0 < len(second) < len(first)

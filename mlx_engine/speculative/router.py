@@ -244,9 +244,11 @@ class AutoRouter:
             m = self.lookup.propose_match(history, limit)
             drafts = m.drafts[: self._probe_length(len(m.drafts), m.strength)]
             self._round_weak = self._is_weak(Match(drafts, m.strength))
-            if self._round_weak and self._weak_length(len(drafts)) == 0:
-                self._round_weak = False
-                drafts = []  # as in lookup's own rounds: a weak match that does not pay drafts nothing
+            if self._round_weak:
+                drafts = drafts[: self._weak_probe_length(len(drafts))]
+                self._round_weak = bool(
+                    drafts
+                )  # as in lookup's own rounds: a weak match that does not pay drafts nothing
             return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
@@ -270,6 +272,17 @@ class AutoRouter:
         if self._lookup_pricing().rows > 1:
             # In a batch the probe's drafts widen every row's pass: only what pays for the batch.
             k = min(k, self._best_lookup(self.lookup_acceptance, k)[0])
+        return k
+
+    def _weak_probe_length(self, available: int) -> int:
+        """A probe round's length from a weak match: none where weak matches do
+        not pay; the probe's whole length until a weak match has missed in this
+        request (a copy often starts from one, and a long first draft reaches it
+        at once); after that, what weak matches' record pays for, so fresh text
+        whose one-token matches keep missing is not verified 32 drafts at a time."""
+        k = self._weak_length(available)
+        if k == 0 or self.weak.accepted == self.weak.drafted:
+            return k and available
         return k
 
     def _probe_start(self) -> int:
