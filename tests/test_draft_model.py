@@ -355,23 +355,32 @@ def test_the_next_draft_is_worth_computing_while_its_best_chance_pays_for_it():
     assert sure.survival([0.5, 0.5]) == [0.5, 0.25]
 
 
+def _cpu_verify_costs():
+    """Verify costs shaped like this CPU's: a jump from one token to two, then a slope."""
+    from mlx_engine.speculative.costs import CostModel
+
+    return CostModel((0.01,) + tuple(0.01 * (1.34 + 0.19 * k) for k in range(1, 17)))
+
+
+def _rest_round(policy, matches: list[bool]) -> bool:
+    """One queued-ahead round of a rest, as the drafter runs it: the resting
+    draft model scored (``matches``) when due. Whether it was."""
+    due = policy.score_due()
+    if due:
+        policy.scoring()
+    policy.skip()
+    if due:
+        policy.observe_scored(matches)
+    policy.observe(0, 0)
+    return due
+
+
 def test_a_resting_draft_model_is_scored_and_wakes_only_where_it_is_right_now():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
+    from mlx_engine.speculative.costs import RoundCosts
     from mlx_engine.speculative.policy import DraftLengthPolicy
 
-    verify = CostModel((0.01,) + tuple(0.01 * (1.34 + 0.19 * k) for k in range(1, 17)))
-
-    def rest_round(policy: DraftLengthPolicy, matches: list[bool]) -> bool:
-        """One queued-ahead round of a rest, as the drafter runs it: the
-        resting draft model scored (``matches``) when due. Whether it was."""
-        due = policy.score_due()
-        if due:
-            policy.scoring()
-        policy.skip()
-        if due:
-            policy.observe_scored(matches)
-        policy.observe(0, 0)
-        return due
+    verify = _cpu_verify_costs()
+    rest_round = _rest_round
 
     def resting() -> DraftLengthPolicy:
         policy = DraftLengthPolicy(None, RoundCosts(verify), scores=True, confident=True)
@@ -404,6 +413,37 @@ def test_a_resting_draft_model_is_scored_and_wakes_only_where_it_is_right_now():
     lucky = resting()
     next_scoring(lucky, [False] * 7 + [True])
     assert lucky.idle_next()
+
+
+def test_one_right_guess_among_misses_does_not_wake_a_resting_draft_model_but_brings_its_next_scoring_sooner():
+    from mlx_engine.speculative.costs import CostModel, RoundCosts
+    from mlx_engine.speculative.policy import DraftLengthPolicy
+
+    def rested_after_a_good_run() -> DraftLengthPolicy:
+        """A draft model whose record pays (verifying drafts costs little, as on
+        a GPU), resting after 4 rounds all rejected."""
+        cheap = CostModel((0.01,) + tuple(0.01 * (1.05 + 0.02 * k) for k in range(1, 17)))
+        policy = DraftLengthPolicy(None, RoundCosts(cheap), scores=True, confident=True)
+        for _ in range(8):
+            policy.note_drafts([0.9, 0.9, 0.9])
+            policy.observe(3, 3)
+        for _ in range(policy.score_every):
+            policy.note_drafts([0.9])
+            policy.observe(1, 0)
+        assert policy.idle_next()
+        return policy
+
+    lucky = rested_after_a_good_run()
+    scored = [i for i in range(4) if _rest_round(lucky, [False, True, False, False, True, False, True])]
+    assert scored == [3] and lucky._drafting_pays()  # its record pays: only the scoring keeps it resting
+    assert lucky.idle_next()
+    # The next rest (8 rounds) is scored after 4 of them, not only at its end.
+    assert [i for i in range(8) if _rest_round(lucky, [False] * 4)] == [4, 7]
+    for matches in ([True, True, False, True], [False, True, True]):  # right now, and mostly or twice in a row
+        woken = rested_after_a_good_run()
+        while not _rest_round(woken, matches):
+            pass
+        assert not woken.idle_next() and woken.num_tokens(64) > 0
 
 
 def test_scored_positions_count_as_the_rounds_drafting_through_them_would_make():
