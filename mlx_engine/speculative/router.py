@@ -79,6 +79,10 @@ class RouterSettings:
     probe_tokens: int = 16
     probe_max_misses: int = 4
     probe_draft_tokens: int = 4
+    # Lookup's drafts after a rejection are at least this long (rejection_cap's
+    # floor): a lookup draft costs little per token, and a bound of 4 split a
+    # quote's copied spans of 5-8 tokens between deviations into two rounds.
+    lookup_rejection_floor: int = 8
     # With a draft model loaded the probe drafts lookup's whole match from its
     # first round: a round lookup does not draft is the draft model's anyway,
     # and a 33-token verify costs little more than a 5-token one on these CPUs
@@ -310,7 +314,7 @@ class AutoRouter:
         to lookup on the copied lines of an answer and keeps the rest."""
         if not self._lookup_earns():
             return []
-        max_k = rejection_cap(self._rejected_at, self.max_lookup)
+        max_k = rejection_cap(self._rejected_at, self.max_lookup, self.s.lookup_rejection_floor)
         m = self.lookup.match(history, min(max_k, limit))
         if not m.drafts or self._is_weak(m):
             return []
@@ -344,7 +348,7 @@ class AutoRouter:
         rejection bound: from lookup's acceptance in this request (at least one
         token: leaving lookup is _watch_lookup's decision) or, for a weak match,
         from weak matches' acceptance (none when they do not pay)."""
-        max_k = rejection_cap(self._rejected_at, self.max_lookup)
+        max_k = rejection_cap(self._rejected_at, self.max_lookup, self.s.lookup_rejection_floor)
         m = self.lookup.match(history, min(max_k, limit))
         drafts = m.drafts
         self._round_weak = self._is_weak(m)
@@ -424,7 +428,9 @@ class AutoRouter:
                 self.lookup_k = min(self.max_lookup, self.lookup_k * self.s.probe_growth)
             elif drafted:
                 # A copy that ended: back to the rejection bound (as lookup's own rounds).
-                self.lookup_k = max(rejection_cap(accepted + 1, self.lookup_k), self._probe_start())
+                self.lookup_k = max(
+                    rejection_cap(accepted + 1, self.lookup_k, self.s.lookup_rejection_floor), self._probe_start()
+                )
             self._after_probe_round()
         elif self.mode == Mode.PROMPT_LOOKUP:
             self.lookup_acceptance.observe(drafted, accepted)
