@@ -285,8 +285,8 @@ class AutoRouter:
         at once); after that, what weak matches' record pays for, so fresh text
         whose one-token matches keep missing is not verified 32 drafts at a time."""
         k = self._weak_length(available)
-        if k == 0 or self.weak.accepted == self.weak.drafted:
-            return k and available
+        if k and self.weak.accepted == self.weak.drafted:
+            return available  # no weak match has missed yet
         return k
 
     def _probe_start(self) -> int:
