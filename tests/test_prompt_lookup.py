@@ -613,14 +613,20 @@ def test_router_without_a_draft_switches_to_lookup_within_a_few_rounds_of_copyin
     assert len(drafts) > 8 and drafts == passage[len(history) - 140 :][: len(drafts)]
 
 
-def test_router_lookup_length_shrinks_after_a_rejection():
-    history = list(range(50)) * 8
+def _copying_router(history: list[int]) -> AutoRouter:
+    """A router in prompt lookup whose drafts on ``history`` grew by being accepted whole."""
     router = AutoRouter(history, flat_costs(1.2), PromptLookupDrafter(32))
     router._enter("prompt_lookup", "test")
     for _ in range(3):
         router.propose(history, 32)
         router.observe(router.lookup_k, router.lookup_k)  # all accepted: drafts grow
     assert router.lookup_k > 8
+    return router
+
+
+def test_router_lookup_length_shrinks_after_a_rejection():
+    history = list(range(50)) * 8
+    router = _copying_router(history)
     router.observe(router.lookup_k, 1)  # one accepted, then a rejection
     router.propose(history, 32)
     assert router.lookup_k <= max(router.s.lookup_rejection_floor, 2 * 2 + 2) < 32
@@ -630,11 +636,7 @@ def test_router_lookup_drafts_at_least_the_floor_after_a_rejection_at_the_first_
     # A quote deviates from its source every 5-8 tokens: a draft of 4 after a
     # miss (2·1+2) split each copied span into two rounds.
     history = list(range(50)) * 8
-    router = AutoRouter(history, flat_costs(1.2), PromptLookupDrafter(32))
-    router._enter("prompt_lookup", "test")
-    for _ in range(3):
-        router.propose(history, 32)
-        router.observe(router.lookup_k, router.lookup_k)
+    router = _copying_router(history)
     router.observe(router.lookup_k, 0)  # the first draft rejected
     assert len(router.propose(history, 32)) == router.s.lookup_rejection_floor == 8
 
