@@ -60,10 +60,10 @@ class DraftLengthPolicy:
     # A resting draft model is scored every this many rounds (score_due): a
     # scoring pass costs about a fifth of a target step on this CPU, so every 4
     # rounds cost free text about 4%.
-    rest_score_every = 8
     # A scoring that finds the draft model right at the last position but not
     # right enough to wake it (_right_now) brings the next one in half the
     # interval: the text may be turning predictable.
+    rest_score_every = 8
     MAX_SCORED = 64
     # Confident mode: the draft's own confidence, scaled by how often drafts
     # were accepted where it was that confident (this request), counts like

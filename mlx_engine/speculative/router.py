@@ -249,10 +249,9 @@ class AutoRouter:
             drafts = m.drafts[: self._probe_length(len(m.drafts), m.strength)]
             self._round_weak = self._is_weak(Match(drafts, m.strength))
             if self._round_weak:
+                # As in lookup's own rounds, a weak match that does not pay drafts nothing.
                 drafts = drafts[: self._weak_probe_length(len(drafts))]
-                self._round_weak = bool(
-                    drafts
-                )  # as in lookup's own rounds: a weak match that does not pay drafts nothing
+                self._round_weak = bool(drafts)
             return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
         self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
