@@ -594,3 +594,49 @@ def test_memory_is_back_after_load_and_unload_cycles(host_dir):
             assert mx.get_active_memory() == before  # every unload freed its arrays when it returned
         finally:
             gc.enable()
+
+
+# -- hostile folders and requests (issue 56) --------------------------------------------------
+def test_dangling_links_in_models_dir_are_skipped_with_a_log_line(tmp_path, llama_path, caplog):
+    """A dangling link (a download cleaned up) at either level, or inside a model
+    folder, is skipped with one log line; the rest are listed, unknown models are
+    404s on every API, and nothing says the folder's absolute path."""
+    (tmp_path / "alpha").symlink_to(llama_path, target_is_directory=True)
+    (tmp_path / "gone.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model-Q4.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "config.json").write_text("{}")
+    (tmp_path / "shards" / "model.safetensors").symlink_to(tmp_path / "nowhere.safetensors")
+    with caplog.at_level("WARNING", logger="mlx_engine.server.host"):
+        assert [m.id for m in scan_models_dir(tmp_path)] == ["alpha"]
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "'gone.gguf' skipped" in logged and "'half' skipped" in logged and "'shards' skipped" in logged
+    host = make_host(tmp_path)  # what start-up builds: no traceback
+    with serve(create_app(host, api_key=KEY)) as url:
+        later = tmp_path / "later"  # a link that goes dangling while the server runs
+        later.mkdir()
+        (later / "w.gguf").symlink_to(tmp_path / "soon-gone.gguf")
+        listed = httpx.get(f"{url}/v1/models", headers=AUTH)
+        assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["alpha"]
+        answers = [
+            chat(url, "unknown"),
+            httpx.post(f"{url}/v1/responses", json={"model": "unknown", "input": "hi"}, headers=AUTH),
+            httpx.post(
+                f"{url}/v1/messages",
+                json={"model": "unknown", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+                headers=AUTH,
+            ),
+        ]
+        for r in answers:
+            assert r.status_code == 404 and str(tmp_path) not in r.text
+
+
+def test_start_up_survives_a_dangling_link(tmp_path):
+    from mlx_engine.server.__main__ import _host, parse_args
+
+    (tmp_path / "gone.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "m.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    host = _host(parse_args(["--models-dir", str(tmp_path), "--no-catalog"]))
+    assert host.entries == {}

@@ -17,6 +17,7 @@ from mlx_engine.loading.gguf import reader as gguf
 from mlx_engine.loading.memory import physical_memory
 
 import asyncio
+import errno
 import gc
 import logging
 import math
@@ -105,50 +106,88 @@ def catalog_models() -> list[KnownModel]:
             continue
         try:
             path = catalog.lookup(name)
+            found.append(KnownModel(name, name, "catalog", _weights_bytes(path)))
         except me.ModelLoadError:  # not installed: nothing to serve
             continue
-        found.append(KnownModel(name, name, "catalog", _weights_bytes(path)))
+        except OSError as exc:  # a file removed or a link left dangling while it was read
+            logger.warning("catalog model %s skipped: %s", name, exc.strerror or type(exc).__name__)
     return found
 
 
-def scan_models_dir(root: str | Path) -> list[KnownModel]:
+def scan_models_dir(root: str | Path, warned: set[str] | None = None) -> list[KnownModel]:
     """The models in ``root``: ``.gguf`` files (id: the file name without
     ``.gguf``), model folders (id: the folder name) and, one level down, the
     ``publisher/model`` folders of LM Studio's layout (id: ``publisher/model``).
-    A model folder is one with ``config.json`` or exactly one model ``.gguf``."""
+    A model folder is one with ``config.json`` or exactly one model ``.gguf``.
+
+    An entry that cannot be read (a dangling link, a file removed meanwhile, a
+    folder without permission) is skipped with a log line, once per entry when
+    ``warned`` (the names already reported) is given: the rest are listed."""
     root = Path(root).expanduser()
     found: list[KnownModel] = []
-    if not root.is_dir():
-        return found
-    for child in sorted(root.iterdir()):
-        if child.name.startswith("."):
-            continue
-        if gguf.is_gguf(child) and not child.name.lower().startswith("mmproj"):
-            found.append(KnownModel(child.stem, str(child.resolve()), "gguf", child.stat().st_size))
-        elif child.is_dir():
-            model = _model_folder(child, child.name)
-            if model is not None:
-                found.append(model)
-                continue
-            for sub in sorted(child.iterdir()) if child.is_dir() else ():
-                if sub.is_dir() and not sub.name.startswith("."):
-                    model = _model_folder(sub, f"{child.name}/{sub.name}")
-                    if model is not None:
-                        found.append(model)
+    for child in _entries(root, root, warned):
+        try:
+            if gguf.is_gguf(child) and not child.name.lower().startswith("mmproj"):
+                found.append(KnownModel(child.stem, str(child.resolve(strict=True)), "gguf", child.stat().st_size))
+            elif child.is_dir():
+                found += _models_in(root, child, warned)
+            elif child.is_symlink() and not child.exists():
+                _skipped(root, child, OSError(errno.ENOENT, "a link to nothing (dangling symlink)"), warned)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop in Python 3.11's resolve()
+            _skipped(root, child, exc, warned)
     return found
+
+
+def _entries(root: Path, folder: Path, warned: set[str] | None) -> list[Path]:
+    """The visible entries of ``folder``, sorted; none (logged) when it cannot be listed."""
+    try:
+        return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    except OSError as exc:
+        _skipped(root, folder, exc, warned)
+        return []
+
+
+def _models_in(root: Path, child: Path, warned: set[str] | None) -> list[KnownModel]:
+    """``child`` as a model folder, or the model folders one level inside it."""
+    model = _model_folder(child, child.name)
+    if model is not None:
+        return [model]
+    found = []
+    for sub in _entries(root, child, warned):
+        try:
+            if sub.is_dir():
+                model = _model_folder(sub, f"{child.name}/{sub.name}")
+                found += [model] if model is not None else []
+        except (OSError, RuntimeError) as exc:
+            _skipped(root, sub, exc, warned)
+    return found
+
+
+def _skipped(root: Path, entry: Path, exc: Exception, warned: set[str] | None) -> None:
+    """Log (once per entry when ``warned`` is kept) an entry the scan skips,
+    named relative to the folder: the log says which, and why."""
+    name = str(entry.relative_to(root)) if entry != root and root in entry.parents else entry.name
+    why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    if warned is not None:
+        if name in warned:
+            return
+        warned.add(name)
+    logger.warning("--models-dir: %r skipped: %s", name, why)
 
 
 def _model_folder(folder: Path, model_id: str) -> KnownModel | None:
     if (folder / "config.json").is_file():
-        return KnownModel(model_id, str(folder.resolve()), "directory", _weights_bytes(folder))
+        return KnownModel(model_id, str(folder.resolve(strict=True)), "directory", _weights_bytes(folder))
     try:
         file = gguf.find_gguf(folder)
     except me.ModelLoadError:  # several GGUF files: each is named by its own path, not served by folder
         return None
-    return None if file is None else KnownModel(model_id, str(file.resolve()), "gguf", file.stat().st_size)
+    return None if file is None else KnownModel(model_id, str(file.resolve(strict=True)), "gguf", file.stat().st_size)
 
 
 def _weights_bytes(path: Path) -> int:
+    """Bytes of the weights files at ``path`` (a file, or a folder's
+    ``.safetensors`` and ``.gguf``); ``OSError`` when one cannot be read."""
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.glob("*.safetensors")) + sum(
@@ -263,6 +302,7 @@ class ModelHost:
         self.make_service: Callable[[me.ModelKit, str, str | None], object] | None = None
         self.events: Callable[..., None] = lambda *a, **k: None  # metrics hook: (event, model_id, **values)
         self._reaper: asyncio.Task | None = None
+        self._warned: set[str] = set()  # --models-dir entries already logged as unreadable
         self.rescan()
 
     def attach(self, make_service: Callable, events: Callable[..., None] | None = None) -> None:
@@ -277,7 +317,7 @@ class ModelHost:
         """Add the models found in the catalog and ``models_dirs`` since the last scan
         (a name already taken, or a source already served, keeps its first entry)."""
         found = (catalog_models() if self.use_catalog else []) + [
-            m for d in self.models_dirs for m in scan_models_dir(d)
+            m for d in self.models_dirs for m in scan_models_dir(d, self._warned)
         ]
         paths = {e.model.path for e in self.entries.values()}
         for model in found:
