@@ -640,3 +640,25 @@ def test_start_up_survives_a_dangling_link(tmp_path):
     (tmp_path / "x" / "m.gguf").symlink_to(tmp_path / "nowhere.gguf")
     host = _host(parse_args(["--models-dir", str(tmp_path), "--no-catalog"]))
     assert host.entries == {}
+
+
+def test_a_model_larger_than_the_whole_budget_is_a_client_error(host_dir):
+    """Not 503 ``no_room`` with Retry-After forever (529 on Messages, which Claude
+    Code retries): a 400 naming the model's size and the budget, nothing loaded."""
+    host = make_host(host_dir, memory_bytes=1000)
+    with serve(create_app(host, api_key=KEY)) as url:
+        size = host.entries["alpha"].model.size_bytes
+        r = chat(url, "alpha")
+        assert r.status_code == 400 and "retry-after" not in r.headers
+        err = r.json()["error"]
+        assert err["code"] == "model_too_large" and err["param"] == "model"
+        assert f"{size} bytes" in err["message"] and "1000 bytes" in err["message"]
+        m = httpx.post(
+            f"{url}/v1/messages",
+            json={"model": "alpha", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+            headers=AUTH,
+        )
+        assert m.status_code == 400 and m.json()["error"]["type"] == "invalid_request_error"
+        load = httpx.post(f"{url}/v1/mlx_engine/models/load", json={"model": "alpha"}, headers=AUTH)
+        assert load.status_code == 400 and load.json()["error"]["code"] == "model_too_large"
+        assert state(url, "alpha") == "not_loaded"

@@ -195,6 +195,19 @@ def _weights_bytes(path: Path) -> int:
     )
 
 
+def model_too_large(model_id: str, size: int, budget: int) -> APIError:
+    """A model that cannot fit the whole memory budget even with nothing else
+    loaded: a client error (4xx, which SDKs do not retry), naming both sizes."""
+    return APIError(
+        400,
+        f"model {model_id!r} needs about {size / 2**30:.2f} GiB ({size} bytes of weights), more than the "
+        f"server's whole memory budget of {budget / 2**30:.2f} GiB ({budget} bytes); it cannot be loaded "
+        "here unless the server is started with a larger --memory-budget",
+        param="model",
+        code="model_too_large",
+    )
+
+
 def kit_memory(kit: me.ModelKit) -> int:
     """Bytes a loaded kit holds: its weights, its draft model's and its prompt cache's KV."""
     total = 0
@@ -516,6 +529,9 @@ class ModelHost:
         """Unload least recently used idle models until ``entry`` (``incoming``
         more bytes) fits the budget and the count; 503 when only busy ones are left."""
         budget = self.limits.budget
+        alone = entry.memory_bytes + incoming
+        if entry.state != LOADED and alone > budget:
+            raise model_too_large(entry.model.id, alone, budget)
         while True:
             others = [e for e in self.entries.values() if e is not entry and e.state in (LOADED, LOADING)]
             used = sum(e.memory_bytes or e.model.size_bytes for e in others) + entry.memory_bytes + incoming
