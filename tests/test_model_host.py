@@ -662,3 +662,29 @@ def test_a_model_larger_than_the_whole_budget_is_a_client_error(host_dir):
         load = httpx.post(f"{url}/v1/mlx_engine/models/load", json={"model": "alpha"}, headers=AUTH)
         assert load.status_code == 400 and load.json()["error"]["code"] == "model_too_large"
         assert state(url, "alpha") == "not_loaded"
+
+
+def test_a_bad_draft_in_a_load_request_unloads_nothing(tmp_path, llama_path, qwen_path, foreign_tokenizer_path):
+    """``POST /v1/mlx_engine/models/load`` with a draft that cannot serve the
+    model: 400 naming ``draft`` before the serving model is unloaded (it stays
+    loaded with its options); ``"draft": ""`` is not the models folder."""
+    (tmp_path / "alpha").symlink_to(llama_path, target_is_directory=True)
+    (tmp_path / "beta").symlink_to(qwen_path, target_is_directory=True)
+    (tmp_path / "foreign").symlink_to(foreign_tokenizer_path, target_is_directory=True)
+    host = make_host(tmp_path)
+    with serve(create_app(host, api_key=KEY, models_dir=tmp_path)) as url:
+        post = lambda body: httpx.post(f"{url}/v1/mlx_engine/models/load", json=body, headers=AUTH)  # noqa: E731
+        assert post({"model": "alpha", "draft": None}).status_code == 200
+        for draft in ("foreign", "", ".", str(tmp_path)):
+            r = post({"model": "alpha", "draft": draft, "max_parallel": 1})
+            assert r.status_code == 400, (draft, r.text)
+            assert r.json()["error"]["param"] == "draft" and str(tmp_path) not in r.json()["error"]["message"]
+            assert state(url, "alpha") == "loaded"
+        assert r.json()["error"]["message"]
+        r = post({"model": "alpha", "draft": "foreign"})
+        assert r.json()["error"]["code"] == "incompatible_draft_model" and "'foreign'" in r.json()["error"]["message"]
+        assert chat(url, "alpha").status_code == 200
+        # A model not loaded yet: the draft's refusal is still the request's 400, not a 500.
+        r = post({"model": "beta", "draft": "foreign"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "incompatible_draft_model"
+        assert state(url, "beta") == "not_loaded"

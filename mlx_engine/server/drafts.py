@@ -49,6 +49,8 @@ def resolve_draft(value: str, models_dir: Path | None) -> str:
         raise bad_request(f"model: the path cannot be resolved: {exc}", "model") from None
     except OSError as exc:  # a name too long, a loop met by stat
         raise bad_request(f"model: the path cannot be used: {exc.strerror or exc}", "model") from None
+    if path == root:
+        raise bad_request("model: names the --models-dir folder itself, not a model inside it", "model")
     if not inside:
         raise APIError(
             403, "model: the path is outside the server's --models-dir", param="model", type="permission_error"

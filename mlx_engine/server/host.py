@@ -208,6 +208,18 @@ def model_too_large(model_id: str, size: int, budget: int) -> APIError:
     )
 
 
+def bad_draft(draft: str, model_id: str, reasons: list[str], source: str) -> APIError:
+    """A 400 naming ``draft``: the draft cannot serve the model; said with the
+    name the client gave (the server's own paths left out)."""
+    why = "; ".join(r.replace(source, draft) for r in reasons)
+    return APIError(
+        400,
+        f"draft: {draft!r} cannot serve model {model_id!r}: {why}",
+        param="draft",
+        code="incompatible_draft_model",
+    )
+
+
 def kit_memory(kit: me.ModelKit) -> int:
     """Bytes a loaded kit holds: its weights, its draft model's and its prompt cache's KV."""
     total = 0
@@ -489,6 +501,8 @@ class ModelHost:
             and options is not None
             and replace(options, ttl=None) != replace(entry.options, ttl=None)
         ):
+            # A draft that cannot serve the model is the request's mistake: found before the unload.
+            await anyio.to_thread.run_sync(self.check_draft, entry.service.kit, entry.model, options)
             await self.unload(model, reason="reload")
         elif entry.state == LOADED and options is not None:  # only the TTL changes: no reload
             entry.options, entry.ttl = options, None
@@ -601,15 +615,31 @@ class ModelHost:
         draft = self.draft_of(model, options)
         try:
             if draft is not None:
-                other = self.entries.get(draft)
-                me.load_draft_model(kit, other.model.source if other is not None else draft)
-        except Exception:
+                me.load_draft_model(kit, self.draft_source(draft))
+        except Exception as exc:
             if options.draft == PAIRED:  # the pairing is a bonus: serve without it
                 logger.warning("model %s: its paired draft %s did not load", model.id, draft, exc_info=True)
             else:
                 me.unload(kit)
+                if isinstance(exc, ValueError):  # IncompatibleDraftModelError, ModelLoadError: the request's draft
+                    raise bad_draft(draft, model.id, [str(exc)], self.draft_source(draft)) from None
                 raise
         return kit
+
+    def draft_source(self, draft: str) -> str:
+        """Where ``draft`` (a known model's id, a catalog name or a path) is loaded from."""
+        other = self.entries.get(draft)
+        return other.model.source if other is not None else draft
+
+    def check_draft(self, kit: me.ModelKit, model: KnownModel, options: LoadOptions) -> None:
+        """400 naming ``draft`` when the draft ``options`` name explicitly cannot
+        serve ``kit`` (its config and tokenizer read, no weights): on a thread."""
+        if options.draft in (None, PAIRED):
+            return
+        source = self.draft_source(options.draft)
+        report = me.check_draft_model(kit, source)
+        if not report.compatible:
+            raise bad_draft(options.draft, model.id, report.reasons, source)
 
     def draft_of(self, model: KnownModel, options: LoadOptions) -> str | None:
         """The draft ``options`` name for ``model`` (the catalog's pairing for ``PAIRED``)."""

@@ -28,7 +28,7 @@ class LoadRequest(BaseModel):
     context: int | Literal["auto"] | None = None
     max_parallel: int | None = Field(None, ge=1, le=64)
     compute_dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] | None = None
-    draft: str | None = None
+    draft: str | None = Field(None, min_length=1)
     ttl: float | None = Field(None, gt=0)
 
 
@@ -75,7 +75,12 @@ def models_router(host: ModelHost, models_dir: Path | None, auth) -> APIRouter:
             options = replace_options(host.defaults, **changes, draft=draft, ttl=ttl)
         except ValueError as exc:
             raise from_engine(exc) from exc
-        await host.load(entry.model.id, options)
+        try:
+            await host.load(entry.model.id, options)
+        except APIError as exc:  # said with the client's name for the draft, not the server's path
+            if exc.param == "draft" and isinstance(draft, str) and isinstance(body.draft, str):
+                exc.message = exc.message.replace(draft, body.draft)
+            raise
         return host.describe(entry)
 
     @router.post("/v1/mlx_engine/models/unload")
