@@ -429,7 +429,7 @@ def test_an_unexpected_failure_is_a_500_in_each_apis_shape(guarded, monkeypatch)
     async def broken(*args, **kwargs):
         raise RuntimeError("broken on purpose")
 
-    monkeypatch.setattr(anthropic_messages, "render", broken)
+    monkeypatch.setattr(anthropic_messages, "count_prompt", broken)
     assert _is_anthropic_error(post(guarded, hello(), path="/v1/messages/count_tokens"), 500, "api_error")
 
 
@@ -455,6 +455,9 @@ def test_busy_and_stopping_servers_answer_429_and_529(slow_kit, tkit):
             busy = post(url, hello(), key=None)
             assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
             assert busy.headers["Retry-After"]
+            # Counting is admitted as a request is: it takes a row, and none is free.
+            count = http.post(f"{url}/v1/messages/count_tokens", json={"model": MODEL, "messages": hello()["messages"]})
+            assert count.status_code == 429 and count.json()["error"]["type"] == "rate_limit_error"
             app.state.service.drain()
             stopping = post(url, hello(), key=None)
             assert stopping.status_code == 529 and stopping.json()["error"]["type"] == "overloaded_error"

@@ -4,7 +4,7 @@ a prompt over the context is each API's own error by default and, under
 answered, in chat completions, the Responses API and the Messages API alike."""
 
 import mlx_engine as me
-from mlx_engine.server import create_app, overflow
+from mlx_engine.server import create_app, overflow, params
 from mlx_engine.server.__main__ import main as server_main
 from mlx_engine.server.core import render_now
 from mlx_engine.server.schemas import ChatCompletionRequest
@@ -175,3 +175,59 @@ def test_bad_policies_are_start_up_errors(tkit, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--context-overflow" in err and "'drop'" in err
+
+
+# -- text that cannot fit (issue 56) ------------------------------------------------------------
+@pytest.fixture
+def rendered(monkeypatch) -> list[int]:
+    """The characters of every prompt the chat template or the tokenizer is given."""
+    seen: list[int] = []
+    template, tokenize = me.apply_chat_template, me.tokenize
+
+    def spy_template(kit, messages, **kw):
+        seen.append(sum(len(str(m.get("content") or "")) for m in messages))
+        return template(kit, messages, **kw)
+
+    def spy_tokenize(kit, text, **kw):
+        seen.append(len(text))
+        return tokenize(kit, text, **kw)
+
+    monkeypatch.setattr(me, "apply_chat_template", spy_template)
+    monkeypatch.setattr(me, "tokenize", spy_tokenize)
+    return seen
+
+
+def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(servers, tkit, rendered):
+    """More characters than the context holds tokens times the longest token:
+    each API's context error at once, on every route and count_tokens too, the
+    text never rendered or tokenized whole."""
+    bound = tkit.context_length * params.longest_token_chars(tkit)
+    huge = "many words " * (bound // 11 + 10)
+    url, user = servers["error"], [{"role": "user", "content": huge}]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": user}, timeout=60)
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"
+    assert chat.json()["error"]["param"] == "messages"
+    text = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": huge}, timeout=60)
+    assert text.status_code == 400 and text.json()["error"]["param"] == "prompt"
+    resp = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": huge}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 4, "messages": user}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is too long"), path
+    assert not any(n >= len(huge) for n in rendered)
+
+
+def test_truncate_middle_cuts_text_that_cannot_fit_before_rendering_it(servers, tkit, rendered):
+    bound = tkit.context_length * params.longest_token_chars(tkit)
+    huge = "old words " * (bound // 10 + 10)
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": huge},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": LAST},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "mlx_engine": PLAIN}
+    r = httpx.post(f"{servers['truncate-middle']}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["mlx_engine"]["truncated_tokens"] >= tkit.context_length
+    assert rendered and max(rendered) <= bound

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .core import admit, collect, counts, internal_request, prepare, render, sse, with_heartbeat, with_truncated
+from .core import admit, collect, count_prompt, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
 from .errors import AnthropicError, APIError, bad_request, from_failure, from_validation
 from .responses import Choice, engine_stats
 from .runs import RequestRun
@@ -498,7 +498,7 @@ def messages_router(host, api_key: str | None, *, keep_billing_header: bool = Fa
         try:
             body, chat, sources = await translated(request, CountTokensRequest)
             async with host.kit_for(body.model) as service:
-                prompt = await render(service.kit, chat)
+                prompt = await count_prompt(service, request, chat, _too_long)
         except APIError as err:
             return _edge(err, sources).response()
         except AnthropicError as err:

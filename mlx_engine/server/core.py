@@ -71,7 +71,7 @@ async def prepare(
     """Render the prompt off the loop, fit one over the context to it under the
     service's overflow policy or refuse it with ``too_long(prompt_tokens,
     context)`` (each API's own error), and build the generation arguments."""
-    fitted = await anyio.to_thread.run_sync(fit_context, service, body)
+    fitted = await anyio.to_thread.run_sync(fit_context, service, body, None, too_long)
     body, prompt = fitted.body, fitted.prompt
     context = service.kit.context_length
     if context is not None and len(prompt.tokens) >= context:
@@ -82,19 +82,40 @@ async def prepare(
     return Turn(body, prompt, kwargs, fitted.dropped)
 
 
-def fit_context(service, body: ChatCompletionRequest, renderer: overflow.Render | None = None) -> overflow.Fitted:
+def fit_context(
+    service,
+    body: ChatCompletionRequest,
+    renderer: overflow.Render | None = None,
+    too_long: Callable[[int, int], APIError] | None = None,
+) -> overflow.Fitted:
     """``body`` rendered and, when its prompt is over the context and the
     operator chose ``truncate-middle``, cut to fit (overflow.py); unchanged
     otherwise (a prompt still over is the caller's to refuse). ``renderer``:
-    the prompt of a body (default ``render_now``)."""
+    the prompt of a body (default ``render_now``).
+
+    Text that cannot fit whatever its tokens (more characters than the context
+    holds tokens times the longest token's length) is never tokenized whole:
+    under ``error`` it is ``too_long(at least so many tokens, context)`` at once
+    (default: the chat API's 400), under ``truncate-middle`` the oldest turns and
+    the longest texts are cut down to that bound first."""
     kit = service.kit
     renderer = renderer or (lambda b: render_now(kit, b))
-    prompt = renderer(body)
     context = kit.context_length
-    if service.context_overflow == "error" or context is None or len(prompt.tokens) < context:
-        return overflow.Fitted(body, prompt, 0)
-    fitted = overflow.fit(kit, body, prompt, renderer)
-    return fitted or overflow.Fitted(body, prompt, 0)
+    pre_cut = 0
+    if context is not None:
+        floor = params.prompt_floor(kit, params.counted_chars(body))
+        if floor >= context and service.context_overflow == "error":
+            raise (too_long or params.over_context)(floor, context)
+        if floor >= context:
+            body, pre_cut = overflow.pretrim(body, context * (params.longest_token_chars(kit) or 1))
+    prompt = renderer(body)
+    fitted = overflow.Fitted(body, prompt, 0)
+    if service.context_overflow != "error" and context is not None and len(prompt.tokens) >= context:
+        fitted = overflow.fit(kit, body, prompt, renderer) or fitted
+    if pre_cut:  # the characters cut before the first render, as tokens at this prompt's rate
+        rate = max(1.0, params.counted_chars(body) / max(1, len(prompt.tokens)))
+        fitted = overflow.Fitted(fitted.body, fitted.prompt, fitted.dropped + int(pre_cut / rate))
+    return fitted
 
 
 async def render(kit: me.ModelKit, body: ChatCompletionRequest) -> params.Prompt:
@@ -154,8 +175,39 @@ async def admit(
     service, request: Request, prompt: params.Prompt, kwargs: list[dict], *, prompt_field: str
 ) -> RequestRun:
     """Wait for rows (429 when the line is full, 503 when stopping), then start."""
+    await take_rows(service, request, len(kwargs))
+    observer = service.metrics.observer(service.model_id) if service.metrics is not None else None
+    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes, observer)
     try:
-        await unless_disconnected(request, service.queue.acquire(len(kwargs)))
+        await run.start(prompt.tokens, kwargs)
+    except ValueError as exc:
+        raise from_engine(exc, prompt_field) from exc
+    return run
+
+
+async def count_prompt(
+    service, request: Request, body: ChatCompletionRequest, too_long: Callable[[int, int], APIError]
+) -> params.Prompt:
+    """The prompt of ``body`` for counting its tokens, admitted as a request is:
+    text that cannot fit the context is ``too_long`` before its token list is
+    built, and the render takes a row (waiting in line, 429 when the line is
+    full, 503 when stopping) so counts cannot crowd out the generations."""
+    kit = service.kit
+    context = kit.context_length
+    floor = params.prompt_floor(kit, params.counted_chars(body))
+    if context is not None and floor >= context:
+        raise too_long(floor, context)
+    await take_rows(service, request, 1)
+    try:
+        return await render(kit, body)
+    finally:
+        service.queue.release(1)
+
+
+async def take_rows(service, request: Request, rows: int) -> None:
+    """``rows`` of the service's queue, waited for in line; the queue's refusals as API errors."""
+    try:
+        await unless_disconnected(request, service.queue.acquire(rows))
     except QueueFullError:
         raise APIError(
             429,
@@ -166,13 +218,6 @@ async def admit(
         ) from None
     except ShuttingDownError:
         raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
-    observer = service.metrics.observer(service.model_id) if service.metrics is not None else None
-    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes, observer)
-    try:
-        await run.start(prompt.tokens, kwargs)
-    except ValueError as exc:
-        raise from_engine(exc, prompt_field) from exc
-    return run
 
 
 async def unless_disconnected(request: Request, awaitable) -> None:

@@ -127,14 +127,7 @@ def shorten_longest(body: ChatCompletionRequest, kit: me.ModelKit, excess: int) 
     # A little over the estimate (and the marker's own length), so a round rarely
     # falls short; the caller measures again and cuts more when it does.
     chars = int(excess * per_token * 1.02) + len(CUT_MARK) + 16
-    short = cut_middle(text, chars)
-    if isinstance(m.content, str):
-        content = short
-    else:
-        parts = [p for p in m.content if isinstance(p, TextPart)]
-        content = [p.model_copy(update={"text": short}) if p is parts[j] else p for p in m.content]
-    messages = [*body.messages[:i], m.model_copy(update={"content": content}), *body.messages[i + 1 :]]
-    return body.model_copy(update={"messages": messages})
+    return _replace_text(body, i, j, cut_middle(text, chars))
 
 
 def fit(kit: me.ModelKit, body: ChatCompletionRequest, prompt: Prompt, render: Render) -> Fitted | None:
@@ -161,3 +154,52 @@ def fit(kit: me.ModelKit, body: ChatCompletionRequest, prompt: Prompt, render: R
         context,
     )
     return Fitted(cut, short, dropped)
+
+
+def pretrim(body: ChatCompletionRequest, max_chars: int) -> tuple[ChatCompletionRequest, int]:
+    """``body`` cut, before any render, until the text every template renders
+    whole is at most ``max_chars`` characters (a prompt beyond that bound cannot
+    fit the context, so tokenizing it whole would be wasted work): the oldest
+    droppable turns first, then the middle of the longest texts. Returns the
+    body and the characters cut."""
+    from .params import COUNTED_ROLES, counted_chars  # params imports this module's Prompt
+
+    total = counted_chars(body)
+    start = total
+    groups, _ = turns(body.messages)
+    dropped: set[int] = set()
+    for group in groups:
+        if total <= max_chars:
+            break
+        dropped |= set(group)
+        total = counted_chars(without(body, dropped))
+    body = without(body, dropped) if dropped else body
+    for _ in range(len(body.messages) * 4):
+        if total <= max_chars:
+            break
+        texts = [
+            (len(t), i, j)
+            for i, m in enumerate(body.messages)
+            if m.role in COUNTED_ROLES
+            for j, t in enumerate(_texts(m))
+        ]
+        length, i, j = max(texts, default=(0, 0, 0))
+        if length <= len(CUT_MARK) * 2:
+            break
+        body = _replace_text(
+            body, i, j, cut_middle(_texts(body.messages[i])[j], min(length, total - max_chars + len(CUT_MARK) + 16))
+        )
+        total = counted_chars(body)
+    return body, start - total
+
+
+def _replace_text(body: ChatCompletionRequest, i: int, j: int, text: str) -> ChatCompletionRequest:
+    """``body`` with text ``j`` of message ``i`` replaced by ``text``."""
+    m = body.messages[i]
+    if isinstance(m.content, str):
+        content = text
+    else:
+        parts = [p for p in m.content if isinstance(p, TextPart)]
+        content = [p.model_copy(update={"text": text}) if p is parts[j] else p for p in m.content]
+    messages = [*body.messages[:i], m.model_copy(update={"content": content}), *body.messages[i + 1 :]]
+    return body.model_copy(update={"messages": messages})

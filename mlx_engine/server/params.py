@@ -13,6 +13,7 @@ import mlx_engine as me
 from mlx_engine.tools import json_depth
 
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 from .errors import bad_request, from_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
@@ -21,6 +22,15 @@ DEFAULT_LOOKUP_TOKENS = 8
 # Deepest JSON nesting taken in tool schemas and call arguments: far beyond any
 # real schema, far below what recursive parsers and validators survive.
 MAX_JSON_DEPTH = 64
+
+
+# The longest token of each tokenizer, in characters (of its vocabulary's
+# strings: a byte-level BPE's strings are one character per byte, so none covers
+# more characters of text than it has).
+_TOKEN_CHARS: WeakKeyDictionary = WeakKeyDictionary()
+# Roles whose text every chat template renders whole (assistant turns may be cut:
+# templates drop the reasoning of earlier turns).
+COUNTED_ROLES = ("system", "developer", "user", "tool")
 
 
 @dataclass
@@ -115,13 +125,34 @@ def completion_prompt(kit: me.ModelKit, req: CompletionRequest) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
+        _refuse_over_context(kit, prompt_floor(kit, len(prompt)), "prompt")
         try:
             return Prompt(me.tokenize(kit, prompt), [])
         except ValueError as exc:  # text that is not valid Unicode (a lone surrogate)
             raise bad_request(str(exc), "prompt") from exc
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
+    _refuse_over_context(kit, len(prompt), "prompt")
     return Prompt(list(prompt), [])
+
+
+def _refuse_over_context(kit: me.ModelKit, tokens: int, field: str) -> None:
+    """A 400 naming ``field`` when a prompt of at least ``tokens`` tokens leaves
+    no room in the context: before its token list is built."""
+    context = kit.context_length
+    if context is not None and tokens >= context:
+        raise over_context(tokens, context, field)
+
+
+def over_context(tokens: int, context: int, field: str = "messages"):
+    """The chat and completions APIs' error for a prompt with no room left."""
+    err = bad_request(
+        f"{field}: the prompt has at least {tokens} tokens, which leaves no room in the model's context of "
+        f"{context} tokens",
+        field,
+    )
+    err.code = "context_length_exceeded"
+    return err
 
 
 def token_budget(kit: me.ModelKit, prompt_len: int, asked: int | None) -> int:
@@ -235,3 +266,47 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def wants_logprobs(req: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(req.logprobs) if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
+
+
+def longest_token_chars(kit: me.ModelKit) -> int | None:
+    """The most characters of text one token of ``kit`` covers (its longest
+    vocabulary string); None when the tokenizer lists no vocabulary."""
+    tok = kit.tokenizer
+    try:
+        return _TOKEN_CHARS[tok]
+    except (KeyError, TypeError):
+        pass
+    get_vocab = getattr(tok, "get_vocab", None)
+    longest = max((len(t) for t in get_vocab()), default=0) if callable(get_vocab) else 0
+    value = longest or None
+    try:
+        _TOKEN_CHARS[tok] = value
+    except TypeError:  # a tokenizer that takes no weak reference: measured again next time
+        pass
+    return value
+
+
+def counted_chars(req: ChatCompletionRequest) -> int:
+    """Characters of ``req`` that every chat template renders whole: the text of
+    its system, user and tool messages and its tools' names and descriptions."""
+    total = 0
+    for m in req.messages:
+        if m.role not in COUNTED_ROLES:
+            continue
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(p.text) for p in m.content if p.type == "text")
+    for tool in req.tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict):
+            total += sum(len(fn[k]) for k in ("name", "description") if isinstance(fn.get(k), str))
+    return total
+
+
+def prompt_floor(kit: me.ModelKit, chars: int) -> int:
+    """The fewest tokens ``chars`` characters of text can take with ``kit``'s
+    tokenizer (none is longer than ``longest_token_chars``): a prompt whose
+    floor is over the context cannot fit, known before its token list is built."""
+    longest = longest_token_chars(kit)
+    return 0 if not longest else -(-chars // longest)
