@@ -147,6 +147,25 @@ def test_the_store_is_bounded_oldest_first():
     assert store.get("a") is None and store.get("b").response == {"id": "b"} and store.get("c") is not None
 
 
+def test_the_store_is_bounded_in_bytes_oldest_first():
+    """Each response counted as its JSON: past ``max_bytes`` the oldest go; one
+    larger than the whole bound is not kept (and pushes nothing out)."""
+    store = ResponseStore(capacity=100, max_bytes=1000)
+    for rid in ("a", "b", "c"):
+        assert store.put(rid, {"id": rid, "pad": "x" * 300}, [{"role": "user", "content": "hi"}])
+    assert store.get("a") is None and store.get("b") is not None and store.get("c") is not None
+    assert 0 < store.bytes <= 1000
+    assert not store.put("huge", {"id": "huge", "pad": "x" * 2000}, [])
+    assert store.get("huge") is None and store.get("b") is not None
+    assert store.delete("b") and store.bytes == store.get("c").size
+
+
+def test_metadata_within_bounds_is_echoed_and_kept(client):
+    meta = {f"k{i}": "v" * 512 for i in range(16)}
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, metadata=meta, extra_body=PLAIN)
+    assert r.metadata == meta and client.responses.retrieve(r.id).metadata == meta
+
+
 def test_function_calls_whole_and_streamed(client, tkit):
     tools = [WEATHER, {"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["x"]}]
     ask = dict(
@@ -313,6 +332,30 @@ def ask(**fields):
         (ask(tool_choice="required"), 400, "tool_choice"),
         (ask(stream="yes"), 400, "stream"),
         (ask(model="other"), 404, "model"),
+        # What a response echoes but no prompt bounds (issue 56): OpenAI's bounds, and finite numbers only.
+        (ask(metadata={f"k{i}": "v" for i in range(17)}), 400, "metadata"),
+        (ask(metadata={"k" * 65: "v"}), 400, "metadata"),
+        (ask(metadata={"k": "v" * 513}), 400, "metadata.k"),
+        (ask(text={"format": {"type": "json_schema", "name": "n" * 65, "schema": {}}}), 400, "text.format.name"),
+        (
+            ask(text={"format": {"type": "json_schema", "name": "x", "description": "d" * 4097, "schema": {}}}),
+            400,
+            "text.format.description",
+        ),
+        (ask(tools=[{"type": "web_search", "filters": "x" * 20000}]), 400, "tools.0"),
+        (ask(tools=[{"type": "web_search"}] * 129), 400, "tools"),
+        (b'{"model": "tiny", "input": "hi", "tools": [{"type": "web_search", "x": Infinity}]}', 400, "tools.0.x"),
+        (
+            b'{"model": "tiny", "input": "hi", "tool_choice": {"type": "file_search", "n": [1, NaN]}}',
+            400,
+            "tool_choice.n.1",
+        ),
+        (
+            b'{"model": "tiny", "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", '
+            b'"schema": {"type": "number", "maximum": -Infinity}}}}',
+            400,
+            "text.format.schema.maximum",
+        ),
     ],
 )
 def test_bad_requests_are_openai_errors(server, body, status, param):

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import mlx_engine as me
 
+import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -34,6 +36,13 @@ from .schemas import EngineOptions
 logger = logging.getLogger(__name__)
 
 DEFAULT_STORE_SIZE = 256  # stored responses kept for previous_response_id; the oldest is dropped first
+DEFAULT_STORE_BYTES = 64 * 1024 * 1024  # and at most this much of them (their JSON), the oldest dropped first
+# What a response echoes but no prompt holds (so no context check bounds it),
+# bounded as OpenAI bounds it: metadata pairs and their lengths, format names.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+MAX_FORMAT_NAME, MAX_FORMAT_DESCRIPTION = 64, 4096
+MAX_TOOLS = 128
+MAX_HOSTED_TOOL_BYTES = 16 * 1024  # a tool this server skips (web_search, mcp, custom ...): its JSON
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _IGNORED_ITEMS = ("reasoning", "item_reference")
 
@@ -79,25 +88,111 @@ class ResponsesRequest(_Body):
 class Stored:
     response: dict
     conversation: list[dict]  # chat messages: the input history and this response's output
+    size: int = 0  # bytes of both as JSON: what the store counts against its byte bound
 
 
 class ResponseStore:
-    """Stored responses by id, at most ``capacity``, the oldest dropped first."""
+    """Stored responses by id, at most ``capacity`` of them and ``max_bytes``
+    of their JSON (response and conversation), the oldest dropped first. A
+    conversation continued from a stored one shares its messages, so the bytes
+    counted are an upper bound of what is held."""
 
-    def __init__(self, capacity: int = DEFAULT_STORE_SIZE):
-        self.capacity = capacity
+    def __init__(self, capacity: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_BYTES):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.bytes = 0
         self._items: OrderedDict[str, Stored] = OrderedDict()
 
-    def put(self, rid: str, response: dict, conversation: list[dict]) -> None:
-        self._items[rid] = Stored(response, conversation)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def put(self, rid: str, response: dict, conversation: list[dict]) -> bool:
+        """Keep a response; False (logged) when it alone is over ``max_bytes``."""
+        size = len(json.dumps(response, default=str)) + len(json.dumps(conversation, default=str))
+        if size > self.max_bytes:
+            logger.warning(
+                "response %s (%d bytes) is larger than the store's %d bytes; not stored", rid, size, self.max_bytes
+            )
+            return False
+        self.delete(rid)
+        self._items[rid] = Stored(response, conversation, size)
+        self.bytes += size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            _, dropped = self._items.popitem(last=False)
+            self.bytes -= dropped.size
+        return True
 
     def get(self, rid: str) -> Stored | None:
         return self._items.get(rid)
 
     def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        stored = self._items.pop(rid, None)
+        if stored is not None:
+            self.bytes -= stored.size
+        return stored is not None
+
+
+# -- what is echoed, checked ------------------------------------------------------------------
+def check_echoed(body: ResponsesRequest) -> None:
+    """A 400 naming the field for what a response echoes but no prompt bounds:
+    ``metadata`` past OpenAI's bounds, a format name or description too long,
+    too many tools or a skipped (hosted) tool's body too large, and a non-finite
+    number (``Infinity``, ``NaN``: not JSON, which the answer must be) anywhere
+    in ``tools``, ``tool_choice`` or ``text.format.schema``."""
+    meta = body.metadata or {}
+    if len(meta) > MAX_METADATA_PAIRS:
+        raise bad_request(f"metadata: at most {MAX_METADATA_PAIRS} key-value pairs, got {len(meta)}", "metadata")
+    for key, value in meta.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise bad_request(f"metadata: keys are at most {MAX_METADATA_KEY} characters, got {len(key)}", "metadata")
+        if len(value) > MAX_METADATA_VALUE:
+            raise bad_request(
+                f"metadata.{key[:64]}: values are at most {MAX_METADATA_VALUE} characters, got {len(value)}",
+                f"metadata.{key[:64]}",
+            )
+    fmt = body.text.format if body.text else None
+    for name, bound in (("name", MAX_FORMAT_NAME), ("description", MAX_FORMAT_DESCRIPTION)):
+        value = getattr(fmt, name, None)
+        if value is not None and len(value) > bound:
+            raise bad_request(
+                f"text.format.{name}: at most {bound} characters, got {len(value)}", f"text.format.{name}"
+            )
+    _check_tools(body.tools or [])
+    for value, where in (
+        (body.tools, "tools"),
+        (body.tool_choice, "tool_choice"),
+        (fmt and fmt.schema_, "text.format.schema"),
+    ):
+        bad = non_finite(value)
+        if bad is not None:
+            path = where + "".join(f".{p}" for p in bad)
+            raise bad_request(f"{path}: numbers must be finite (Infinity and NaN are not JSON)", path)
+
+
+def _check_tools(tools: list[dict]) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    for i, tool in enumerate(tools):
+        if tool.get("type") in ("function", "namespace"):
+            continue  # declared in the prompt: the context bounds them
+        size = len(json.dumps(tool, default=str))
+        if size > MAX_HOSTED_TOOL_BYTES:
+            raise bad_request(
+                f"tools.{i}: a {tool.get('type')!r} tool (not served here) is at most {MAX_HOSTED_TOOL_BYTES} "
+                f"bytes as JSON, got {size}",
+                f"tools.{i}",
+            )
+
+
+def non_finite(value: Any) -> list | None:
+    """The path (keys and indices) to the first non-finite float in ``value``
+    (nested dicts and lists, walked without recursion); None when there is none."""
+    stack: list[tuple[Any, list]] = [(value, [])]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return path
+        if isinstance(item, dict):
+            stack.extend((v, [*path, k]) for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((v, [*path, i]) for i, v in reversed(list(enumerate(item))))
+    return None
 
 
 # -- the request, translated ------------------------------------------------------------------
@@ -479,6 +574,7 @@ def responses_router(host, auth, store_size: int = DEFAULT_STORE_SIZE) -> APIRou
 
     @router.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
+        check_echoed(body)
         async with host.kit_for(body.model) as service:
             return await _respond(service, store, body, request)
 
