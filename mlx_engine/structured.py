@@ -107,22 +107,24 @@ def tokenizer_for(kit) -> Any:
 # first lexeme of a forced span, where llguidance hits its lexer and parser
 # limits (a regex such as ``a{1000000}``, a schema that requires itself).
 PROBE_FORCED_TOKENS = 8
+# Positions the probe walks: where limits met right after a first choice (a
+# huge repetition after an alternative, ``[ab]c{100000}``) show.
+PROBE_STEPS = 4
 
 
 def check_grammar(kit, name: str, grammar: str) -> None:
     """Refuse, before any model work, a grammar llguidance cannot build for this
-    tokenizer or cannot run: a probe matcher computes the first mask and consumes
-    the first forced tokens, where grammars too large or too complex for
-    llguidance's limits fail (``ValueError`` naming the argument)."""
+    tokenizer or cannot run: a probe matcher walks the first ``PROBE_STEPS``
+    positions of one path (the forced tokens where there are some, else the
+    lowest allowed token that is not an end token), computing each mask, where
+    grammars too large or too complex for llguidance's limits fail (``ValueError``
+    naming the argument). A limit met only on another path, or further along,
+    still ends the generation with that error when it is reached."""
     import llguidance
 
     try:
         matcher = llguidance.LLMatcher(tokenizer_for(kit), grammar, log_level=0)
-        if not matcher.is_error():
-            matcher.compute_bitmask()
-            forced = matcher.compute_ff_tokens()[:PROBE_FORCED_TOKENS]
-            if forced and not matcher.is_error():
-                matcher.consume_tokens(forced)
+        _probe_path(matcher, set(kit.eos_token_ids))
         error = matcher.get_error() if matcher.is_error() else ""
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -130,6 +132,23 @@ def check_grammar(kit, name: str, grammar: str) -> None:
         error = f"{type(exc).__name__}: {exc}"
     if error:
         raise InvalidArgument(f"{name} cannot be used: {_describe(error)}", name)
+
+
+def _probe_path(matcher, eos_ids: set[int]) -> None:
+    """Walk ``matcher`` along one path of ``PROBE_STEPS`` positions (see
+    ``check_grammar``); it stops early at an error, a stop or a dead end."""
+    for _ in range(PROBE_STEPS):
+        if matcher.is_error() or matcher.is_stopped():
+            return
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        forced = matcher.compute_ff_tokens()[:PROBE_FORCED_TOKENS]
+        if matcher.is_error():
+            return
+        if not forced:
+            allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+            forced = [int(t) for t in allowed[:64] if int(t) not in eos_ids][:1]
+        if not forced or not matcher.consume_tokens(forced):
+            return
 
 
 def _describe(error: str) -> str:

@@ -1044,3 +1044,21 @@ def test_a_generation_failing_on_its_argument_is_a_400_naming_the_field():
     assert (err.status, err.param, err.type) == (400, "mlx_engine.regex", "invalid_request_error")
     assert "mlx_engine.regex cannot be used" in err.message
     assert from_failure(RuntimeError("boom")).status == 500
+
+
+def test_grammar_limits_up_front_and_late_over_http(tkit):
+    """A limit met on the probe's path (a huge repetition right after a choice)
+    is a 400 before any model work; one met further along ends the generation
+    with the same 400 (an error event in a stream), and /health counts it as
+    ``rejected``, not ``failed``: it is the client's argument."""
+    with serve(create_app(tkit, model_id=MODEL)) as url:
+        early = httpx.post(f"{url}/v1/chat/completions", json=hello(mlx_engine={"regex": "[xy]c{100000}"}))
+        assert early.status_code == 400 and early.json()["error"]["param"] == "mlx_engine.regex"
+        late = hello(max_tokens=40, temperature=0, mlx_engine={"regex": "[xy]{12}z{100000}", "decoding": "plain"})
+        whole = httpx.post(f"{url}/v1/chat/completions", json=late, timeout=60)
+        assert whole.status_code == 400 and whole.json()["error"]["param"] == "mlx_engine.regex"
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**late, "stream": True}, timeout=60) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert r.status_code == 200 and '"param": "mlx_engine.regex"' in lines[-2] and lines[-1] == "data: [DONE]"
+        health = httpx.get(f"{url}/health").json()
+        assert health["rejected"] == 2 and health["failed"] == 0

@@ -326,7 +326,7 @@ def _add_routes(app: FastAPI, host: ModelHost, auth) -> None:
             "model": host.primary,
             "running": sum(q.running for q in queues),
             "waiting": sum(q.waiting for q in queues),
-            **{k: host.outcomes[k] for k in ("completed", "cancelled", "failed")},
+            **{k: host.outcomes[k] for k in ("completed", "cancelled", "failed", "rejected")},
         }
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])

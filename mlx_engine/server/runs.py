@@ -110,7 +110,11 @@ class RequestRun:
         except BaseException as exc:  # noqa: BLE001 - reported to the client, not lost
             logger.debug("generation %s failed", self.request_ids[index], exc_info=True)
             self._put(Item(index, error=exc))
-            self._call(self._failed, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, ValueError):  # the request's own argument (a grammar limit met late): a 400
+                outcome = "rejected"
+                self._call(logger.info, "request %s rejected: %s", self.request_ids[0], exc)
+            else:
+                self._call(self._failed, f"{type(exc).__name__}: {exc}")
         finally:
             gen.close()
             self._put(_END)
