@@ -233,3 +233,33 @@ def test_the_test_run_keeps_cost_records_out_of_the_users_home():
     where = cost_store.store_dir()
     assert where is not None and where == Path(COST_DIR)
     assert not where.resolve().is_relative_to(Path.home().resolve() / ".cache")
+
+
+def wait_until(condition, timeout=120.0):
+    """Poll ``condition``; the bound only turns a hang into a failure."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_a_kits_record_far_off_its_rounds_is_refined_saved_and_measured_again(llama_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
+    kit = me.load_model(llama_path)
+    key = kit.cost_key("forward")
+    # A record claiming a second a step (a tiny model's real steps take milliseconds).
+    absurd = {"seconds": [1.0 + 0.1 * n for n in range(len(WIDTHS))], "version": costs.COST_MODEL_VERSION}
+    cost_store.save(key, {**absurd, "measured_at": 1.0})
+    assert kit.forward_costs().step() == 1.0 and kit.cost_source == "stored"
+    for i in range(4):  # what four requests' rounds timed (injected: no request runs)
+        for width, seconds in rounds_of_a_request(i):
+            kit.observe_round(width, seconds)
+    refined = kit.forward_costs()
+    assert refined.step() < 0.1  # the rounds' step, weighted 40 rounds to the record's 8
+    wait_until(lambda: kit.cost_source == "measured")  # measured again between requests
+    record = cost_store.load(key)
+    assert record["measured_at"] > 1.0 and record["how"]["samples"] >= 5 * 11
+    assert kit.cost_book.remeasures == 1
+    me.unload(kit)

@@ -283,7 +283,9 @@ class ModelKit:
         self._cost_measurement = BackgroundMeasurement(
             measurement,
             self.worker.submit,
-            idle=lambda: (kit := ref()) is not None and kit.open_generations == 0,
+            # Idle for a moment, not just between two back-to-back requests (an agent's
+            # loop, a benchmark): a pass started then would delay the next one.
+            idle=lambda: (kit := ref()) is not None and kit.activity.idle_seconds() >= IDLE_GRACE_S,
             alive=lambda: (kit := ref()) is not None and kit.model is model and not worker_exiting(),
             finish=finish,
         )
@@ -388,6 +390,11 @@ def costs_from_record(record: dict | None) -> costs.CostModel | None:
     if seconds is None or seconds != sorted(seconds):
         return None
     return costs.CostModel(tuple(seconds))
+
+
+#: How long a kit must have been without a request before a background cost
+#: measurement runs a pass: a request arriving meanwhile waits for that pass.
+IDLE_GRACE_S = 1.0
 
 
 def measured_record(m: costs.Measurement, measured: costs.CostModel | None = None) -> dict:
