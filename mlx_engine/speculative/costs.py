@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,6 +139,9 @@ class Measurement:
             "rounds": self.rounds,
             "spread": round(spread(self.samples), 4),
             "credible": credible(self.samples),
+            # Recorded, not a criterion: on a shared machine the load average stays
+            # above the core count; the spread is what that load did to the timings.
+            "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         }
 
 
