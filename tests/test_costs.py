@@ -263,3 +263,16 @@ def test_a_kits_record_far_off_its_rounds_is_refined_saved_and_measured_again(ll
     assert record["measured_at"] > 1.0 and record["how"]["samples"] >= 5 * 11
     assert kit.cost_book.remeasures == 1
     me.unload(kit)
+
+
+def test_a_kit_is_idle_only_with_no_request_open():
+    from mlx_engine.kits.registry import Activity
+
+    activity = Activity()
+    activity.register("a")
+    assert activity.idle_seconds() == 0.0  # open: never idle, however long ago one ended
+    activity.end("a")
+    ended = activity.last_end
+    assert ended > 0 and activity.idle_seconds() >= 0.0
+    activity.register("b")
+    assert activity.idle_seconds() == 0.0 and activity.last_end == ended
