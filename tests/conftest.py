@@ -11,8 +11,12 @@ import pytest
 from fixtures.tiny_models import make_model, make_tokenizer  # noqa: E402
 
 # Measured forward costs (speculative/cost_store.py) go to a directory of this run,
-# not the user's cache, so every run measures as a fresh machine would.
-os.environ.setdefault("MLX_ENGINE_COST_DIR", tempfile.mkdtemp(prefix="mlx-engine-costs-"))
+# never the user's cache (nor a folder the user's shell named): every run measures
+# as a fresh machine would, and tests never write into the user's home. Set
+# unconditionally, before any test (or subprocess it starts) reads it; subprocesses
+# inherit it (tests that clean their environment keep MLX_ENGINE_* variables).
+COST_DIR = tempfile.mkdtemp(prefix="mlx-engine-costs-")
+os.environ["MLX_ENGINE_COST_DIR"] = COST_DIR
 
 
 @pytest.fixture(scope="session")

@@ -54,9 +54,11 @@ def free_port_run(n: int) -> int:
 
 
 def clean_env() -> dict:
-    """The environment without MLX's job variables; the jobs import this checkout's
-    mlx_engine (not whichever one the interpreter has installed)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    """The environment without MLX's job variables (the engine's own, such as
+    the test run's MLX_ENGINE_COST_DIR, kept: a job must not store costs in the
+    user's home); the jobs import this checkout's mlx_engine (not whichever one
+    the interpreter has installed)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_") or k.startswith("MLX_ENGINE_")}
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env

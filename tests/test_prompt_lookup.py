@@ -339,7 +339,8 @@ def test_cost_model_is_estimated_then_measured_between_requests_and_stored(llama
     generate_ids(kit, prompt, max_tokens=4, auto_speculative=True)
     assert kit.cost_model is cm
     record = cost_store.load(kit.cost_key("forward"))
-    assert record == {"seconds": list(cm.seconds)}
+    assert record["seconds"] == list(cm.seconds) and record["version"] == costs.COST_MODEL_VERSION
+    assert record["measured_at"] > 0 and record["how"]["samples"] >= 5 * 11  # when and how it was measured
     me.unload(kit)
 
     # A new kit of the same model on the same machine reads it: nothing is timed.
@@ -368,7 +369,7 @@ def test_a_bad_cost_record_is_measured_again_and_replaced(llama_path, tmp_path, 
     generate_ids(kit, prompt, max_tokens=3, auto_speculative=True)
     assert kit.cost_source in ("estimate", "measured")
     wait_until(lambda: kit.cost_source == "measured")
-    assert cost_store.load(key) == {"seconds": list(kit.cost_model.seconds)}
+    assert cost_store.load(key)["seconds"] == list(kit.cost_model.seconds)
     me.unload(kit)
 
 
@@ -379,9 +380,13 @@ def test_cost_records_of_invalid_values_or_other_keys_are_misses(tmp_path, monke
     monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
     n = costs.MAX_DRAFT + 1
     good = [0.01 * (1 + i / 10) for i in range(n)]
-    assert costs_from_record({"seconds": good}) == costs.CostModel(tuple(good))
+    version = costs.COST_MODEL_VERSION
+    assert costs_from_record({"seconds": good, "version": version}) == costs.CostModel(tuple(good))
     for bad in ([float("nan")] * n, [-1.0] * n, good[:-1], list(reversed(good)), ["1"] * n, [True] * n, None):
-        assert costs_from_record({"seconds": bad}) is None
+        assert costs_from_record({"seconds": bad, "version": version}) is None
+    # A record of another cost-model version (or none: before versions) is stale: a miss.
+    for stale in ({"seconds": good}, {"seconds": good, "version": version - 1}, {"seconds": good, "version": "2"}):
+        assert costs_from_record(stale) is None
     cost_store.save({"kind": "a"}, {"seconds": good})
     assert cost_store.load({"kind": "a"}) == {"seconds": good}
     assert cost_store.load({"kind": "b"}) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..errors import GenerationInProgressError
@@ -21,6 +22,7 @@ class Activity:
     active: set[str] = field(default_factory=set)
     known: set[str] = field(default_factory=set)
     cancelled: set[str] = field(default_factory=set)
+    last_end: float = 0.0  # time.monotonic() when a request last ended (0: none yet)
 
     def __post_init__(self) -> None:
         self.freed = threading.Condition(self.lock)
@@ -52,7 +54,13 @@ class Activity:
             self.active.discard(request_id)
             self.known.discard(request_id)
             self.cancelled.discard(request_id)
+            self.last_end = time.monotonic()
             self.freed.notify_all()
+
+    def idle_seconds(self) -> float:
+        """Seconds since the last request ended with none open (0.0 while one is)."""
+        with self.lock:
+            return 0.0 if self.known else time.monotonic() - self.last_end
 
     def cancel(self, request_id: str) -> bool:
         """Ask ``request_id`` to stop; False when no such request exists."""

@@ -5,6 +5,7 @@ registry (activity.Activity)."""
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..runtime.worker import shutting_down
 from ..speculative import cost_store, costs
 from ..speculative.batch_pricing import DraftingRows
 from ..speculative.cost_background import BackgroundMeasurement
+from ..speculative.cost_book import CostBook
 from ..speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 from .registry import Activity
 
@@ -196,6 +198,7 @@ class ModelKit:
         self.cost_model: costs.CostModel | None = None  # see forward_costs
         self.cost_source: str | None = None  # where cost_model came from: stored, estimate, measured
         self._cost_measurement: BackgroundMeasurement | None = None
+        self.cost_book: CostBook | None = None  # the costs refined by timed rounds (cost_book.py)
         # What earlier requests produced, for suffix drafting (speculative/suffix.py).
         self.suffix_memory = SuffixMemory(options.suffix_memory_tokens) if options.suffix_memory_tokens else None
         # What the batch's lookup rows can draft, so each prices its drafts with the others'.
@@ -207,53 +210,86 @@ class ModelKit:
         self._scheduler = None  # scheduler.Scheduler, made with the first parallel request
 
     def forward_costs(self) -> costs.CostModel:
-        """The model's forward-pass costs by width, found once per kit when
-        speculation first needs them and kept until unload: a record an earlier
-        process stored for this model and machine (cost_store.py); else an
-        estimate from one timed step, measured properly between this kit's
-        requests (cost_background.py) and then stored. docs/decoding.md, "Round costs"."""
-        if self.cost_model is None:
-            stored = costs_from_record(cost_store.load(self.cost_key("forward")))
-            if stored is not None:
-                self.cost_model, self.cost_source = stored, "stored"
-            elif not self.background_cost_measurement or self.worker is None:
-                self._finish_cost_measurement(costs.measure(self.model, self.vocab_size))
-            else:
-                step = costs.measure_step(self.model, self.vocab_size)
-                self.cost_model, self.cost_source = costs.estimate(step), "estimate"
-                logger.info("forward costs estimated from a %.2f ms step; measuring them between requests", step * 1e3)
-                self._measure_costs_in_background()
+        """The model's forward-pass costs by width, set up once per kit when
+        speculation first needs them: a record an earlier process stored for
+        this model and machine (cost_store.py); else an estimate from one timed
+        step, measured properly between this kit's requests (cost_background.py)
+        and then stored. Refined since by the rounds requests timed
+        (``observe_round``, cost_book.py). docs/decoding.md, "Round costs"."""
+        if self.cost_model is None or self.cost_book is None:
+            self.cost_book = self._open_cost_book()
+        self.cost_model, self.cost_source = self.cost_book.current(), self.cost_book.source
         return self.cost_model
+
+    def observe_round(self, width: int, seconds: float | None) -> None:
+        """A speculative round of this kit verified ``width`` tokens (no draft
+        model's steps in it) in ``seconds``: evidence for its forward costs.
+        Only while the round ran alone: in a batch the pass was wider."""
+        if self.cost_book is not None and self.open_generations <= 1:
+            self.cost_book.observe(width, seconds)
 
     def cost_key(self, kind: str, path: Path | None = None) -> dict:
         """What a stored cost record of this kit (``path``: its draft's) depends on."""
         model = model_identity(path or self.model_path, self.compute_dtype, self.cache_options)
         return {"kind": kind, "kit": type(self).__name__, "model": model, **cost_store.machine_identity()}
 
+    def _open_cost_book(self) -> CostBook:
+        """The kit's cost book, from the stored record, a measurement taken now
+        (a kit that cannot measure between requests) or an estimate."""
+        ref, root, key = weakref.ref(self), cost_store.store_dir(), self.cost_key("forward")
+
+        def save(value: dict) -> None:
+            cost_store.save(key, value, root)
+
+        def remeasure() -> None:
+            kit = ref()
+            if kit is not None and kit.background_cost_measurement and kit.worker is not None:
+                kit._measure_costs_in_background()
+
+        record = cost_store.load(key)
+        stored = costs_from_record(record)
+        if stored is not None:
+            return CostBook(stored, "stored", record, save, remeasure)
+        if not self.background_cost_measurement or self.worker is None:
+            m = costs.Measurement(self.model, self.vocab_size)
+            while not m.step():
+                pass
+            measured = m.result()
+            value = measured_record(m, measured)
+            cost_store.save(key, value, root)
+            return CostBook(measured, "measured", value, save, remeasure)
+        step = costs.measure_step(self.model, self.vocab_size)
+        logger.info("forward costs estimated from a %.2f ms step; measuring them between requests", step * 1e3)
+        book = CostBook(costs.estimate(step), "estimate", None, save, remeasure)
+        self.cost_book = book
+        self._measure_costs_in_background()
+        return book
+
     def _measure_costs_in_background(self) -> None:
         """Measure the widths between requests (cost_background.py). The tasks
         hold the kit weakly, so a kit dropped without ``unload`` is not kept
         alive by them, and the record goes where the store was when it started."""
-        model, ref, root = self.model, weakref.ref(self), cost_store.store_dir()
+        model, ref, root, book = self.model, weakref.ref(self), cost_store.store_dir(), self.cost_book
+        measurement = costs.Measurement(model, self.vocab_size)
 
         def finish(measured: costs.CostModel) -> None:
             kit = ref()
-            if kit is not None:  # stored first: a reader that sees "measured" finds the record
-                cost_store.save(kit.cost_key("forward"), {"seconds": list(measured.seconds)}, root)
-                kit.cost_model, kit.cost_source = measured, "measured"
+            if kit is not None and kit.cost_book is book:  # stored first: a reader that sees "measured" finds it
+                value = measured_record(measurement, measured)
+                cost_store.save(kit.cost_key("forward"), value, root)
+                book.replace(measured, value)
+                kit.cost_model, kit.cost_source = book.current(), book.source
 
         self._cost_measurement = BackgroundMeasurement(
-            costs.Measurement(model, self.vocab_size),
+            measurement,
             self.worker.submit,
-            idle=lambda: (kit := ref()) is not None and kit.open_generations == 0,
+            # Idle for a moment, not just between two back-to-back requests (an agent's
+            # loop, a benchmark): a pass started then would delay the next one.
+            idle=lambda: (kit := ref()) is not None and kit.activity.idle_seconds() >= IDLE_GRACE_S,
             alive=lambda: (kit := ref()) is not None and kit.model is model and not worker_exiting(),
             finish=finish,
         )
         self._cost_measurement.start()
-
-    def _finish_cost_measurement(self, measured: costs.CostModel) -> None:
-        cost_store.save(self.cost_key("forward"), {"seconds": list(measured.seconds)})
-        self.cost_model, self.cost_source = measured, "measured"
 
     def check_architecture(self) -> None:
         """Refuse an architecture mlx-lm cannot build (VisionModelKit: mlx-vlm)."""
@@ -338,17 +374,38 @@ class ModelKit:
             self.prompt_cache = None
             self._batch = None
             self.draft = None
-            self.cost_model = None
+            self.cost_model = self.cost_book = None
             self.suffix_memory = None  # earlier requests' tokens: nothing to draft for any more
             mx.clear_cache()
 
 
 def costs_from_record(record: dict | None) -> costs.CostModel | None:
-    """A stored forward-cost record as a CostModel, or None if it is not a valid one."""
+    """A stored forward-cost record as a CostModel, or None if it is not a valid
+    one (a record of another cost-model version is not: measured again)."""
+    if (record or {}).get("version") != costs.COST_MODEL_VERSION:
+        if record is not None:
+            logger.info("forward costs: ignoring a record of cost-model version %r", record.get("version"))
+        return None
     seconds = cost_store.positive_floats((record or {}).get("seconds"), costs.MAX_DRAFT + 1)
     if seconds is None or seconds != sorted(seconds):
         return None
     return costs.CostModel(tuple(seconds))
+
+
+#: How long a kit must have been without a request before a background cost
+#: measurement runs a pass: a request arriving meanwhile waits for that pass.
+IDLE_GRACE_S = 1.0
+
+
+def measured_record(m: costs.Measurement, measured: costs.CostModel | None = None) -> dict:
+    """The stored record of a finished measurement (``measured``: its result):
+    its seconds, the cost-model version, and when and how it was measured."""
+    return {
+        "seconds": list((measured or m.result()).seconds),
+        "version": costs.COST_MODEL_VERSION,
+        "measured_at": time.time(),
+        "how": m.description(),
+    }
 
 
 def worker_exiting() -> bool:

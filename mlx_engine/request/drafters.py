@@ -63,5 +63,5 @@ def build_drafter(
         )
     if plan.kind == "draft_model":
         return draft_drafter, draft_drafter
-    router = AutoRouter(prompt, kit.forward_costs(), lookup, draft_drafter, batch=batch)
+    router = AutoRouter(prompt, kit.forward_costs(), lookup, draft_drafter, batch=batch, on_round=kit.observe_round)
     return router, draft_drafter

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import platform
+import stat
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -84,17 +85,34 @@ def load(key: dict, root: Path | None | str = FROM_ENVIRONMENT) -> dict | None:
         return None
     path, text = where
     try:
-        if path.stat().st_size > MAX_RECORD_BYTES:
-            raise ValueError("too large")
-        record = json.loads(path.read_text())
+        record = json.loads(read_regular(path, MAX_RECORD_BYTES).decode("utf-8"))
         if not isinstance(record, dict) or record.get("key") != text or not isinstance(record.get("value"), dict):
             raise ValueError("not a record for this key")
         return record["value"]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    # RecursionError: JSON nested deeper than the parser's stack (a hostile file).
+    except (OSError, ValueError, RecursionError) as exc:
         logger.info("measured costs: ignoring %s (%s); measuring again", path, exc)
         return None
+
+
+def read_regular(path: Path, max_bytes: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file (symlinks followed) of at
+    most ``max_bytes``, else ValueError. Opened without blocking and checked on
+    the open file, so a FIFO or device under the name is never read from (a
+    FIFO would block the engine thread for good, ``/dev/zero`` never ends); at
+    most ``max_bytes`` + 1 bytes are read, so a file growing meanwhile is
+    refused too (as the prompt cache's disk tier opens its files)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file (a FIFO, device or folder)")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"more than the {max_bytes} bytes a record can have")
+    return data
 
 
 def save(key: dict, value: dict, root: Path | None | str = FROM_ENVIRONMENT) -> None:

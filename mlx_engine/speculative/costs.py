@@ -13,9 +13,12 @@ requests (``Measurement``, one pass at a time).
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,24 +53,49 @@ class CostModel:
         return ", ".join(f"v{n}={self.relative(n):.2f}" for n in (2, 4, 8, 16, 32))
 
 
+#: The version of how costs are measured and fitted; a stored record of
+#: another version is ignored (measured again), so an old fit never outlives a fix.
+COST_MODEL_VERSION = 2
+#: A measurement is credible when, over its widths, the middle half of the
+#: samples spans at most this share of their median (``spread``) and the
+#: monotone fit moved no width's median by more than ``MAX_SHAPE_FIX``; else its
+#: widths are timed again (up to ``attempts`` rounds in all).
+CREDIBLE_SPREAD = 0.15
+MAX_SHAPE_FIX = 0.25
+
+
 class Measurement:
     """Timing forward passes of several widths on a scratch cache, one pass per
     ``step()``, so it can run between a kit's requests without holding one up
     for more than a pass. Each width is timed ``repeats`` times after one
     untimed pass over every width (the first calls of a shape are slower), the
-    widths interleaved so drift in machine load hits all alike."""
+    widths interleaved so drift in machine load hits all alike. A measurement
+    that is not credible (``credible``: samples spread wide, or medians far from
+    monotone) times every width ``repeats`` more times, up to ``attempts``
+    rounds; each width's cost is the median of all its samples."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, context: int = 128, repeats: int = 5):
+    def __init__(
+        self,
+        model: nn.Module,
+        vocab_size: int,
+        context: int = 128,
+        repeats: int = 5,
+        attempts: int = 3,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.model, self.vocab_size, self.context, self.repeats = model, vocab_size, context, repeats
+        self.attempts, self.clock = attempts, clock
         self.cache = None
         self.tokens = None
         self.back = None  # takes the scratch cache back after a timed pass (_rewinder)
         self.samples: dict[int, list[float]] = {n: [] for n in _SIZES}
         self.passes = 0  # passes run so far, the context prefill excluded
+        self.rounds = 1  # rounds of ``repeats`` timings planned so far
+        self.target = (repeats + 1) * len(_SIZES)
 
     @property
     def done(self) -> bool:
-        return self.passes >= (self.repeats + 1) * len(_SIZES)
+        return self.passes >= self.target
 
     def step(self) -> bool:
         """Run the next pass (the first call prefills the context); True once done."""
@@ -81,23 +109,40 @@ class Measurement:
             return True
         rep, n = divmod(self.passes, len(_SIZES))
         n = _SIZES[n]
-        t0 = time.perf_counter()
+        t0 = self.clock()
         out = self.model(self.tokens[self.context : self.context + n][None], cache=self.cache)
         mx.eval(out[:, -1])
-        if rep:
-            self.samples[n].append(time.perf_counter() - t0)
+        elapsed = self.clock() - t0
+        if rep:  # the first round over the widths is the warm-up
+            self.samples[n].append(elapsed)
         self.back(n)
         self.passes += 1
+        if self.done and self.rounds < self.attempts and not credible(self.samples):
+            self.rounds += 1
+            self.target += self.repeats * len(_SIZES)
+            logger.info("forward costs: samples spread wide (a busy machine?); timing every width again")
         if self.done:
             self.cache = self.tokens = self.back = None
         return self.done
 
     def result(self) -> CostModel:
-        timings = {n: sorted(xs)[len(xs) // 2] for n, xs in self.samples.items()}
-        seconds = _interpolate(timings, MAX_DRAFT + 1)
-        cm = CostModel(_non_decreasing(seconds))
+        cm = fit_widths(self.samples)
         logger.info("measured forward costs: step=%.2f ms, %s", cm.step() * 1e3, cm.summary())
         return cm
+
+    def description(self) -> dict:
+        """How this measurement was taken, for its stored record."""
+        return {
+            "method": "interleaved passes, median per width, isotonic fit",
+            "context": self.context,
+            "samples": sum(len(xs) for xs in self.samples.values()),
+            "rounds": self.rounds,
+            "spread": round(spread(self.samples), 4),
+            "credible": credible(self.samples),
+            # Recorded, not a criterion: on a shared machine the load average stays
+            # above the core count; the spread is what that load did to the timings.
+            "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        }
 
 
 def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int = 5) -> CostModel:
@@ -108,12 +153,110 @@ def measure(model: nn.Module, vocab_size: int, context: int = 128, repeats: int 
     return m.result()
 
 
+def median(xs: list[float]) -> float:
+    """The median of ``xs`` (the mean of the middle two for an even count)."""
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def spread(samples: dict[int, list[float]]) -> float:
+    """The typical relative spread of the widths' samples: over widths, the
+    median of (upper quartile - lower quartile) / median. One stalled sample of
+    five does not widen it; a machine whose load came and went does."""
+    rel = []
+    for xs in samples.values():
+        if xs:
+            xs, m = sorted(xs), median(xs)
+            rel.append((xs[(3 * len(xs) - 1) // 4] - xs[len(xs) // 4]) / m if m > 0 else 0.0)
+    return median(rel) if rel else 0.0
+
+
+def credible(samples: dict[int, list[float]]) -> bool:
+    """Whether the samples make a trustworthy measurement: a narrow spread and
+    medians that need little fixing to be monotone in width."""
+    medians = {n: median(xs) for n, xs in samples.items() if xs}
+    if len(medians) < 2:
+        return False
+    fitted = isotonic([medians[n] for n in sorted(medians)])
+    moved = max(abs(f - medians[n]) / medians[n] for f, n in zip(fitted, sorted(medians)))
+    return spread(samples) <= CREDIBLE_SPREAD and moved <= MAX_SHAPE_FIX
+
+
+def fit_widths(samples: dict[int, list[float]]) -> CostModel:
+    """A cost model from timed widths: each width's median, a lone spike (or
+    dip) against its neighbours replaced by their line (``despike``), made
+    monotone by isotonic regression (what is left of a slow width is averaged
+    with its neighbours, not raised into every wider one), linear between widths
+    and, beyond the widest, along a robust (Theil-Sen) line through the widths
+    of 8 or more."""
+    widths = sorted(n for n, xs in samples.items() if xs)
+    fitted = dict(zip(widths, isotonic(despike([(n, median(samples[n])) for n in widths]))))
+    seconds = _interpolate(fitted, widths[-1])
+    tail = [(n, fitted[n]) for n in widths if n >= 8] or [(n, fitted[n]) for n in widths]
+    slope = max(0.0, theil_sen_slope(tail))
+    seconds += [seconds[-1] + slope * i for i in range(1, MAX_DRAFT + 2 - len(seconds))]
+    return CostModel(tuple(accumulate(seconds[: MAX_DRAFT + 1], max)))  # exact order despite rounding
+
+
+#: A width's median this many times off the line through its neighbours is a
+#: spike (the machine busy while it was timed), not the curve's shape: the
+#: steepest real step measured here, 1 to 2 tokens on a CPU, is 1.28x.
+SPIKE = 1.3
+
+
+def despike(points: list[tuple[int, float]]) -> list[float]:
+    """The values of ``points`` (width, seconds; widths ascending) with spikes
+    replaced: the value furthest off the line through its two neighbours (the
+    widest: through the two before it), if more than ``SPIKE`` times off, takes
+    that line's value, then the next furthest, and so on (a third of the points
+    at most). Furthest first, so a spike's neighbour is not taken for a dip."""
+    xs, out = [x for x, _ in points], [y for _, y in points]
+
+    def expected(i: int) -> float:
+        j, k = (i - 1, i + 1) if i + 1 < len(xs) else (i - 2, i - 1)
+        return out[j] + (out[k] - out[j]) * (xs[i] - xs[j]) / (xs[k] - xs[j])
+
+    for _ in range(len(points) // 3):
+        off = [
+            (abs(math.log(out[i] / e)), i, e)
+            for i in range(1, len(xs))
+            if i >= 2 or i + 1 < len(xs)
+            for e in [expected(i)]
+            if e > 0 and out[i] > 0
+        ]
+        if not off:
+            break
+        worst, i, e = max(off)
+        if worst <= math.log(SPIKE):
+            break
+        out[i] = e
+    return out
+
+
+def isotonic(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in (weighted) least
+    squares: pool-adjacent-violators. A spike is pooled with the values after
+    it, so it lifts them only by its share of the pool."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights or [1.0] * len(values)):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return [m for m, _, c in blocks for _ in range(c)]
+
+
+def theil_sen_slope(points: list[tuple[float, float]]) -> float:
+    """The median of the slopes between pairs of points of different x (0.0 if none)."""
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1]
+    return median(slopes) if slopes else 0.0
+
+
 def _non_decreasing(seconds: list[float]) -> tuple[float, ...]:
     """Cost is non-decreasing in width; timing noise should not say otherwise."""
-    out = list(seconds)
-    for i in range(1, len(out)):
-        out[i] = max(out[i], out[i - 1])
-    return tuple(out)
+    return tuple(isotonic(list(seconds)))
 
 
 #: An n-token pass in single steps before this machine's widths are measured:

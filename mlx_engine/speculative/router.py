@@ -24,6 +24,7 @@ chose it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -123,8 +124,12 @@ class AutoRouter:
         draft_drafter: DraftModelDrafter | None = None,
         settings: RouterSettings = RouterSettings(),
         batch: BatchPricing | None = None,
+        on_round: Callable[[int, float | None], None] | None = None,
     ):
         self.lookup_costs = costs.RoundCosts(verify_costs)  # a lookup draft costs nothing to make
+        # Told each timed round without draft-model steps: (tokens verified, seconds),
+        # so the kit's forward costs follow what rounds cost (cost_book.py).
+        self.on_round = on_round
         self.verify_costs = verify_costs
         # The batch this request decodes in: its rows now, and the board of what
         # its lookup rows can draft (None: alone).
@@ -406,6 +411,7 @@ class AutoRouter:
         # costs the same whichever would have drafted.
         if lookups or drafted == 0:
             self.lookup_costs.observe(drafted, seconds)
+            self._report_round(drafted + 1, seconds)
         if self.draft_drafter is not None and self.mode != Mode.DRAFT_MODEL and drafted == 0:
             self.draft_drafter.round_costs.observe(0, seconds)
         if drafted and lookups:
@@ -445,6 +451,10 @@ class AutoRouter:
         if self.mode in (Mode.PLAIN, Mode.DRAFT_MODEL):
             self._consider_lookup()
 
+    def _report_round(self, width: int, seconds: float | None) -> None:
+        if self.on_round is not None and seconds is not None:
+            self.on_round(width, seconds)
+
     def _observe_draft_round(self, drafted: int, accepted: int, seconds: float | None) -> None:
         """A draft-model round inside the probe or lookup: it teaches the draft
         model alone (an undrafted one also lookup's undrafted time); the probe
@@ -452,6 +462,7 @@ class AutoRouter:
         self.draft_drafter.observe(drafted, accepted, seconds)
         if drafted == 0:
             self.lookup_costs.observe(0, seconds)
+            self._report_round(1, seconds)
         self._round_weak = False
         if self.mode == Mode.PROBE:
             self.produced += accepted + 1
