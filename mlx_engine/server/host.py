@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -63,10 +64,10 @@ class KnownModel:
             return str(catalog.lookup(self.source).resolve())
         return self.source
 
-    @property
+    @cached_property
     def embeds(self) -> bool:
         """Whether its files are an embedding model's (sentence-transformers' layout),
-        known before it is loaded."""
+        known before it is loaded (read once: /v1/models and every metrics scrape ask)."""
         return self.kind != "gguf" and is_embedding_model(Path(self.path))
 
 
