@@ -120,6 +120,12 @@ def test_chat_kit_is_refused(kit):
 
 
 @requires_minilm
+def test_an_embedding_kit_does_not_generate(minilm):
+    with pytest.raises(ValueError, match=r"embedding model .* use embed\(\)"):
+        me.create_generator(minilm, [101, 102])
+
+
+@requires_minilm
 def test_unloaded_kit_refuses():
     kit = me.load_embedding_model(MINILM)
     me.unload(kit)
