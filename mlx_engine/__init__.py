@@ -19,6 +19,7 @@ from .api import (  # noqa: E402
 )  # noqa: E402
 from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
 from .draft.loading import DraftCompatibility, check_draft_model  # noqa: E402
+from .embeddings import EmbeddingKit, Embeddings, embed, load_embedding_model  # noqa: E402
 from .errors import (  # noqa: E402
     CallbackError,
     ChatTemplateLimitError,
@@ -57,6 +58,10 @@ __all__ = [
     "ChatTemplateLimitError",
     "DistributedConfigError",
     "DraftCompatibility",
+    "EmbeddingKit",
+    "Embeddings",
+    "embed",
+    "load_embedding_model",
     "Follower",
     "GenerationInProgressError",
     "GenerationResult",

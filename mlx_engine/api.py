@@ -16,6 +16,7 @@ from . import tools as tools_module
 from .caches.prompt import PromptCacheOptions
 from .caches.sequence import CacheOptions
 from .draft.loading import check_draft_model, load_draft, unload_draft
+from .embeddings import EmbeddingKit, is_embedding_model, load_embedding_kit
 from .errors import ChatTemplateLimitError, GenerationInProgressError
 from .kits.images import validate_max_image_pixels
 from .kits.text import KitOptions, ModelKit, validate_max_parallel, validate_suffix_memory
@@ -73,7 +74,9 @@ def load_model(
     (docs/api.md, "Parallel requests"). ``suffix_memory_tokens`` (default
     65536; 0: off) bounds the tokens of earlier requests that prompt lookup and
     auto draft from (docs/decoding.md, "Suffix drafting"). The kit's MLX work runs on its own
-    engine thread (docs/reliability.md)."""
+    engine thread (docs/reliability.md). A directory in sentence-transformers' layout
+    (``modules.json`` with a Pooling module) gives an ``EmbeddingKit`` for ``embed``
+    (docs/api.md, "Embeddings"; the generation options do not apply to it)."""
     cache_options = CacheOptions.validate(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     prompt_cache = PromptCacheOptions.validate(prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
     kit_options = KitOptions(
@@ -113,6 +116,10 @@ def _load_model(model_path, kit_options: KitOptions, seed, max_image_pixels) -> 
         validate_max_image_pixels(max_image_pixels)
     if (seed := validate_seed(seed)) is not None:
         mx.random.seed(seed)
+    if is_embedding_model(path):
+        return load_embedding_kit(
+            path, compute_dtype=kit_options.compute_dtype, trust_remote_code=kit_options.trust_remote_code
+        )
     if loading.is_vision_config(config):
         return VisionModelKit(path, kit_options, max_image_pixels)
     return ModelKit(path, kit_options)
@@ -181,7 +188,10 @@ def apply_chat_template(
 def unload(kit: ModelKit) -> None:
     """Free the model, draft model and caches. The kit cannot generate afterwards.
     Refused with ``GenerationInProgressError`` while a generation is open: stop
-    or close it first."""
+    or close it first. An ``EmbeddingKit`` drops its weights."""
+    if isinstance(kit, EmbeddingKit):
+        kit.worker.call(kit.unload)
+        return
     if not isinstance(kit, ModelKit):
         raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
     _worker_of(kit).call(WhenIdle(kit, kit.unload))

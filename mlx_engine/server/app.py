@@ -36,6 +36,7 @@ from . import params
 from .anthropic_messages import messages_router
 from .core import ClientGone, admit, collect, fit_context
 from .drafts import draft_router
+from .embeddings import embeddings_router
 from .errors import APIError, bad_request, from_failure, from_validation, response_for
 from .host import ModelHost
 from .hosts import AllowedHosts
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URI images
 DEFAULT_QUEUE = 64
+_KITS = (me.ModelKit, me.EmbeddingKit)  # what create_app serves: generating and embedding models
 
 
 SHUTDOWN_CUT = APIError(
@@ -178,6 +180,7 @@ def _include_routers(
     app.include_router(models_router(host, folder, auth))
     app.include_router(responses_router(host, auth))
     app.include_router(messages_router(host, api_key, keep_billing_header=keep_billing_header))
+    app.include_router(embeddings_router(host, auth))
     if app_metrics is not None:
 
         @app.get("/metrics", dependencies=[Depends(auth)])
@@ -217,7 +220,7 @@ class _ServiceFactory:
 def _attach(host: ModelHost, kit, model_id: str | None, make_service, app_metrics) -> Service | None:
     """The host serves the app's kit(s) (a single kit's service is returned)."""
     host.attach(make_service, app_metrics.event if app_metrics else None)
-    if isinstance(kit, me.ModelKit):
+    if isinstance(kit, _KITS):
         return host.add_kit(model_id or Path(kit.model_path).name, kit)
     if not isinstance(kit, ModelHost):
         for mid, k in kit.items():
@@ -244,16 +247,18 @@ def _install_middleware(app: FastAPI, max_body_bytes: int, allowed_hosts, app_me
 
 def _check_arguments(kit, max_parallel, queue_size, decoding) -> None:
     """``ValueError`` naming the first bad argument of ``create_app``."""
-    if isinstance(kit, me.ModelKit):
+    if isinstance(kit, _KITS):
         rows = kit.max_parallel if max_parallel is None else max_parallel
         if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= kit.max_parallel:
             raise ValueError(
                 f"max_parallel must be an integer from 1 to the kit's max_parallel ({kit.max_parallel}), got {max_parallel!r}"
             )
     elif not isinstance(kit, ModelHost) and (
-        not isinstance(kit, Mapping) or not kit or not all(isinstance(k, me.ModelKit) for k in kit.values())
+        not isinstance(kit, Mapping) or not kit or not all(isinstance(k, _KITS) for k in kit.values())
     ):
-        raise ValueError("kit must be a ModelKit, a non-empty mapping of model ids to ModelKits, or a ModelHost")
+        raise ValueError(
+            "kit must be a ModelKit or EmbeddingKit, a non-empty mapping of model ids to kits, or a ModelHost"
+        )
     elif max_parallel is not None and (
         isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1
     ):

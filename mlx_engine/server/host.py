@@ -12,6 +12,7 @@ Everything else runs on the event loop: states change between awaits only.
 from __future__ import annotations
 
 import mlx_engine as me
+from mlx_engine.embeddings import is_embedding_model
 from mlx_engine.loading import catalog
 from mlx_engine.loading.gguf import reader as gguf
 from mlx_engine.loading.memory import physical_memory
@@ -25,6 +26,7 @@ import time
 from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -62,6 +64,12 @@ class KnownModel:
         if self.kind == "catalog":
             return str(catalog.lookup(self.source).resolve())
         return self.source
+
+    @cached_property
+    def embeds(self) -> bool:
+        """Whether its files are an embedding model's (sentence-transformers' layout),
+        known before it is loaded (read once: /v1/models and every metrics scrape ask)."""
+        return self.kind != "gguf" and is_embedding_model(Path(self.path))
 
 
 @dataclass(frozen=True)
@@ -408,6 +416,7 @@ class ModelHost:
             "owned_by": "mlx-engine",
             "state": entry.state,
             "mlx_engine": {
+                "type": "embeddings" if self.embeds(entry) else "llm",  # as LM Studio's model list says it
                 "source": entry.model.kind,
                 "managed": entry.managed,
                 "memory_bytes": entry.memory_bytes if entry.state == LOADED else 0,
@@ -425,20 +434,41 @@ class ModelHost:
     def loaded(self) -> list[ModelEntry]:
         return [e for e in self.entries.values() if e.state == LOADED]
 
+    def embeds(self, entry: ModelEntry) -> bool:
+        """Whether ``entry`` is an embedding model: its kit's kind once loaded, its files' before."""
+        if entry.state == LOADED and entry.service is not None:
+            return isinstance(entry.service.kit, me.EmbeddingKit)
+        return entry.model.embeds
+
+    def check_kind(self, entry: ModelEntry, embedding: bool) -> None:
+        """A 400 naming ``model`` when an embedding model is asked to generate or a
+        generating model to embed."""
+        if self.embeds(entry) == embedding:
+            return
+        if embedding:
+            message = f"model {entry.model.id!r} generates text; it cannot embed: name an embedding model"
+        else:
+            message = f"model {entry.model.id!r} is an embedding model: it serves /v1/embeddings, not generation"
+        raise APIError(400, message, param="model", code="wrong_model_type")
+
     # -- serving ---------------------------------------------------------------------------
     @asynccontextmanager
-    async def kit_for(self, model: str, *, ttl: float | None = None) -> AsyncIterator:
+    async def kit_for(self, model: str, *, ttl: float | None = None, embedding: bool = False) -> AsyncIterator:
         """The ``Service`` of ``model``, loaded first when it is not: the one
         way a route reaches a kit. The model counts as busy (never unloaded)
-        until the block ends, and while its generations hold or wait for rows."""
+        until the block ends, and while its generations hold or wait for rows.
+        ``embedding``: the route embeds (an ``EmbeddingKit``) rather than generates;
+        a model of the other kind is a 400 naming ``model``, before any load."""
         entry = self.lookup(model)
         label_request(entry.model.id)  # the request's model, for the requests counter
+        self.check_kind(entry, embedding)
         if ttl is not None:
             check_ttl(ttl)
             entry.ttl = ttl  # LM Studio's request ttl: this model's idle time from now on
         entry.active += 1
         try:
             service = await self._ready(entry)
+            self.check_kind(entry, embedding)  # the kit that loaded decides
             entry.last_used = time.monotonic()
             yield service
         finally:
@@ -612,6 +642,8 @@ class ModelHost:
             max_parallel=options.max_parallel,
             prompt_cache_dir=options.prompt_cache_dir,
         )
+        if isinstance(kit, me.EmbeddingKit):  # (load_model gives one for sentence-transformers' layout) no draft
+            return kit
         draft = self.draft_of(model, options)
         try:
             if draft is not None:

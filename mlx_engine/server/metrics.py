@@ -83,6 +83,7 @@ class Metrics:
             "mlx_engine_prompt_cache_reused_tokens", "Prompt tokens reused from the cache", ["model"], registry=r
         )
         self._speculation(r)
+        self._embeddings(r)
         self.loads = Counter("mlx_engine_model_loads", "Model loads by result", ["model", "result"], registry=r)
         self.unloads = Counter("mlx_engine_model_unloads", "Model unloads by reason", ["model", "reason"], registry=r)
         self.load_seconds = Histogram(
@@ -113,6 +114,25 @@ class Metrics:
             ["model", "mode", "position"],
             registry=r,
         )
+
+    def _embeddings(self, r: CollectorRegistry) -> None:
+        self.embedding_inputs = Counter("mlx_engine_embedding_inputs", "Inputs embedded", ["model"], registry=r)
+        self.embedding_tokens = Counter(
+            "mlx_engine_embedding_tokens", "Tokens of the inputs embedded", ["model"], registry=r
+        )
+        self.embedding_seconds = Histogram(
+            "mlx_engine_embedding_seconds",
+            "Time to embed one request's inputs",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def embedded(self, model: str, inputs: int, tokens: int, seconds: float) -> None:
+        """One ``/v1/embeddings`` request's inputs, tokens and embedding time."""
+        self.embedding_inputs.labels(model).inc(inputs)
+        self.embedding_tokens.labels(model).inc(tokens)
+        self.embedding_seconds.labels(model).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
