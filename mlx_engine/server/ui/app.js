@@ -82,7 +82,7 @@ function askKey(reason) {
 async function refreshModels() {
   try {
     const body = await (await api("/v1/models")).json();
-    state.models = body.data || [];
+    state.models = (body.data || []).sort((a, b) => a.id.localeCompare(b.id));
   } catch (err) {
     notice(`could not list the models: ${err.message}`);
     return;
@@ -370,8 +370,11 @@ function regenerate(conv, i) {
 /** The engine's measurements of one answer, in a line. */
 export function statsLine(m) {
   const s = m.stats;
-  if (!s) return m.stopped ? "stopped" : m.error ? "failed" : "";
-  const e = s.mlx_engine || {};
+  if (!s?.mlx_engine) {
+    if (m.stopped || m.error) return m.stopped ? "stopped" : "failed";
+    return s?.page_ttft != null ? `first token on the page ${s.page_ttft.toFixed(2)} s · streaming…` : "";
+  }
+  const e = s.mlx_engine;
   const parts = [];
   if (e.generation_tps != null) parts.push(`${e.generation_tps.toFixed(1)} tok/s`);
   if (e.time_to_first_token != null) {
@@ -435,6 +438,7 @@ function requestBody(conv) {
 async function answer(conv) {
   const started = performance.now();
   if (!conv.model) conv.model = defaultModel() || $("model").value;
+  const body = JSON.stringify(requestBody(conv)); // the conversation up to here, without the answer to come
   const message = { role: "assistant", content: "" };
   conv.messages.push(message);
   const controller = new AbortController();
@@ -444,7 +448,7 @@ async function answer(conv) {
   const node = $("messages").lastElementChild;
   const view = { body: node.querySelector(".body"), stats: node.querySelector(".stats") };
   try {
-    await stream(conv, message, controller.signal, started, view);
+    await stream(conv, body, message, controller.signal, started, view);
   } catch (err) {
     if (err.name === "AbortError") message.stopped = true;
     else message.error = err.message;
@@ -458,16 +462,11 @@ async function answer(conv) {
   }
 }
 
-async function stream(conv, message, signal, started, view) {
-  const response = await fetch("/v1/chat/completions", {
-    method: "POST",
-    headers: headers(),
-    body: JSON.stringify(requestBody(conv)),
-    signal,
-  });
+async function stream(conv, body, message, signal, started, view) {
+  const response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body, signal });
   if (response.status === 401) {
     await askKey("The server needs an API key."); // then the same request again, with it
-    return stream(conv, message, signal, started, view);
+    return stream(conv, body, message, signal, started, view);
   }
   if (!response.ok) throw new HttpError(response.status, await errorText(response));
   const reader = response.body.getReader();
