@@ -152,6 +152,7 @@ def _host_options(p: argparse.ArgumentParser) -> None:
         help="serve only --model and --models-dir, not the catalog (default: the catalog too)",
     )
     p.add_argument("--no-metrics", action="store_true", help="no GET /metrics (default: served)")
+    p.add_argument("--no-ui", action="store_true", help="no chat page at GET / (default: served)")
 
 
 def _security_options(p: argparse.ArgumentParser) -> None:
@@ -374,6 +375,7 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit | None, sock: socket.socke
         context_overflow=args.context_overflow,
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         metrics=not args.no_metrics,
+        ui=not args.no_ui,
     )
     if kit is not None:
         # Loaded on purpose: no idle TTL (as LM Studio's explicit loads) unless --ttl names one.

@@ -49,6 +49,7 @@ from .queue import AdmissionQueue
 from .responses import Choice, Envelope
 from .runs import RequestRun
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .ui import ui_router
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def create_app(
     keep_billing_header: bool = False,
     allowed_hosts: list[str] | None = None,
     context_overflow: str = "error",
+    ui: bool = True,
 ) -> FastAPI:
     """The OpenAI-compatible app (docs/server.md) serving ``kit``: one kit, a
     mapping of model ids to kits the embedding host manages (never unloaded
@@ -136,7 +138,8 @@ def create_app(
     Messages API prompts (default: dropped, so the prompt cache reuses turns).
     ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
     hosts.py on DNS rebinding). ``context_overflow``: ``error`` refuses a
-    prompt over the context; ``truncate-middle`` cuts its middle (overflow.py)."""
+    prompt over the context; ``truncate-middle`` cuts its middle (overflow.py).
+    ``ui``: serve the chat page at ``/`` (ui.py)."""
     _check_arguments(kit, max_parallel, queue_size, decoding)
     check_policy(context_overflow)
     host = kit if isinstance(kit, ModelHost) else ModelHost(catalog=False)
@@ -162,6 +165,8 @@ def create_app(
     auth = _auth_dependency(api_key or None)
     _add_routes(app, host, auth)
     _include_routers(app, host, auth, folder, api_key or None, keep_billing_header, app_metrics)
+    if ui:
+        app.include_router(ui_router())
     return app
 
 
