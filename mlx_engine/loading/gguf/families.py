@@ -23,6 +23,7 @@ import re
 
 from ...errors import ModelLoadError
 from .family import ATTENTION, MLP, Family, kv_heads_per_layer, no_head_dim
+from .moe import MOE_FAMILIES, is_expert_tensor
 from .reader import (
     GGUFHeader,
     all_mlx_native,
@@ -34,6 +35,7 @@ from .reader import (
     read_native,
 )
 from .recurrent import RECURRENT_FAMILIES
+from .transcode import TRANSCODED
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,7 @@ FAMILIES = {
     "gemma3": Family("gemma3_text", {**_GEMMA_BLOCK, **_QK_NORM}, _gemma3, norm_shift=1.0),
     "phi3": Family("phi3", _PHI3_BLOCK, _phi3),
     **RECURRENT_FAMILIES,
+    **MOE_FAMILIES,
 }
 
 
@@ -222,6 +225,8 @@ def _check_rope(h: GGUFHeader, config: dict, family: Family) -> None:
     arch = h.architecture
     scaling = meta_str(h, f"{arch}.rope.scaling.type", "none")
     freqs = h.tensors.get("rope_freqs.weight")
+    if scaling == "yarn" and family.yarn:
+        return  # the family's extra_config reads it
     if scaling not in ("none", "linear") or (freqs is not None and not family.rope_freqs):
         raise ModelLoadError(
             f"GGUF file {str(h.path)!r} uses RoPE scaling ({scaling}, rope_freqs: {freqs is not None}), "
@@ -260,9 +265,9 @@ def mlx_name(name: str, h: GGUFHeader) -> str:
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", stem)
     if m and m.group(2) in family.block_names:
         target = family.block_names[m.group(2)]
-        if not target.endswith("dt_bias"):
+        if not target.endswith(("dt_bias", "sinks")):
             return f"{family.layer_prefix}.{m.group(1)}.{target}.{suffix}"
-        if suffix == "bias":  # a parameter of its own in mlx-lm, a bias in GGUF
+        if suffix == ("bias" if target.endswith("dt_bias") else "weight"):  # parameters of their own in mlx-lm
             return f"{family.layer_prefix}.{m.group(1)}.{target}"
     raise ModelLoadError(f"GGUF file {str(h.path)!r} has a tensor {name!r} the loader does not know how to map")
 
@@ -298,41 +303,33 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
     decoded tensor by tensor: to float32 on the CPU (the fast path there);
     elsewhere (``keep_quantized``, by default off the CPU) to float16, with the
     matrices of quantized types re-quantized to MLX's affine format by
-    ``REQUANT_BITS``."""
+    ``REQUANT_BITS``. Stacked MoE expert tensors stay quantized everywhere
+    (``expert_weights``)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
-    family = FAMILIES[h.architecture]
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if keep_quantized is None:
         keep_quantized = mx.default_device() != mx.cpu
-    if all_mlx_native(h):
-        tensors = iter(read_native(h).items())
-    else:
-        tensors = read_decoded(h, "float16" if keep_quantized else "float32")
-    weights, source_types, rope_freqs = {}, {}, None
-    for name, value in tensors:
-        if name == "rope_freqs.weight":
-            rope_freqs = value
-            continue
-        key = mlx_name(name, h)
-        value = family.reshape(h, key, value)
-        weights[key] = value - family.norm_shift if family.norm_shift and key.endswith("norm.weight") else value
-        if name in h.tensors:
-            source_types[key] = h.tensors[name].type_name
+    native = all_mlx_native(h)
+    weights, source_types, rope_freqs, modes = _read_weights(h, native, "float16" if keep_quantized else "float32")
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-    if keep_quantized and not all_mlx_native(h):
-        weights = requantize(model, weights, source_types, h)
-    bits = {
-        k[: -len(".scales")]: weights[k[: -len(".scales")] + ".weight"].shape[-1] * 32 // (v.shape[-1] * 32)
+    if not native:
+        weights = requantize(model, weights, source_types, h, dense=keep_quantized)
+    quantized = {
+        k[: -len(".scales")]: {
+            "group_size": 32,
+            "bits": weights[k[: -len(".scales")] + ".weight"].shape[-1] * 32 // (v.shape[-1] * 32),
+            "mode": modes.get(k[: -len(".scales")], "affine"),
+        }
         for k, v in weights.items()
         if k.endswith(".scales")
     }
-    if bits:
-        nn.quantize(model, class_predicate=lambda p, m: {"group_size": 32, "bits": bits[p]} if p in bits else False)
+    if quantized:
+        nn.quantize(model, class_predicate=lambda p, m: quantized.get(p, False))
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
@@ -344,21 +341,56 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
     return model
 
 
-def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader) -> dict:
-    """``weights`` with each Linear/Embedding matrix of a type in
-    ``REQUANT_BITS`` replaced by MLX's quantized triple (``.weight``,
-    ``.scales``, ``.biases``); the choice per type is logged."""
+def _read_weights(h: GGUFHeader, native: bool, dtype: str):
+    """``(weights, source types, rope_freqs, MLX modes)`` under mlx-lm's names,
+    the family's transforms undone; expert tensors of a ``TRANSCODED`` type
+    come as MLX quantized triples (``moe.expert_weights``)."""
+    family = FAMILIES[h.architecture]
+    tensors = iter(read_native(h).items()) if native else read_decoded(h, dtype, keep=is_expert_tensor)
+    weights, source_types, rope_freqs, modes, kept = {}, {}, None, {}, {}
+    for name, value in tensors:
+        if name == "rope_freqs.weight":
+            rope_freqs = value
+            continue
+        key = mlx_name(name, h)
+        if isinstance(value, dict):  # an expert tensor kept quantized: weight, scales[, biases]
+            stem = key[: -len(".weight")]
+            weights.update({f"{stem}.{part}": array for part, array in value.items()})
+            modes[stem] = "mxfp4" if h.tensors[name].type_name == "MXFP4" else "affine"
+            kept[h.tensors[name].type_name] = TRANSCODED[h.tensors[name].type_name]
+            continue
+        value = family.reshape(h, key, value)
+        weights[key] = value - family.norm_shift if family.norm_shift and key.endswith("norm.weight") else value
+        if name in h.tensors:
+            source_types[key] = h.tensors[name].type_name
+    if kept:
+        logger.info(
+            "GGUF %s: expert tensors kept quantized as stored, groups of 32 (%s)",
+            h.path.name,
+            ", ".join(f"{t} -> {'mxfp4' if t == 'MXFP4' else f'{b}-bit affine'}" for t, b in sorted(kept.items())),
+        )
+    return weights, source_types, rope_freqs, modes
+
+
+def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader, dense: bool = True) -> dict:
+    """``weights`` with each Linear/Embedding matrix (when ``dense``) and each
+    stacked expert tensor of a type in ``REQUANT_BITS`` replaced by MLX's
+    quantized triple (``.weight``, ``.scales``, ``.biases``); the choice per
+    type is logged."""
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchLinear
 
     modules = dict(model.named_modules())
     out, chosen = dict(weights), {}
     for key, value in weights.items():
         stem = key[: -len(".weight")]
         n_bits = REQUANT_BITS.get(source_types.get(key, ""))
-        if not (n_bits and key.endswith(".weight") and isinstance(modules.get(stem), (nn.Linear, nn.Embedding))):
+        module = modules.get(stem)
+        if not (n_bits and key.endswith(".weight")) or value.shape[-1] % REQUANT_GROUP:
             continue
-        if value.ndim != 2 or value.shape[-1] % REQUANT_GROUP:
+        dense_matrix = dense and isinstance(module, (nn.Linear, nn.Embedding)) and value.ndim == 2
+        if not (dense_matrix or (isinstance(module, SwitchLinear) and value.ndim == 3)):
             continue
         out[key], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(
             value, group_size=REQUANT_GROUP, bits=n_bits
@@ -366,10 +398,11 @@ def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader
         chosen[source_types[key]] = n_bits
     if chosen:
         logger.info(
-            "GGUF %s: kept quantized in MLX's affine format, groups of %d (%s); other tensors float16",
+            "GGUF %s: re-quantized in MLX's affine format, groups of %d (%s)%s",
             h.path.name,
             REQUANT_GROUP,
             ", ".join(f"{t} -> {b}-bit" for t, b in sorted(chosen.items())),
+            "; other tensors float16" if dense else " (experts only)",
         )
     return out
 
