@@ -24,6 +24,7 @@ import re
 from ...errors import ModelLoadError
 from .family import ATTENTION, MLP, Family, kv_heads_per_layer, no_head_dim
 from .moe import MOE_FAMILIES, is_expert_tensor
+from .qwen35 import QWEN35_FAMILIES, MTPHead, mtp_name
 from .reader import (
     GGUFHeader,
     all_mlx_native,
@@ -116,6 +117,7 @@ FAMILIES = {
     "phi3": Family("phi3", _PHI3_BLOCK, _phi3),
     **RECURRENT_FAMILIES,
     **MOE_FAMILIES,
+    **QWEN35_FAMILIES,
 }
 
 
@@ -161,7 +163,8 @@ def _checked(h: GGUFHeader, family: Family, config: dict) -> dict:
     config["vocab_size"] = int(embed.shape[-1])
     _check_vocabulary(h, config["vocab_size"])
     family.extra_config(h, config)
-    _check_blocks(h, config["num_hidden_layers"])
+    # MTP blocks (qwen35's ``nextn``) follow the layers and are counted in block_count
+    _check_blocks(h, config["num_hidden_layers"] + meta_int(h, f"{h.architecture}.nextn_predict_layers", 0, lo=0))
     return config
 
 
@@ -204,14 +207,16 @@ def _check_dims(h: GGUFHeader, config: dict) -> None:
         raise bad_field(h, f"{arch}.attention.head_count_kv", kv_heads, f"a divisor of head_count ({heads})")
     head_dim, inter = config.get("head_dim") or hidden // heads, config["intermediate_size"]
     fused = arch == "phi3"
+    gated = 2 if arch == "qwen35" else 1  # attn_q holds the queries and their output gate
     attn = next((i for i in range(config["num_hidden_layers"]) if f"blk.{i}.attn_k.weight" in h.tensors), 0)
     expected = {
         "token_embd.weight": (0, hidden, "embedding_length"),
         "blk.0.ffn_up.weight": (1, 2 * inter if fused else inter, "feed_forward_length"),
-        f"blk.{attn}.attn_q.weight": (1, heads * head_dim, "attention.head_count"),
+        f"blk.{attn}.attn_q.weight": (1, gated * heads * head_dim, "attention.head_count"),
         f"blk.{attn}.attn_k.weight": (1, kv_heads * head_dim, "attention.head_count_kv"),
-        "blk.0.attn_qkv.weight": (1, (heads + 2 * kv_heads) * head_dim, "attention.head_count"),
     }
+    if arch == "phi3":  # elsewhere (qwen35) attn_qkv is a linear-attention projection
+        expected["blk.0.attn_qkv.weight"] = (1, (heads + 2 * kv_heads) * head_dim, "attention.head_count")
     for name, (axis, size, field_name) in expected.items():
         info = h.tensors.get(name)
         if info is not None and (len(info.shape) <= axis or info.shape[axis] != size):
@@ -294,6 +299,12 @@ REQUANT_BITS = {
     "Q8_0": 8,
 }
 REQUANT_GROUP = 32
+# Stacked MoE experts, the bulk of an MoE file, re-quantized at the source's
+# own width where it has no exact MLX equivalent (transcode.py): Q6_K's 16-value
+# sub-blocks at 6 bits in groups of 32 take 7 bits a weight against the file's
+# 6.56 (at 8 bits 9, 1.37x), for 0.9-1.0% relative RMS logit difference from
+# the decoded model on the llama.cpp Q4_K_M fixtures (docs/gguf.md).
+EXPERT_REQUANT_BITS = {**REQUANT_BITS, "Q6_K": 6}
 
 
 def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = None):
@@ -313,10 +324,12 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
     model = model_class(args_class.from_dict(config))
     if keep_quantized is None:
         keep_quantized = mx.default_device() != mx.cpu
-    native = all_mlx_native(h)
-    weights, source_types, rope_freqs, modes = _read_weights(h, native, "float16" if keep_quantized else "float32")
+    native = all_mlx_native(h) and not FAMILIES[h.architecture].decoded
+    weights, source_types, rope_freqs, modes, mtp = _read_weights(h, native, "float16" if keep_quantized else "float32")
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+        # qwen3_5's sanitize moves the text model under its multimodal wrapper's prefix
+        source_types.update({f"language_model.{k}": t for k, t in source_types.items()})
     if not native:
         weights = requantize(model, weights, source_types, h, dense=keep_quantized)
     quantized = {
@@ -336,6 +349,9 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
         raise ModelLoadError(f"GGUF file {str(h.path)!r} does not match its declared shapes: {exc}") from exc
     if rope_freqs is not None:
         _use_rope_freqs(model, config, rope_freqs)
+    if mtp:
+        model.mtp = MTPHead(mtp)  # not a parameter of the model: a value for a hidden-state drafter
+        mx.eval(list(mtp.values()))
     mx.eval(model.parameters())
     model.eval()
     return model
@@ -347,10 +363,13 @@ def _read_weights(h: GGUFHeader, native: bool, dtype: str):
     come as MLX quantized triples (``moe.expert_weights``)."""
     family = FAMILIES[h.architecture]
     tensors = iter(read_native(h).items()) if native else read_decoded(h, dtype, keep=is_expert_tensor)
-    weights, source_types, rope_freqs, modes, kept = {}, {}, None, {}, {}
+    weights, source_types, rope_freqs, modes, kept, mtp = {}, {}, None, {}, {}, {}
     for name, value in tensors:
         if name == "rope_freqs.weight":
             rope_freqs = value
+            continue
+        if (hf_name := mtp_name(name, h)) is not None:  # kept aside: mlx-lm's class has no MTP head
+            mtp[hf_name] = value
             continue
         key = mlx_name(name, h)
         if isinstance(value, dict):  # an expert tensor kept quantized: weight, scales[, biases]
@@ -369,7 +388,7 @@ def _read_weights(h: GGUFHeader, native: bool, dtype: str):
             h.path.name,
             ", ".join(f"{t} -> {'mxfp4' if t == 'MXFP4' else f'{b}-bit affine'}" for t, b in sorted(kept.items())),
         )
-    return weights, source_types, rope_freqs, modes
+    return weights, source_types, rope_freqs, modes, mtp
 
 
 def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader, dense: bool = True) -> dict:
@@ -385,8 +404,10 @@ def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader
     out, chosen = dict(weights), {}
     for key, value in weights.items():
         stem = key[: -len(".weight")]
-        n_bits = REQUANT_BITS.get(source_types.get(key, ""))
         module = modules.get(stem)
+        n_bits = (EXPERT_REQUANT_BITS if isinstance(module, SwitchLinear) else REQUANT_BITS).get(
+            source_types.get(key, "")
+        )
         if not (n_bits and key.endswith(".weight")) or value.shape[-1] % REQUANT_GROUP:
             continue
         dense_matrix = dense and isinstance(module, (nn.Linear, nn.Embedding)) and value.ndim == 2

@@ -93,7 +93,7 @@ def _qwen3moe(h: GGUFHeader, config: dict) -> None:
 
 _GPT_OSS_BLOCK = {
     "attn_norm": "input_layernorm",
-    "attn_post_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "attn_sinks": "self_attn.sinks",  # a parameter, not a module: see mlx_name
     "ffn_gate_inp": "mlp.router",
     **ATTENTION,
