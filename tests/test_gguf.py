@@ -140,7 +140,7 @@ def _patch_tensor_type(path, tensor: bytes, type_id: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("type_id, type_name", [(16, "IQ2_XXS"), (34, "TQ1_0"), (39, "MXFP4"), (99, "unknown type 99")])
+@pytest.mark.parametrize("type_id, type_name", [(16, "IQ2_XXS"), (34, "TQ1_0"), (40, "NVFP4"), (99, "unknown type 99")])
 def test_unsupported_tensor_type_names_type_and_tensor(tmp_path, llama_path, type_id, type_name):
     path = make_gguf(llama_path, tmp_path / "k.gguf")
     _patch_tensor_type(path, b"blk.0.attn_q.weight", type_id)

@@ -7,6 +7,7 @@ import mlx_engine as me
 
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,20 +42,91 @@ def _bound(ftype: str, n_matmuls: int) -> float:
     return 2 * math.sqrt(n_matmuls) * _ACTIVATION_STEP.get(ftype, _EIGHT_BIT) / math.sqrt(12)
 
 
+MOE_FAMILIES = ("qwen3moe", "gpt-oss")
+# A router near-tie: the k-th and (k+1)-th router logits closer than this (their
+# spread is ~1 here), where the activation rounding above can swap which expert
+# a token goes to, and that position's output with it.
+ROUTER_TIE = 0.05
+
+
 @pytest.mark.parametrize("name", sorted(REFS["files"]))
 def test_logits_match_llama_cpp(name):
+    """Every file within its activation-rounding bound. MoE files (qwen3moe,
+    gpt-oss; measured 2.0% to 2.4% on positions routed alike): a position
+    past the bound must be a router near-tie (at most two of 24; measured:
+    one, gpt-oss Q4_K_M position 10, margin 0.015, 50% off)."""
     ref = REFS["files"][name]
     kit = me.load_model(FIXTURES / name)
     tokens = ref["tokens"]
     assert me.tokenize(kit, REFS["prompt"]) == tokens  # the same ids as llama.cpp's tokenizer
     expected = mx.array(LOGITS[name])
-    got = kit.model(mx.array(tokens)[None])[0].astype(mx.float32)
+    with _router_margins(kit) as margins:
+        got = kit.model(mx.array(tokens)[None])[0].astype(mx.float32)
+    bound = _bound(ref["ftype"], _n_matmuls(kit, ref["family"]))
+    keep = np.ones(len(tokens), dtype=bool)
+    if ref["family"] in MOE_FAMILIES:
+        per_position = mx.sqrt(((got - expected) ** 2).mean(axis=-1)) / mx.sqrt((expected**2).mean(axis=-1))
+        ties = mx.array(margins()) < ROUTER_TIE
+        off = per_position > bound
+        assert not (off & ~ties).any().item() and off.sum().item() <= 2, (
+            name,
+            np.array(per_position).round(3),
+            np.array(margins()).round(3),
+        )
+        keep = ~np.array(off)
+    got, expected = got[mx.array(np.flatnonzero(keep))], expected[mx.array(np.flatnonzero(keep))]
     rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
-    n_matmuls = 7 * kit.config["num_hidden_layers"] + 1
-    assert rel <= _bound(ref["ftype"], n_matmuls), (name, ref["tensor_types"], rel)
+    assert rel <= bound, (name, ref["tensor_types"], rel)
     assert (
         mx.argmax(got, axis=-1) == mx.argmax(expected, axis=-1)
     ).mean().item() >= 0.85  # random tiny models have near-ties
+
+
+def _n_matmuls(kit, family: str) -> int:
+    """Rounded activations per token: 7 matmuls a layer and the output. An MoE
+    layer's rounded input goes through the k experts' 3 matmuls each; a qwen35
+    gated delta-net layer has 8 matmuls, and its one rounded input reaches the
+    output through q, k, v, beta, the decay and the z gate multiplied together,
+    counted as 4 more (test_qwen35_is_llama_cpps_up_to_its_activation_rounding
+    shows the difference is that rounding)."""
+    config, n = kit.config, kit.config["num_hidden_layers"]
+    if family in MOE_FAMILIES:
+        return (4 + 3 * config["num_experts_per_tok"]) * n + 1
+    if family == "qwen35":
+        attention = n // config["full_attention_interval"]
+        return 7 * attention + 12 * (n - attention) + 1
+    return 7 * n + 1
+
+
+@contextmanager
+def _router_margins(kit):
+    """While open, records every MoE router's logits; yields a function giving
+    per position the smallest margin over layers between the k-th and
+    (k+1)-th largest (infinite for a dense model)."""
+    import mlx.nn as nn
+
+    config = kit.config
+    n_expert = config.get("num_experts") or config.get("num_local_experts")
+    routers = {id(m) for p, m in kit.model.named_modules() if p.endswith(("mlp.gate", "mlp.router"))}
+    outputs, call = [], nn.Linear.__call__
+
+    def recording(self, x):
+        y = call(self, x)
+        if id(self) in routers:
+            outputs.append(np.sort(np.array(y[0].astype(mx.float32)), axis=-1)[:, ::-1])
+        return y
+
+    def margins():
+        if not outputs:
+            return [math.inf]
+        k = config["num_experts_per_tok"]
+        return np.min([o[:, k - 1] - o[:, k] for o in outputs if o.shape[-1] == n_expert], axis=0).tolist()
+
+    nn.Linear.__call__ = recording
+    try:
+        yield margins
+    finally:
+        nn.Linear.__call__ = call
 
 
 def test_every_loader_type_is_covered():
@@ -66,7 +138,15 @@ def test_every_loader_type_is_covered():
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3-Q4_K_M.gguf", "lfm2-Q4_K_M.gguf", "mamba2-Q4_K_M.gguf", "granitehybrid-Q4_K_M.gguf"]
+    "name",
+    [
+        "qwen3-Q4_K_M.gguf",
+        "lfm2-Q4_K_M.gguf",
+        "mamba2-Q4_K_M.gguf",
+        "granitehybrid-Q4_K_M.gguf",
+        "qwen3moe-Q4_K_M.gguf",
+        "qwen35-Q4_K_M.gguf",
+    ],
 )
 def test_q4_k_m_of_another_family_answers(name):
     """The issue's bar: a Q4_K_M file of a family other than the default model's
@@ -90,6 +170,9 @@ def test_q4_k_m_of_another_family_answers(name):
         "lfm2-Q4_K_M.gguf",
         "mamba2-Q4_K_M.gguf",
         "granitehybrid-Q4_K_M.gguf",
+        "qwen3moe-Q4_K_M.gguf",
+        "gpt-oss-Q4_K_M.gguf",
+        "qwen35-Q4_K_M.gguf",
         "llama-Q2_K.gguf",
         "llama-Q6_K.gguf",
         "llama-IQ4_XS.gguf",
@@ -113,12 +196,25 @@ def test_decoded_types_kept_quantized_for_metal(name):
     config = gguf_models.config_from_header(h)
     decoded = gguf_models.load_model(h, config, keep_quantized=False)
     kept = gguf_models.load_model(h, config, keep_quantized=True)
-    types = {gguf_models.mlx_name(n, h)[: -len(".weight")]: t.type_name for n, t in h.tensors.items()}
+    types = {  # the MTP blocks (qwen35's nextn) are kept aside, not model layers
+        gguf_models.mlx_name(n, h)[: -len(".weight")]: t.type_name
+        for n, t in h.tensors.items()
+        if gguf_models.mtp_name(n, h) is None
+    }
+    from mlx_engine.loading.gguf.transcode import TRANSCODED
+
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
     widths = []
     for path, module in kept.named_modules():
+        path = path.removeprefix("language_model.")  # qwen35: mlx-lm's multimodal wrapper
         if path in types and types[path] in gguf_models.REQUANT_BITS:
-            assert isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)), path
-            assert module.bits == gguf_models.REQUANT_BITS[types[path]], path
+            if path.endswith("_proj") and ".mlp." in path and kept.args.model_type in ("qwen3_moe", "gpt_oss"):
+                assert isinstance(module, QuantizedSwitchLinear), path  # experts: re-packed where exact
+                assert module.bits == TRANSCODED.get(types[path], gguf_models.EXPERT_REQUANT_BITS[types[path]]), path
+            else:
+                assert isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)), path
+                assert module.bits == gguf_models.REQUANT_BITS[types[path]], path
             widths.append(module.bits)
     assert widths
     tokens = REFS["files"][name]["tokens"]
@@ -156,3 +252,22 @@ def test_mamba2_is_llama_cpps_up_to_its_activation_rounding(monkeypatch):
     expected = mx.array(LOGITS[name])
     rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
     assert rel <= 1e-3, rel
+
+
+def test_qwen35_is_llama_cpps_up_to_its_activation_rounding(monkeypatch):
+    """With llama.cpp's Q8_K rounding of every Linear's input emulated, the
+    engine's logits on llama.cpp's Q4_K_M qwen35 are llama.cpp's to 1.2%
+    relative RMS (4.6% without the emulation; the rest is llama.cpp's F16 KV
+    cache and float32 roundings): the value-head reordering, -exp(A_log), the
+    conv kernel, the +1 norms and the partial RoPE are undone as llama.cpp
+    reads them (on the F32 source the two agree to 1.3e-4)."""
+    import mlx.nn as nn
+
+    name = "qwen35-Q4_K_M.gguf"
+    kit = me.load_model(FIXTURES / name)
+    linear = nn.Linear.__call__
+    monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: linear(self, _q8_k(x) if x.shape[-1] % 256 == 0 else x))
+    got = kit.model(mx.array(REFS["files"][name]["tokens"])[None])[0].astype(mx.float32)
+    expected = mx.array(LOGITS[name])
+    rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
+    assert rel <= 2e-2, rel

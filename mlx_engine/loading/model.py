@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from ..errors import ModelLoadError
 from . import catalog
@@ -26,7 +27,7 @@ from .memory import physical_memory
 
 logger = logging.getLogger(__name__)
 
-QUANTIZED_LAYERS = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+QUANTIZED_LAYERS = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)  # the last: MoE experts
 FLOAT32_MEMORY_SHARE = 0.25  # "auto" dequantizes on the CPU only while float32 weights fit in this share of RAM
 
 # Tokens that end a turn in common chat formats; added to the stop set when the
@@ -241,7 +242,7 @@ def apply_compute_dtype(model: nn.Module, dtype: mx.Dtype | None, evaluate: bool
     from mlx_lm.utils import dequantize_model
 
     for module in model.modules():
-        if isinstance(module, QUANTIZED_LAYERS):
+        if isinstance(module, QUANTIZED_LAYERS) and getattr(module, "mode", "affine") == "affine":  # mxfp4: E8M0 bytes
             module.scales = module.scales.astype(mx.float32)
             if getattr(module, "biases", None) is not None:
                 module.biases = module.biases.astype(mx.float32)

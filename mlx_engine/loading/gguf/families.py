@@ -23,6 +23,8 @@ import re
 
 from ...errors import ModelLoadError
 from .family import ATTENTION, MLP, Family, kv_heads_per_layer, no_head_dim
+from .moe import MOE_FAMILIES, is_expert_tensor
+from .qwen35 import QWEN35_FAMILIES, MTPHead, mtp_name
 from .reader import (
     GGUFHeader,
     all_mlx_native,
@@ -34,6 +36,7 @@ from .reader import (
     read_native,
 )
 from .recurrent import RECURRENT_FAMILIES
+from .transcode import TRANSCODED
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,8 @@ FAMILIES = {
     "gemma3": Family("gemma3_text", {**_GEMMA_BLOCK, **_QK_NORM}, _gemma3, norm_shift=1.0),
     "phi3": Family("phi3", _PHI3_BLOCK, _phi3),
     **RECURRENT_FAMILIES,
+    **MOE_FAMILIES,
+    **QWEN35_FAMILIES,
 }
 
 
@@ -158,7 +163,8 @@ def _checked(h: GGUFHeader, family: Family, config: dict) -> dict:
     config["vocab_size"] = int(embed.shape[-1])
     _check_vocabulary(h, config["vocab_size"])
     family.extra_config(h, config)
-    _check_blocks(h, config["num_hidden_layers"])
+    # MTP blocks (qwen35's ``nextn``) follow the layers and are counted in block_count
+    _check_blocks(h, config["num_hidden_layers"] + meta_int(h, f"{h.architecture}.nextn_predict_layers", 0, lo=0))
     return config
 
 
@@ -201,14 +207,16 @@ def _check_dims(h: GGUFHeader, config: dict) -> None:
         raise bad_field(h, f"{arch}.attention.head_count_kv", kv_heads, f"a divisor of head_count ({heads})")
     head_dim, inter = config.get("head_dim") or hidden // heads, config["intermediate_size"]
     fused = arch == "phi3"
+    gated = 2 if arch == "qwen35" else 1  # attn_q holds the queries and their output gate
     attn = next((i for i in range(config["num_hidden_layers"]) if f"blk.{i}.attn_k.weight" in h.tensors), 0)
     expected = {
         "token_embd.weight": (0, hidden, "embedding_length"),
         "blk.0.ffn_up.weight": (1, 2 * inter if fused else inter, "feed_forward_length"),
-        f"blk.{attn}.attn_q.weight": (1, heads * head_dim, "attention.head_count"),
+        f"blk.{attn}.attn_q.weight": (1, gated * heads * head_dim, "attention.head_count"),
         f"blk.{attn}.attn_k.weight": (1, kv_heads * head_dim, "attention.head_count_kv"),
-        "blk.0.attn_qkv.weight": (1, (heads + 2 * kv_heads) * head_dim, "attention.head_count"),
     }
+    if arch == "phi3":  # elsewhere (qwen35) attn_qkv is a linear-attention projection
+        expected["blk.0.attn_qkv.weight"] = (1, (heads + 2 * kv_heads) * head_dim, "attention.head_count")
     for name, (axis, size, field_name) in expected.items():
         info = h.tensors.get(name)
         if info is not None and (len(info.shape) <= axis or info.shape[axis] != size):
@@ -222,6 +230,8 @@ def _check_rope(h: GGUFHeader, config: dict, family: Family) -> None:
     arch = h.architecture
     scaling = meta_str(h, f"{arch}.rope.scaling.type", "none")
     freqs = h.tensors.get("rope_freqs.weight")
+    if scaling == "yarn" and family.yarn:
+        return  # the family's extra_config reads it
     if scaling not in ("none", "linear") or (freqs is not None and not family.rope_freqs):
         raise ModelLoadError(
             f"GGUF file {str(h.path)!r} uses RoPE scaling ({scaling}, rope_freqs: {freqs is not None}), "
@@ -260,9 +270,9 @@ def mlx_name(name: str, h: GGUFHeader) -> str:
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)", stem)
     if m and m.group(2) in family.block_names:
         target = family.block_names[m.group(2)]
-        if not target.endswith("dt_bias"):
+        if not target.endswith(("dt_bias", "sinks")):
             return f"{family.layer_prefix}.{m.group(1)}.{target}.{suffix}"
-        if suffix == "bias":  # a parameter of its own in mlx-lm, a bias in GGUF
+        if suffix == ("bias" if target.endswith("dt_bias") else "weight"):  # parameters of their own in mlx-lm
             return f"{family.layer_prefix}.{m.group(1)}.{target}"
     raise ModelLoadError(f"GGUF file {str(h.path)!r} has a tensor {name!r} the loader does not know how to map")
 
@@ -289,6 +299,12 @@ REQUANT_BITS = {
     "Q8_0": 8,
 }
 REQUANT_GROUP = 32
+# Stacked MoE experts, the bulk of an MoE file, re-quantized at the source's
+# own width where it has no exact MLX equivalent (transcode.py): Q6_K's 16-value
+# sub-blocks at 6 bits in groups of 32 take 7 bits a weight against the file's
+# 6.56 (at 8 bits 9, 1.37x), for 0.9-1.0% relative RMS logit difference from
+# the decoded model on the llama.cpp Q4_K_M fixtures (docs/gguf.md).
+EXPERT_REQUANT_BITS = {**REQUANT_BITS, "Q6_K": 6}
 
 
 def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = None):
@@ -298,67 +314,104 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
     decoded tensor by tensor: to float32 on the CPU (the fast path there);
     elsewhere (``keep_quantized``, by default off the CPU) to float16, with the
     matrices of quantized types re-quantized to MLX's affine format by
-    ``REQUANT_BITS``."""
+    ``REQUANT_BITS``. Stacked MoE expert tensors stay quantized everywhere
+    (``expert_weights``)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
-    family = FAMILIES[h.architecture]
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if keep_quantized is None:
         keep_quantized = mx.default_device() != mx.cpu
-    if all_mlx_native(h):
-        tensors = iter(read_native(h).items())
-    else:
-        tensors = read_decoded(h, "float16" if keep_quantized else "float32")
-    weights, source_types, rope_freqs = {}, {}, None
-    for name, value in tensors:
-        if name == "rope_freqs.weight":
-            rope_freqs = value
-            continue
-        key = mlx_name(name, h)
-        value = family.reshape(h, key, value)
-        weights[key] = value - family.norm_shift if family.norm_shift and key.endswith("norm.weight") else value
-        if name in h.tensors:
-            source_types[key] = h.tensors[name].type_name
+    native = all_mlx_native(h) and not FAMILIES[h.architecture].decoded
+    weights, source_types, rope_freqs, modes, mtp = _read_weights(h, native, "float16" if keep_quantized else "float32")
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-    if keep_quantized and not all_mlx_native(h):
-        weights = requantize(model, weights, source_types, h)
-    bits = {
-        k[: -len(".scales")]: weights[k[: -len(".scales")] + ".weight"].shape[-1] * 32 // (v.shape[-1] * 32)
+        # qwen3_5's sanitize moves the text model under its multimodal wrapper's prefix
+        source_types.update({f"language_model.{k}": t for k, t in source_types.items()})
+    if not native:
+        weights = requantize(model, weights, source_types, h, dense=keep_quantized)
+    quantized = {
+        k[: -len(".scales")]: {
+            "group_size": 32,
+            "bits": weights[k[: -len(".scales")] + ".weight"].shape[-1] * 32 // (v.shape[-1] * 32),
+            "mode": modes.get(k[: -len(".scales")], "affine"),
+        }
         for k, v in weights.items()
         if k.endswith(".scales")
     }
-    if bits:
-        nn.quantize(model, class_predicate=lambda p, m: {"group_size": 32, "bits": bits[p]} if p in bits else False)
+    if quantized:
+        nn.quantize(model, class_predicate=lambda p, m: quantized.get(p, False))
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise ModelLoadError(f"GGUF file {str(h.path)!r} does not match its declared shapes: {exc}") from exc
     if rope_freqs is not None:
         _use_rope_freqs(model, config, rope_freqs)
+    if mtp:
+        model.mtp = MTPHead(mtp)  # not a parameter of the model: a value for a hidden-state drafter
+        mx.eval(list(mtp.values()))
     mx.eval(model.parameters())
     model.eval()
     return model
 
 
-def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader) -> dict:
-    """``weights`` with each Linear/Embedding matrix of a type in
-    ``REQUANT_BITS`` replaced by MLX's quantized triple (``.weight``,
-    ``.scales``, ``.biases``); the choice per type is logged."""
+def _read_weights(h: GGUFHeader, native: bool, dtype: str):
+    """``(weights, source types, rope_freqs, MLX modes)`` under mlx-lm's names,
+    the family's transforms undone; expert tensors of a ``TRANSCODED`` type
+    come as MLX quantized triples (``moe.expert_weights``)."""
+    family = FAMILIES[h.architecture]
+    tensors = iter(read_native(h).items()) if native else read_decoded(h, dtype, keep=is_expert_tensor)
+    weights, source_types, rope_freqs, modes, kept, mtp = {}, {}, None, {}, {}, {}
+    for name, value in tensors:
+        if name == "rope_freqs.weight":
+            rope_freqs = value
+            continue
+        if (hf_name := mtp_name(name, h)) is not None:  # kept aside: mlx-lm's class has no MTP head
+            mtp[hf_name] = value
+            continue
+        key = mlx_name(name, h)
+        if isinstance(value, dict):  # an expert tensor kept quantized: weight, scales[, biases]
+            stem = key[: -len(".weight")]
+            weights.update({f"{stem}.{part}": array for part, array in value.items()})
+            modes[stem] = "mxfp4" if h.tensors[name].type_name == "MXFP4" else "affine"
+            kept[h.tensors[name].type_name] = TRANSCODED[h.tensors[name].type_name]
+            continue
+        value = family.reshape(h, key, value)
+        weights[key] = value - family.norm_shift if family.norm_shift and key.endswith("norm.weight") else value
+        if name in h.tensors:
+            source_types[key] = h.tensors[name].type_name
+    if kept:
+        logger.info(
+            "GGUF %s: expert tensors kept quantized as stored, groups of 32 (%s)",
+            h.path.name,
+            ", ".join(f"{t} -> {'mxfp4' if t == 'MXFP4' else f'{b}-bit affine'}" for t, b in sorted(kept.items())),
+        )
+    return weights, source_types, rope_freqs, modes, mtp
+
+
+def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader, dense: bool = True) -> dict:
+    """``weights`` with each Linear/Embedding matrix (when ``dense``) and each
+    stacked expert tensor of a type in ``REQUANT_BITS`` replaced by MLX's
+    quantized triple (``.weight``, ``.scales``, ``.biases``); the choice per
+    type is logged."""
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchLinear
 
     modules = dict(model.named_modules())
     out, chosen = dict(weights), {}
     for key, value in weights.items():
         stem = key[: -len(".weight")]
-        n_bits = REQUANT_BITS.get(source_types.get(key, ""))
-        if not (n_bits and key.endswith(".weight") and isinstance(modules.get(stem), (nn.Linear, nn.Embedding))):
+        module = modules.get(stem)
+        n_bits = (EXPERT_REQUANT_BITS if isinstance(module, SwitchLinear) else REQUANT_BITS).get(
+            source_types.get(key, "")
+        )
+        if not (n_bits and key.endswith(".weight")) or value.shape[-1] % REQUANT_GROUP:
             continue
-        if value.ndim != 2 or value.shape[-1] % REQUANT_GROUP:
+        dense_matrix = dense and isinstance(module, (nn.Linear, nn.Embedding)) and value.ndim == 2
+        if not (dense_matrix or (isinstance(module, SwitchLinear) and value.ndim == 3)):
             continue
         out[key], out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.quantize(
             value, group_size=REQUANT_GROUP, bits=n_bits
@@ -366,10 +419,11 @@ def requantize(model, weights: dict, source_types: dict[str, str], h: GGUFHeader
         chosen[source_types[key]] = n_bits
     if chosen:
         logger.info(
-            "GGUF %s: kept quantized in MLX's affine format, groups of %d (%s); other tensors float16",
+            "GGUF %s: re-quantized in MLX's affine format, groups of %d (%s)%s",
             h.path.name,
             REQUANT_GROUP,
             ", ".join(f"{t} -> {b}-bit" for t, b in sorted(chosen.items())),
+            "; other tensors float16" if dense else " (experts only)",
         )
     return out
 

@@ -38,6 +38,8 @@ class Family:
     layer_prefix: str = "model.layers"
     bare_names: dict[str, str] = field(default_factory=dict)  # block tensors named without .weight
     own_config: Callable[[GGUFHeader], dict] | None = None  # families without attention metadata
+    yarn: bool = False  # YaRN RoPE scaling is mapped by extra_config
+    decoded: bool = False  # reshape permutes within matrices: always read decoded, never through mx.load
 
 
 def no_head_dim(h: GGUFHeader, config: dict) -> None:

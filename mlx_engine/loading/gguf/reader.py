@@ -18,7 +18,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -43,7 +43,7 @@ MAX_DIM = 2**31 - 1  # MLX indexes with 32-bit integers
 # type is read tensor by tensor and decoded by ``gguf.quants.dequantize``
 # (docs/gguf.md gives the whole rule).
 MLX_NATIVE_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
-DEQUANTIZED_TYPES = ("BF16", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+DEQUANTIZED_TYPES = ("BF16", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 SUPPORTED_TYPES = MLX_NATIVE_TYPES + DEQUANTIZED_TYPES
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -311,17 +311,27 @@ def read_native(h: GGUFHeader) -> dict:
         raise ModelLoadError(f"could not read GGUF tensors from {str(h.path)!r}: {exc}") from exc
 
 
-def read_decoded(h: GGUFHeader, dtype: str = "float32") -> Iterator[tuple[str, Any]]:
+def read_decoded(
+    h: GGUFHeader, dtype: str = "float32", keep: Callable[[TensorInfo], bool] | None = None
+) -> Iterator[tuple[str, Any]]:
     """Each tensor as an MLX array, decoded one at a time by llama.cpp's
     ``gguf.quants.dequantize`` from the memory-mapped file, so that reading
     holds at most the weights made so far plus one tensor. F32 and F16 stay as
-    stored; every other type becomes ``dtype`` (float32 on the CPU)."""
+    stored; every other type becomes ``dtype`` (float32 on the CPU). A tensor
+    ``keep`` accepts comes undecoded, as MLX's quantized arrays (a dict:
+    ``transcode.transcode``)."""
     import mlx.core as mx
+
+    from .transcode import transcode
 
     data = np.memmap(h.path, dtype=np.uint8, mode="r")
     try:
         for info in h.tensors.values():
-            array = _decode(h, info, data[info.offset : info.offset + info.n_bytes])
+            raw = data[info.offset : info.offset + info.n_bytes]
+            if keep is not None and keep(info):
+                yield info.name, {k: mx.array(v) for k, v in transcode(info.type_name, raw, info.shape[::-1]).items()}
+                continue
+            array = _decode(h, info, raw)
             if info.type_name not in ("F32", "F16"):
                 array = array.astype(dtype, copy=False)
             yield info.name, mx.array(array)

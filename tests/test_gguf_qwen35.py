@@ -1,0 +1,125 @@
+"""GGUF ``qwen35`` (Qwen3.5/3.6 dense): a tiny random-weight model converted as
+llama.cpp's converter does (fixtures/gguf_families.py: value heads tiled,
+-exp(A_log), squeezed conv kernels, one MTP block) loads as mlx-lm's
+``qwen3_5``, computes its source model's logits, keeps its MTP head, and
+decodes as every hybrid model does. Against llama.cpp: tests/test_gguf_llamacpp.py."""
+
+import mlx_engine as me
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import assert_same_or_near_tie, generate_ids, round_robin
+
+from fixtures.gguf_families import arch_metadata, bpe_metadata, gguf_tensors, reference_model, write_gguf
+
+PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    work = tmp_path_factory.mktemp("qwen35")
+    (work / "bpe").mkdir()
+    tok = bpe_metadata(work / "bpe")
+    model, config = reference_model("qwen35", len(tok["tokenizer.ggml.tokens"]))
+    return work, tok, model, config, gguf_tensors(model, config, "qwen35")
+
+
+def _file(source, name, qtype="F32", tensors=None, metadata=None, drop=()):
+    work, tok, _, config, all_tensors = source
+    meta = {**arch_metadata("qwen35", config), **tok, **(metadata or {})}
+    merged = {**all_tensors, **(tensors or {})}
+    return write_gguf(work / f"{name}.gguf", "qwen35", {k: v for k, v in merged.items() if k not in drop},
+                      {k: v for k, v in meta.items() if k not in drop}, qtype)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def f32_kit(source):
+    return me.load_model(_file(source, "f32"))
+
+
+def test_qwen35_is_mlx_lms_class_and_computes_its_source(source, f32_kit):
+    """Linear-attention layers in ``ArraysCache`` (so rewinds, checkpoints and
+    batching apply), the value heads back in grouped order, A_log, the conv
+    kernel, the +1 norms used as stored: the F32 file gives the source's
+    logits (measured 6e-7 relative RMS)."""
+    from mlx_engine.caches.ragged import can_batch
+    from mlx_engine.caches.sequence import SequenceCache
+
+    from mlx_lm.models.cache import ArraysCache
+
+    kit = f32_kit
+    assert type(kit.model).__module__ == "mlx_lm.models.qwen3_5"
+    assert [type(c) for c in kit.model.make_cache()][:2] == [ArraysCache, type(kit.model.make_cache()[1])]
+    assert ArraysCache in {type(c) for c in kit.model.make_cache()} and can_batch(SequenceCache(kit.model))
+    ids = mx.array(me.tokenize(kit, PROMPT))[None]
+    got, want = kit.model(ids), source[2](ids)
+    assert (mx.sqrt(((got - want) ** 2).mean()) / mx.sqrt((want**2).mean())).item() <= 1e-4
+
+
+def test_the_mtp_head_is_kept_under_its_hugging_face_names(source, f32_kit):
+    """The ``nextn`` block (``nextn_predict_layers`` 1) is not dropped: it is
+    ``model.mtp.weights``, not a model parameter, with the converter's names
+    reversed and the values as stored."""
+    mtp = f32_kit.model.mtp.weights
+    n = source[3]["num_hidden_layers"]
+    tensors = source[4]
+    assert np.array_equal(np.array(mtp["mtp.fc.weight"]), tensors[f"blk.{n}.nextn.eh_proj.weight"])
+    assert np.array_equal(np.array(mtp["mtp.pre_fc_norm_hidden.weight"]), tensors[f"blk.{n}.nextn.hnorm.weight"])
+    assert np.array_equal(np.array(mtp["mtp.layers.0.self_attn.q_proj.weight"]), tensors[f"blk.{n}.attn_q.weight"])
+    assert {"mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.layers.0.mlp.down_proj.weight"} <= set(mtp)
+    assert not any("mtp" in k for k, _ in __import__("mlx.utils").utils.tree_flatten(f32_kit.model.parameters()))
+
+
+@pytest.fixture(scope="module")
+def q8_file(source):
+    return _file(source, "q8", "Q8_0")
+
+
+def test_qwen35_speculates_exactly_and_the_next_turn_reuses_the_cache(q8_file):
+    """Prompt lookup speculates on the delta-net state (no fallback) and gives
+    plain greedy's tokens; the next turn resumes from a checkpoint and answers
+    as a fresh kit does."""
+    kit, fresh = me.load_model(q8_file), me.load_model(q8_file)
+    prompt = me.tokenize(kit, PROMPT * 2)
+    plain, _ = generate_ids(fresh, prompt, max_tokens=10, temp=0.0)
+    lookup, last = generate_ids(kit, prompt, max_tokens=10, temp=0.0, prompt_lookup_num_tokens=3)
+    assert lookup == plain
+    assert last.stats.decoding_mode == "prompt_lookup" and "fell back" not in last.stats.mode_reason
+    turn = prompt + plain + me.tokenize(kit, " def add(a, b):")
+    ids, last = generate_ids(kit, turn, max_tokens=6, temp=0.0)
+    assert last.stats.cached_tokens >= len(prompt) + len(plain) - 1, last.stats.cached_tokens
+    fresh.replace_prompt_cache(fresh.new_cache(fresh.model))
+    want, cold = generate_ids(fresh, turn, max_tokens=6, temp=0.0)
+    assert cold.stats.cached_tokens == 0 and ids == want
+
+
+def test_qwen35_parallel_requests_equal_their_solo_outputs(q8_file):
+    solo_kit, kit = me.load_model(q8_file, max_parallel=1), me.load_model(q8_file, max_parallel=3)
+    prompts = [me.tokenize(kit, t) for t in (PROMPT, "def add(a, b):", "The quick brown fox " * 3)]
+    want = [generate_ids(solo_kit, p, max_tokens=8, temp=0.0)[0] for p in prompts]
+    got, _ = round_robin([me.create_generator(kit, p, max_tokens=8, temp=0.0) for p in prompts])
+    for p, w, ids in zip(prompts, want, got):
+        assert_same_or_near_tie(kit, p, w, ids)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(drop=["blk.0.ssm_a"]), r"lacks 'blk\.0\.ssm_a' \(layer 0, linear\)"),
+        (dict(drop=["blk.1.attn_k_norm.weight"]), r"lacks 'blk\.1\.attn_k_norm\.weight' \(layer 1, attention\)"),
+        (dict(drop=["qwen35.ssm.state_size"]), r"lacks the metadata field 'qwen35\.ssm\.state_size'"),
+        (dict(metadata={"qwen35.ssm.inner_size": 128}), r"'qwen35\.ssm\.inner_size' must be state_size \* time_step_rank"),
+        (dict(metadata={"qwen35.ssm.time_step_rank": 3}), r"'qwen35\.ssm\.time_step_rank' must be a multiple"),
+        (dict(metadata={"qwen35.ssm.group_count": 1}), r"'blk\.0\.attn_qkv\.weight' of shape \[256, 512\]"),
+        (dict(tensors={"blk.0.ssm_a": np.full(4, 0.5, np.float32)}), r"ssm_a\) holds A = -exp\(A_log\)"),
+        (dict(metadata={"qwen35.nextn_predict_layers": 3}), r"'qwen35\.nextn_predict_layers' must be below"),
+        (dict(metadata={"qwen35.attention.recurrent_layers": np.array([0, 1, 0], np.int32)}), r"recurrent_layers"),
+        (dict(drop=["blk.2.nextn.eh_proj.weight"]), r"lacks 'blk\.2\.nextn\.eh_proj\.weight' \(the MTP block"),
+    ],
+)  # fmt: skip
+def test_a_malformed_qwen35_file_is_refused_naming_it(source, change, message):
+    path = _file(source, "bad", **change)
+    with pytest.raises(me.ModelLoadError, match=message) as info:
+        me.load_model(path)
+    assert str(path) in str(info.value)
