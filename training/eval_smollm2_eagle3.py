@@ -119,13 +119,14 @@ def evaluate(args: argparse.Namespace) -> dict:
     seqs, lens = load_sequences(args.data)
     held = [i for i in range(len(seqs)) if i % HOLDOUT_EVERY == 0][: args.sequences]
     tables, same, tried, first = [], 0, 0, None
-    for i in held:
+    for n, i in enumerate(held):
         ids = seqs[i]
         aux = aux_hidden(kit.model, mx.array(ids)[None])[0].astype(mx.float16).astype(mx.float32)
         mx.eval(aux)
         first = first or (aux, ids)
         tables.append(chain_agreement(head, draft_ids, aux, ids, int(lens[i, 0]), args.depth))
-        for origin in range(int(lens[i, 0]), len(ids) - args.depth - 2, 97)[: args.checks]:
+        checks = args.checks if n < args.check_sequences else 0
+        for origin in range(int(lens[i, 0]), len(ids) - args.depth - 2, 97)[:checks]:
             tried += 1
             same += free_chain(head, draft_ids, aux, ids, origin, args.depth) == mlx_vlm_chain(
                 head, kit, aux, ids, origin, args.depth
@@ -154,9 +155,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head", type=Path, default=Path("models/smollm2-135m-eagle3"))
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--out", type=Path, default=None, help="folder for eval.json (default: the head's)")
-    p.add_argument("--sequences", type=int, default=24, help="held-out sequences scored")
+    p.add_argument("--sequences", type=int, default=16, help="held-out sequences scored")
     p.add_argument("--depth", type=int, default=5, help="chain length scored")
     p.add_argument("--checks", type=int, default=2, help="origins per sequence compared with mlx-vlm")
+    p.add_argument("--check-sequences", type=int, default=6, help="sequences whose chains are compared with mlx-vlm")
     return p.parse_args(argv)
 
 
