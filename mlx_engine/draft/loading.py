@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..caches.sequence import layer_rewind_reason
 from ..errors import IncompatibleDraftModelError, ModelLoadError
+from ..heads import loading as heads
 from ..loading import model as loading
 from .model import DraftModel
 
@@ -35,6 +36,12 @@ class DraftCompatibility:
     compatible: bool
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # What drafts: "draft_model" (a separate model) or a head ("eagle3"); a head
+    # also says which target hidden states it reads (decoder layer indices whose
+    # outputs, or -1: the final normed state) and how its vocabulary maps.
+    kind: str = "draft_model"
+    hidden_states: tuple[int, ...] = ()
+    vocabulary: str = "the target's tokenizer"
 
     def __bool__(self) -> bool:
         return self.compatible
@@ -107,6 +114,8 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     reasons: list[str] = []
     try:
         draft_path = loading.resolve_model_path(path, "draft model path")
+        if (head := heads.read_head_config(draft_path)) is not None:
+            return heads.check_head(kit, draft_path, head)
         config = loading.read_config(draft_path)
         if loading.is_vision_config(config):
             reasons.append("the draft is a vision model; a draft must be a text-only model")
@@ -139,6 +148,13 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
     for note in report.notes:
         logger.info("draft model %s: %s", path, note)
     draft_path = loading.resolve_model_path(path, "draft model path")
+    if (head := heads.read_head_config(draft_path)) is not None:
+        new = heads.load_head(kit, draft_path, head)
+        unload_draft(kit)
+        new.attach(kit.model)
+        kit.set_draft(new)
+        logger.info("loaded %s %s (%.1fM parameters)", new.description, draft_path, new.num_params / 1e6)
+        return
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
     loading.prepare_weights(model, "auto")
     loading.smoke_test(model, draft_path)
@@ -152,6 +168,9 @@ def unload_draft(kit: ModelKit) -> None:
     """Drop the draft model and its cache; the main cache is kept."""
     if kit.draft is None:
         return
+    close = getattr(kit.draft, "close", None)
+    if close is not None:  # a head: the target's recording modules back to their classes
+        close()
     kit.set_draft(None)
     gc.collect()
     mx.clear_cache()

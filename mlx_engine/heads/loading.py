@@ -1,0 +1,180 @@
+"""Heads in and out of a kit: which folders are heads, the check against the
+target (kind, hidden states read, vocabulary mapping), loading with every
+tensor checked, and unloading (the target's recording modules restored)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import ModelLoadError
+from ..loading.checks import read_safetensors_header
+from . import capture, eagle3
+from .model import HeadDraft
+
+if TYPE_CHECKING:
+    from ..draft.loading import DraftCompatibility
+    from ..kits.text import ModelKit
+
+logger = logging.getLogger(__name__)
+
+
+def read_head_config(path: Path) -> dict | None:
+    """A head folder's config.json when it describes a head this engine loads, else None."""
+    file = path / "config.json"
+    if not path.is_dir() or not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"config.json in {str(path)!r} is not valid JSON: {exc}") from exc
+    return config if isinstance(config, dict) and eagle3.is_eagle3_config(config) else None
+
+
+def _target_facts(kit: ModelKit) -> tuple[int, int] | str:
+    """The target's decoder layer count and hidden size, or why hidden states cannot be read from it."""
+    if getattr(kit, "is_vision", False) or type(kit).__name__ != "ModelKit":
+        return f"hidden-state heads are supported on text kits, not on a {type(kit).__name__}"
+    try:
+        inner = capture.text_model(kit.model)
+    except ValueError as exc:
+        return str(exc)
+    return len(inner.layers), int(inner.embed_tokens.weight.shape[-1])
+
+
+def check_head(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
+    """Check a head against the kit from its config alone (no weights)."""
+    from ..draft.loading import DraftCompatibility
+
+    try:
+        cfg = eagle3.eagle3_config(config)
+    except (TypeError, ValueError, KeyError) as exc:
+        return DraftCompatibility(False, [f"config.json in {str(path)!r} is not a valid EAGLE-3 config: {exc}"])
+    facts = _target_facts(kit)
+    if isinstance(facts, str):
+        return DraftCompatibility(False, [facts], kind="eagle3")
+    layers, hidden = facts
+    reasons, notes = [], []
+    vocab = int(cfg.transformer_layer_config.vocab_size)
+    if vocab != kit.vocab_size:
+        reasons.append(f"the head is for a model with {vocab} token ids; this model has {kit.vocab_size}")
+    if int(cfg.target_hidden_size) != hidden:
+        reasons.append(f"the head reads hidden states of width {cfg.target_hidden_size}; this model's are {hidden}")
+    if len(cfg.target_layer_ids) != 3 or not all(0 <= int(i) <= layers for i in cfg.target_layer_ids):
+        reasons.append(
+            f"eagle_aux_hidden_state_layer_ids {list(cfg.target_layer_ids)} must name 3 of this model's "
+            f"hidden states (0..{layers})"
+        )
+    if not 0 < int(cfg.draft_vocab_size) <= vocab:
+        reasons.append(f"draft_vocab_size {cfg.draft_vocab_size} must be between 1 and the vocabulary ({vocab})")
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if verifier:
+        notes.append(f"trained for {verifier}")
+    mapping = (
+        "full vocabulary"
+        if int(cfg.draft_vocab_size) == vocab
+        else f"reduced vocabulary: {cfg.draft_vocab_size} of {vocab} ids, mapped by d2t"
+    )
+    points = tuple(max(int(i) - 1, 0) for i in cfg.target_layer_ids)
+    return DraftCompatibility(not reasons, reasons, notes, kind="eagle3", hidden_states=points, vocabulary=mapping)
+
+
+def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Every tensor of the folder's safetensors files (headers checked first), and the file of each."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"head {str(path)!r} has no .safetensors file")
+    weights, where = {}, {}
+    for file in files:
+        read_safetensors_header(file)
+        try:
+            loaded = mx.load(str(file))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"weight file {str(file)!r} could not be read: {exc}") from exc
+        for name, value in eagle3.rename_weights(loaded).items():
+            weights[name], where[name] = value, file.name
+    return weights, where
+
+
+def _check_tensors(net: nn.Module, weights: dict, where: dict, path: Path, optional: set[str]) -> None:
+    """Every tensor the head needs is there with its shape, and nothing else."""
+    expected = dict(tree_flatten(net.parameters()))
+    for name, value in weights.items():
+        if name not in expected:
+            raise ModelLoadError(f"{where[name]} in {str(path)!r}: tensor {name!r} is not part of an EAGLE-3 head")
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(
+                f"{where[name]} in {str(path)!r}: tensor {name!r} has shape {tuple(value.shape)}, "
+                f"expected {tuple(expected[name].shape)} from config.json"
+            )
+    missing = sorted(set(expected) - set(weights) - optional)
+    if missing:
+        raise ModelLoadError(
+            f"head {str(path)!r} lacks tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+
+
+def _build_eagle3(kit: ModelKit, path: Path, config: dict) -> eagle3.Eagle3Head:
+    cfg = eagle3.eagle3_config(config)
+    net = eagle3.Eagle3DraftModel(cfg)
+    weights, where = _read_weights(path)
+    weights = net.sanitize(weights)
+    if (q := config.get("quantization")) is not None:
+        nn.quantize(
+            net,
+            q["group_size"],
+            q["bits"],
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
+        )
+    target_embed = capture.text_model(kit.model).embed_tokens
+    _check_tensors(net, weights, where, path, optional={"embed_tokens.weight"})
+    if "d2t" in weights:
+        d2t = weights["d2t"].astype(mx.int32)
+        mapped = mx.arange(d2t.shape[0]) + d2t
+        if int(mapped.min().item()) < 0 or int(mapped.max().item()) >= kit.vocab_size:
+            raise ModelLoadError(
+                f"{where['d2t']} in {str(path)!r}: tensor 'd2t' maps draft ids outside the target's vocabulary"
+            )
+    dtype = (
+        target_embed.weight.dtype if target_embed.weight.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float16
+    )
+    weights = {
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and k != "d2t" else v for k, v in weights.items()
+    }
+    net.load_weights(list(weights.items()), strict=False)
+    if "embed_tokens.weight" not in weights and tuple(net.embed_tokens.weight.shape) != tuple(
+        target_embed.weight.shape
+    ):
+        raise ModelLoadError(
+            f"head {str(path)!r} lacks tensor 'embed_tokens.weight' and cannot use the target's embedding"
+        )
+    if tuple(net.embed_tokens.weight.shape) == tuple(target_embed.weight.shape):
+        net.embed_tokens = target_embed  # as mlx-vlm binds it: the head reads the target's own embedding
+    mx.eval(net.parameters())
+    return eagle3.Eagle3Head(net, cfg, net.embed_tokens)
+
+
+def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
+    """Build and check the head (every tensor) and run it once; ``HeadDraft.attach`` then installs it."""
+    head = _build_eagle3(kit, path, config)
+    try:
+        cache = head.new_cache()
+        width = len(head.spec.points) * int(head.net.target_hidden_size)
+        out = head.forward(cache, mx.zeros((1, 2), dtype=mx.uint32), mx.zeros((1, 2, width)), 0)
+        mx.eval(head.logits(out))
+    except Exception as exc:
+        raise ModelLoadError(f"head {str(path)!r} failed a test pass: {type(exc).__name__}: {exc}") from exc
+    own = [
+        v
+        for k, v in tree_flatten(head.net.parameters())
+        if not (k.startswith("embed_tokens.") and head.embed is capture.text_model(kit.model).embed_tokens)
+    ]
+    params = sum(v.size for v in own if mx.issubdtype(v.dtype, mx.floating))
+    return HeadDraft(path, head, int(params), description=f"EAGLE-3 head reading layers {list(head.spec.points)}")

@@ -1,0 +1,222 @@
+"""Hidden-state drafters (heads/): an EAGLE-3 head on a llama target. Loading,
+checking and unloading; greedy and seeded output identical to plain decoding
+in every mode and in a batch; proposals equal to mlx-vlm's drafter."""
+
+import mlx_engine as me
+from mlx_engine.errors import IncompatibleDraftModelError, ModelLoadError
+from mlx_engine.heads import capture
+from mlx_engine.heads.drafter import HeadDrafter
+
+import json
+import shutil
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from helpers import assert_same_or_near_tie, generate_ids, round_robin
+
+from fixtures.tiny_heads import make_eagle3_head
+from fixtures.tiny_models import make_model
+
+TEXT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("heads") / "llama4", "llama", hidden=64, layers=4, scale=3.0, seed=1)
+
+
+@pytest.fixture(scope="module")
+def kit(target):
+    k = me.load_model(target, max_parallel=1)
+    yield k
+    me.unload(k)
+
+
+@pytest.fixture(scope="module")
+def plain(kit):
+    prompt = me.tokenize(kit, TEXT)
+    return prompt, generate_ids(kit, prompt, max_tokens=40)[0]
+
+
+@pytest.fixture(scope="module")
+def random_head(target, tmp_path_factory):
+    """A random head over a reduced vocabulary (every fourth id): its drafts are all rejected."""
+    return make_eagle3_head(tmp_path_factory.mktemp("e3") / "random", target, draft_vocab=100, seed=2)
+
+
+@pytest.fixture(scope="module")
+def frequent_head(target, plain, tmp_path_factory):
+    """A head whose vocabulary is the target's three most frequent output tokens, so some drafts are accepted."""
+    common = [t for t, _ in Counter(plain[1]).most_common(3)]
+    return make_eagle3_head(tmp_path_factory.mktemp("e3") / "frequent", target, target_ids=common, seed=3)
+
+
+def test_check_says_kind_hidden_states_and_vocabulary(kit, random_head):
+    report = me.check_draft_model(kit, random_head)
+    assert report.compatible and report.kind == "eagle3"
+    assert report.hidden_states == (0, 1, 3)  # aux ids 1, 2, 4: outputs of layers 0, 1, 3
+    assert "100 of" in report.vocabulary and "d2t" in report.vocabulary
+    assert me.is_draft_model_compatible(kit, random_head)
+
+
+def test_head_for_another_model_is_refused_with_the_reason(kit, target, tmp_path):
+    wide = make_model(tmp_path / "wide", "llama", hidden=96, layers=4, seed=5, tokenizer_from=target)
+    head = make_eagle3_head(tmp_path / "wide_head", wide, draft_vocab=100)
+    report = me.check_draft_model(kit, head)
+    assert not report.compatible and any("width 96" in r for r in report.reasons)
+    with pytest.raises(IncompatibleDraftModelError, match="width 96"):
+        me.load_draft_model(kit, head)
+    deep = make_eagle3_head(tmp_path / "deep", target, aux_ids=[1, 2, 9])
+    assert "eagle_aux_hidden_state_layer_ids" in me.check_draft_model(kit, deep).reasons[0]
+
+
+def _broken_copy(src, out, edit):
+    shutil.copytree(src, out)
+    weights = mx.load(str(out / "model.safetensors"))
+    edit(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda w: w.pop("midlayer.self_attn.q_proj.weight"), "lacks tensor 'layers.0.self_attn.q_proj.weight'"),
+        (
+            lambda w: w.update({"fc.weight": mx.zeros((64, 100))}),
+            r"model.safetensors.*'fc.weight' has shape \(64, 100\)",
+        ),
+        (lambda w: w.update({"d2t": mx.full((100,), 10_000, dtype=mx.int64)}), "'d2t' maps draft ids outside"),
+        (lambda w: w.update({"extra.weight": mx.zeros((2,))}), "'extra.weight' is not part of an EAGLE-3 head"),
+        (lambda w: w.pop("d2t"), "lacks tensor 'd2t'"),
+    ],
+)
+def test_malformed_head_is_a_model_load_error_naming_the_tensor(kit, random_head, tmp_path, edit, match):
+    broken = _broken_copy(random_head, tmp_path / "broken", edit)
+    with pytest.raises(ModelLoadError, match=match):
+        me.load_draft_model(kit, broken)
+    assert kit.draft is None  # nothing half-loaded; the kit still generates
+    assert generate_ids(kit, me.tokenize(kit, TEXT), max_tokens=3)[0]
+
+
+@pytest.mark.parametrize("k", [None, 1, 3, 6])
+def test_greedy_output_equals_plain_and_drafts_are_accepted(kit, plain, frequent_head, k):
+    prompt, want = plain
+    me.load_draft_model(kit, frequent_head)
+    try:
+        ids, final = generate_ids(kit, prompt, max_tokens=40, num_draft_tokens=k)
+    finally:
+        me.unload_draft_model(kit)
+    assert_same_or_near_tie(kit, prompt, want, ids)
+    s = final.stats
+    assert s.decoding_mode == "draft_model" and s.drafted_tokens > 0
+    if k is not None:
+        assert s.accepted_tokens > 0  # the chained steps and their trims are exercised
+
+
+def test_random_head_in_every_mode_equals_plain_and_unload_restores_the_target(kit, plain, random_head):
+    prompt, want = plain
+    me.load_draft_model(kit, random_head)
+    try:
+        for mode in ({"num_draft_tokens": 4}, {"auto_speculative": True}, {}):
+            ids, final = generate_ids(kit, prompt, max_tokens=40, **mode)
+            assert_same_or_near_tie(kit, prompt, want, ids)
+        assert final.stats.decoding_mode == "draft_model" and final.stats.drafted_tokens > 0
+    finally:
+        me.unload_draft_model(kit)
+    assert not any(type(layer).__name__.startswith("Captured") for layer in capture.text_model(kit.model).layers)
+    assert generate_ids(kit, prompt, max_tokens=40)[0] == want
+
+
+def test_seeded_sampling_is_identical_with_the_head(kit, frequent_head):
+    prompt = me.tokenize(kit, TEXT)
+    kw = dict(max_tokens=30, temp=0.9, seed=7)
+    want = generate_ids(kit, prompt, **kw)[0]
+    me.load_draft_model(kit, frequent_head)
+    try:
+        for k in (None, 3):
+            assert generate_ids(kit, prompt, num_draft_tokens=k, **kw)[0] == want
+    finally:
+        me.unload_draft_model(kit)
+
+
+def test_structured_output_with_the_head_equals_plain(kit, frequent_head):
+    prompt = me.tokenize(kit, "Answer: ")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    kw = dict(max_tokens=20, json_schema=json.dumps(schema))
+    want = generate_ids(kit, prompt, **kw)[0]
+    me.load_draft_model(kit, frequent_head)
+    try:
+        assert generate_ids(kit, prompt, num_draft_tokens=3, **kw)[0] == want
+    finally:
+        me.unload_draft_model(kit)
+
+
+def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, frequent_head):
+    batch_kit = me.load_model(target, max_parallel=4)
+    me.load_draft_model(batch_kit, frequent_head)
+    me.load_draft_model(kit, frequent_head)
+    texts = [TEXT, "def f(a, b):\n    return a + b\n", TEXT + TEXT, "x = 1\ny = 2\n"]
+    modes = [{"num_draft_tokens": 3}, {"prompt_lookup_num_tokens": 3}, {"speculative_decoding_toggle": False}, {}]
+    lengths = (30, 17, 24, 21)
+    try:
+        jobs = [(me.tokenize(kit, t), m, n) for t, m, n in zip(texts, modes, lengths)]
+        want = [generate_ids(kit, p, max_tokens=n, **m)[0] for p, m, n in jobs]
+        gens = [me.create_generator(batch_kit, p, max_tokens=n, **m) for p, m, n in jobs]
+        got, finals = round_robin(gens)
+    finally:
+        me.unload_draft_model(kit)
+        me.unload(batch_kit)
+    for (p, _, _), w, ids in zip(jobs, want, got):
+        assert_same_or_near_tie(kit, p, w, ids)
+    assert [f.stats.decoding_mode for f in finals] == ["draft_model", "prompt_lookup", "plain", "draft_model"]
+    assert finals[0].stats.accepted_tokens > 0
+
+
+def test_reload_and_replace(kit, random_head, frequent_head):
+    me.load_draft_model(kit, random_head)
+    me.load_draft_model(kit, frequent_head)  # replaces it; the capture points stay installed once
+    assert kit.draft.path == frequent_head
+    me.unload_draft_model(kit)
+    me.unload_draft_model(kit)  # a no-op
+    assert kit.draft is None
+    me.load_draft_model(kit, random_head)
+    assert kit.draft.path == random_head
+    me.unload_draft_model(kit)
+
+
+@pytest.mark.parametrize("layout", ["speculators", "mlx-vlm"])
+def test_proposals_equal_mlx_vlm_eagle3_drafter(kit, target, tmp_path, layout):
+    """The same weights and target hidden states: the engine's chained drafts
+    are mlx-vlm's ``prefill_from_target_hidden`` + ``draft_block``."""
+    from mlx_engine.heads.eagle3 import eagle3_config, rename_weights
+
+    from mlx_vlm.speculative.drafters.eagle3.eagle3 import Eagle3DraftModel
+
+    head_dir = make_eagle3_head(tmp_path / "h", target, draft_vocab=100, seed=4, scale=4.0, layout=layout)
+    me.load_draft_model(kit, head_dir)
+    try:
+        prompt = me.tokenize(kit, TEXT)
+        bonus = 7
+        spec = kit.draft.head.spec
+        cache = kit.new_cache(kit.model)
+        with capture.collecting(spec) as sink:
+            kit.model(mx.array(prompt)[None], cache=cache.layers)
+        hidden = capture.rows(sink, spec, 0, len(prompt))
+
+        drafter = HeadDrafter(kit.draft, 5)
+        drafter.take_hidden(0, hidden)
+        ours = drafter.propose(prompt + [bonus], 5).tolist()
+
+        config = json.loads((head_dir / "config.json").read_text())
+        ref = Eagle3DraftModel(eagle3_config(config))
+        ref.load_weights(
+            list(ref.sanitize(rename_weights(mx.load(str(head_dir / "model.safetensors")))).items()), strict=False
+        )
+        ref.reset(kit.model)
+        ref.prefill_from_target_hidden(mx.array(prompt)[None], hidden[None], bonus, None, mx.int32, greedy=True)
+        theirs = ref.draft_block(bonus, hidden[None], None, 6, None, mx.int32, greedy=True)[0].tolist()
+    finally:
+        me.unload_draft_model(kit)
+    assert ours == theirs and len(ours) == 5
