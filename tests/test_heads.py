@@ -220,3 +220,24 @@ def test_proposals_equal_mlx_vlm_eagle3_drafter(kit, target, tmp_path, layout):
     finally:
         me.unload_draft_model(kit)
     assert ours == theirs and len(ours) == 5
+
+
+@pytest.mark.parametrize("max_parallel", [1, 2])
+def test_head_on_a_qwen3_5_hybrid_equals_plain_through_partial_rewinds(tmp_path_factory, max_parallel):
+    """Recurrent layers rewind to the state before a pass and re-feed the
+    accepted tokens: the head reads the newest pass's hidden state at each position."""
+    root = tmp_path_factory.mktemp("hybrid")
+    hybrid = make_model(root / "qwen3_5", "qwen3_5", hidden=64, scale=3.0, seed=6)
+    kit = me.load_model(hybrid, max_parallel=max_parallel)
+    try:
+        prompt = me.tokenize(kit, TEXT)
+        want = generate_ids(kit, prompt, max_tokens=40)[0]
+        common = [t for t, _ in Counter(want).most_common(3)]
+        head = make_eagle3_head(root / f"head{max_parallel}", hybrid, target_ids=common, seed=3)
+        me.load_draft_model(kit, head)
+        for k in (2, 5):
+            ids, final = generate_ids(kit, prompt, max_tokens=40, num_draft_tokens=k)
+            assert_same_or_near_tie(kit, prompt, want, ids)
+            assert 0 < final.stats.accepted_tokens < final.stats.drafted_tokens  # partial rounds: rewinds
+    finally:
+        me.unload(kit)
