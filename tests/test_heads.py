@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from helpers import assert_same_or_near_tie, generate_ids, round_robin
 
-from fixtures.tiny_heads import make_eagle3_head
+from fixtures.tiny_heads import make_eagle3_head, make_layer_mtp_head
 from fixtures.tiny_models import make_model
 
 TEXT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -241,3 +241,83 @@ def test_head_on_a_qwen3_5_hybrid_equals_plain_through_partial_rewinds(tmp_path_
             assert 0 < final.stats.accepted_tokens < final.stats.drafted_tokens  # partial rounds: rewinds
     finally:
         me.unload(kit)
+
+
+# --- DeepSeek/GLM-style layer-N MTP heads on a llama target ---
+
+
+@pytest.fixture(scope="module")
+def mtp_head(target, plain, tmp_path_factory):
+    common = [t for t, _ in Counter(plain[1]).most_common(3)]
+    return make_layer_mtp_head(tmp_path_factory.mktemp("mtp") / "split", target, target_ids=common, seed=2, scale=3.0)
+
+
+def test_layer_mtp_head_check_load_and_greedy_equal_plain(kit, plain, mtp_head):
+    report = me.check_draft_model(kit, mtp_head)
+    assert report.compatible and report.kind == "mtp" and report.hidden_states == (capture.FINAL,)
+    assert report.vocabulary == "its own output layer"
+    prompt, want = plain
+    me.load_draft_model(kit, mtp_head)
+    try:
+        assert kit.draft.description == "MTP head"
+        for k in (None, 2, 5):
+            ids, final = generate_ids(kit, prompt, max_tokens=40, num_draft_tokens=k)
+            assert_same_or_near_tie(kit, prompt, want, ids)
+            assert final.stats.decoding_mode == "draft_model" and final.stats.drafted_tokens > 0
+        ids, _ = generate_ids(kit, prompt, max_tokens=40, auto_speculative=True)
+        assert_same_or_near_tie(kit, prompt, want, ids)
+        kw = dict(max_tokens=30, temp=0.9, seed=11)
+        seeded = generate_ids(kit, prompt, num_draft_tokens=3, **kw)[0]
+    finally:
+        me.unload_draft_model(kit)
+    assert seeded == generate_ids(kit, prompt, **kw)[0]
+
+
+def test_the_targets_own_mtp_weights_load_by_name(target, plain, tmp_path):
+    own = tmp_path / "with_mtp"
+    shutil.copytree(target, own)
+    make_layer_mtp_head(own, target, seed=5, own_head=False, file_name="mtp.safetensors")
+    k = me.load_model(own, max_parallel=1)
+    try:
+        assert not me.is_draft_model_compatible(me.load_model(target, max_parallel=1), "mtp")
+        report = me.check_draft_model(k, "mtp")
+        assert report.compatible and report.kind == "mtp" and report.vocabulary == "the target's output layer"
+        me.load_draft_model(k, "mtp")
+        prompt, want = plain
+        ids, final = generate_ids(k, prompt, max_tokens=40, num_draft_tokens=3)
+        assert_same_or_near_tie(k, prompt, want, ids)
+        assert final.stats.drafted_tokens > 0
+    finally:
+        me.unload(k)
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (
+            lambda w: w.pop("model.layers.4.self_attn.q_proj.weight"),
+            ModelLoadError,
+            "lacks tensor 'layers.4.self_attn.q_proj.weight'",
+        ),
+        (
+            lambda w: w.update({"model.layers.4.mlp.up_proj.weight": mx.zeros((3, 64))}),
+            ModelLoadError,
+            r"'layers.4.mlp.up_proj.weight' has shape \(3, 64\)",
+        ),
+        (
+            lambda w: w.update({"model.layers.4.eh_proj.weight": mx.zeros((64, 100))}),
+            IncompatibleDraftModelError,
+            "width 50",
+        ),
+        (
+            lambda w: w.update({"model.layers.4.shared_head.head.weight": mx.zeros((500, 64))}),
+            IncompatibleDraftModelError,
+            "500 token ids",
+        ),
+    ],
+)
+def test_malformed_or_mismatched_mtp_head_is_refused(kit, mtp_head, tmp_path, edit, error, match):
+    broken = _broken_copy(mtp_head, tmp_path / "broken", edit)
+    with pytest.raises(error, match=match):
+        me.load_draft_model(kit, broken)
+    assert kit.draft is None

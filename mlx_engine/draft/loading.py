@@ -108,12 +108,20 @@ def _special_notes(main_tok, draft_tok, main_rows: int, draft_rows) -> list[str]
     return notes
 
 
+def _draft_path(kit: ModelKit, path: str | Path) -> Path:
+    """Where a draft's files are: ``"mtp"`` names the target's own checkpoint
+    (its MTP head), anything else is resolved as a model path."""
+    if path == heads.OWN_MTP:
+        return heads.own_mtp_path(kit)
+    return loading.resolve_model_path(path, "draft model path")
+
+
 def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     """Check a draft model against a kit reading only the draft's config and
     tokenizer (no weights), so hosts can list compatible drafts cheaply."""
     reasons: list[str] = []
     try:
-        draft_path = loading.resolve_model_path(path, "draft model path")
+        draft_path = _draft_path(kit, path)
         if (head := heads.read_head_config(draft_path)) is not None:
             return heads.check_head(kit, draft_path, head)
         config = loading.read_config(draft_path)
@@ -139,7 +147,7 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
     """Load a draft model into the kit, replacing any loaded one only once the
     new one has loaded: a failure leaves the previous draft in place. A path
     that is not there is a ``ModelLoadError`` (not found), not an incompatibility."""
-    loading.resolve_model_path(path, "draft model path")
+    draft_path = _draft_path(kit, path)
     report = check_draft_model(kit, path)
     if not report:
         raise IncompatibleDraftModelError(
@@ -147,7 +155,6 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
         )
     for note in report.notes:
         logger.info("draft model %s: %s", path, note)
-    draft_path = loading.resolve_model_path(path, "draft model path")
     if (head := heads.read_head_config(draft_path)) is not None:
         new = heads.load_head(kit, draft_path, head)
         unload_draft(kit)

@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 
 from ..errors import ModelLoadError
 from ..loading.checks import read_safetensors_header
-from . import capture, eagle3
+from . import capture, eagle3, mtp
+from .costs import hidden_width
 from .model import HeadDraft
 
 if TYPE_CHECKING:
@@ -25,8 +26,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: The name that asks for the target's own MTP weights (its checkpoint's layer-N head).
+OWN_MTP = "mtp"
+
+
 def read_head_config(path: Path) -> dict | None:
-    """A head folder's config.json when it describes a head this engine loads, else None."""
+    """A head folder's config.json when the folder holds a head this engine
+    loads (an EAGLE-3 config, or tensors of a layer-N MTP head), else None;
+    an MTP folder's config gets ``"head_kind": "mtp"``."""
     file = path / "config.json"
     if not path.is_dir() or not file.is_file():
         return None
@@ -34,7 +41,35 @@ def read_head_config(path: Path) -> dict | None:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"config.json in {str(path)!r} is not valid JSON: {exc}") from exc
-    return config if isinstance(config, dict) and eagle3.is_eagle3_config(config) else None
+    if not isinstance(config, dict):
+        return None
+    if eagle3.is_eagle3_config(config):
+        return config
+    if _mtp_files(path) is not None:
+        return {**config, "head_kind": "mtp"}
+    return None
+
+
+def _mtp_files(path: Path) -> tuple[int, list[Path]] | None:
+    """The layer index of a layer-N MTP head in the folder's safetensors files
+    (by their headers: a tensor named ``...layers.N.eh_proj.weight``) and the files."""
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        index = mtp.mtp_layer_index(list(read_safetensors_header(file)))
+        if index is not None:
+            return index, files
+    return None
+
+
+def own_mtp_path(kit: ModelKit) -> Path:
+    """The target's own checkpoint, when it holds an MTP head (``load_draft_model(kit, "mtp")``)."""
+    path = Path(kit.model_path)
+    if not path.is_dir() or _mtp_files(path) is None:
+        raise ModelLoadError(
+            f"the model {str(path)!r} has no MTP weights in its checkpoint (no 'layers.N.eh_proj' tensor); "
+            f"{OWN_MTP!r} asks for the target's own MTP head"
+        )
+    return path
 
 
 def _target_facts(kit: ModelKit) -> tuple[int, int] | str:
@@ -49,9 +84,12 @@ def _target_facts(kit: ModelKit) -> tuple[int, int] | str:
 
 
 def check_head(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
-    """Check a head against the kit from its config alone (no weights)."""
+    """Check a head against the kit from its config alone (no weights; an MTP
+    head from its tensors' headers)."""
     from ..draft.loading import DraftCompatibility
 
+    if config.get("head_kind") == "mtp":
+        return _check_mtp(kit, path)
     try:
         cfg = eagle3.eagle3_config(config)
     except (TypeError, ValueError, KeyError) as exc:
@@ -85,6 +123,31 @@ def check_head(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
     return DraftCompatibility(not reasons, reasons, notes, kind="eagle3", hidden_states=points, vocabulary=mapping)
 
 
+def _check_mtp(kit: ModelKit, path: Path) -> DraftCompatibility:
+    from ..draft.loading import DraftCompatibility
+
+    facts = _target_facts(kit)
+    if isinstance(facts, str):
+        return DraftCompatibility(False, [facts], kind="mtp")
+    _, hidden = facts
+    index, files = _mtp_files(path)
+    shapes = {}
+    for file in files:
+        for name, info in read_safetensors_header(file).items():
+            m = mtp.LAYER_TENSOR.match(name)
+            if m and int(m.group(1)) == index:
+                shapes[m.group(2)] = info.shape
+    reasons = []
+    eh = shapes.get("eh_proj.weight")
+    if eh is not None and tuple(eh) != (hidden, 2 * hidden):
+        reasons.append(f"the head reads hidden states of width {eh[-1] // 2}; this model's are {hidden}")
+    head = shapes.get("shared_head.head.weight")
+    if head is not None and head[0] != kit.vocab_size:
+        reasons.append(f"the head is for a model with {head[0]} token ids; this model has {kit.vocab_size}")
+    vocab = "its own output layer" if head is not None else "the target's output layer"
+    return DraftCompatibility(not reasons, reasons, [], kind="mtp", hidden_states=(capture.FINAL,), vocabulary=vocab)
+
+
 def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Every tensor of the folder's safetensors files (headers checked first), and the file of each."""
     files = sorted(path.glob("*.safetensors"))
@@ -102,23 +165,29 @@ def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     return weights, where
 
 
-def _check_tensors(net: nn.Module, weights: dict, where: dict, path: Path, optional: set[str]) -> None:
-    """Every tensor the head needs is there with its shape, and nothing else."""
+def _check_tensors(
+    net: nn.Module, weights: dict, where: dict, path: Path, optional: set[str], prefix: str = ""
+) -> None:
+    """Every tensor the head needs is there with its shape, and nothing else
+    (named as the files name them: ``prefix`` + the name, ``block.`` dropped)."""
     expected = dict(tree_flatten(net.parameters()))
+    kind = "an MTP head" if prefix else "an EAGLE-3 head"
+
+    def shown(name: str) -> str:
+        return prefix + name.removeprefix("block.")
+
     for name, value in weights.items():
         if name not in expected:
-            raise ModelLoadError(f"{where[name]} in {str(path)!r}: tensor {name!r} is not part of an EAGLE-3 head")
+            raise ModelLoadError(f"{where[name]} in {str(path)!r}: tensor {shown(name)!r} is not part of {kind}")
         if tuple(value.shape) != tuple(expected[name].shape):
             raise ModelLoadError(
-                f"{where[name]} in {str(path)!r}: tensor {name!r} has shape {tuple(value.shape)}, "
-                f"expected {tuple(expected[name].shape)} from config.json"
+                f"{where[name]} in {str(path)!r}: tensor {shown(name)!r} has shape {tuple(value.shape)}, "
+                f"expected {tuple(expected[name].shape)}"
             )
     missing = sorted(set(expected) - set(weights) - optional)
     if missing:
-        raise ModelLoadError(
-            f"head {str(path)!r} lacks tensor {missing[0]!r}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-        )
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"head {str(path)!r} lacks tensor {shown(missing[0])!r}{more}")
 
 
 def _build_eagle3(kit: ModelKit, path: Path, config: dict) -> eagle3.Eagle3Head:
@@ -161,12 +230,38 @@ def _build_eagle3(kit: ModelKit, path: Path, config: dict) -> eagle3.Eagle3Head:
     return eagle3.Eagle3Head(net, cfg, net.embed_tokens)
 
 
+def _build_mtp(kit: ModelKit, path: Path) -> mtp.LayerNMTPHead:
+    """A layer-N MTP head from the folder's tensors of that layer, every one checked."""
+    index, files = _mtp_files(path)
+    tensors, where = {}, {}
+    for file in files:
+        try:
+            loaded = mx.load(str(file))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"weight file {str(file)!r} could not be read: {exc}") from exc
+        for name, value in loaded.items():
+            m = mtp.LAYER_TENSOR.match(name)
+            if m and int(m.group(1)) == index:
+                tensors[m.group(2)], where[m.group(2)] = value, file.name
+    block, template = mtp.build_block(kit.model)
+    hidden = int(capture.text_model(kit.model).embed_tokens.weight.shape[-1])
+    eps = float(kit.config.get("text_config", kit.config).get("rms_norm_eps", 1e-6))
+    own = tensors.get("shared_head.head.weight")
+    net = mtp.MTPNet(block, hidden, eps, None if own is None else int(own.shape[0]))
+    weights = mtp.head_weights(kit.model, tensors, template)
+    files_of = {k: where.get(k.removeprefix("block."), files[0].name) for k in weights}
+    _check_tensors(net, weights, files_of, path, optional=set(), prefix=f"layers.{index}.")
+    net.load_weights(list(weights.items()), strict=False)
+    mx.eval(net.parameters())
+    return mtp.LayerNMTPHead(net, kit.model, kit.vocab_size)
+
+
 def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
     """Build and check the head (every tensor) and run it once; ``HeadDraft.attach`` then installs it."""
-    head = _build_eagle3(kit, path, config)
+    head = _build_mtp(kit, path) if config.get("head_kind") == "mtp" else _build_eagle3(kit, path, config)
     try:
         cache = head.new_cache()
-        width = len(head.spec.points) * int(head.net.target_hidden_size)
+        width = hidden_width(kit.model, head.spec)
         out = head.forward(cache, mx.zeros((1, 2), dtype=mx.uint32), mx.zeros((1, 2, width)), 0)
         mx.eval(head.logits(out))
     except Exception as exc:
@@ -177,4 +272,5 @@ def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
         if not (k.startswith("embed_tokens.") and head.embed is capture.text_model(kit.model).embed_tokens)
     ]
     params = sum(v.size for v in own if mx.issubdtype(v.dtype, mx.floating))
-    return HeadDraft(path, head, int(params), description=f"EAGLE-3 head reading layers {list(head.spec.points)}")
+    what = f"EAGLE-3 head reading layers {list(head.spec.points)}" if head.kind == "eagle3" else "MTP head"
+    return HeadDraft(path, head, int(params), description=what)
