@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from helpers import assert_same_or_near_tie, generate_ids, round_robin
 
-from fixtures.tiny_heads import make_eagle3_head, make_layer_mtp_head
+from fixtures.tiny_heads import make_eagle3_head, make_layer_mtp_head, make_qwen3_5_mtp_head
 from fixtures.tiny_models import make_model
 
 TEXT = "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -321,3 +321,109 @@ def test_malformed_or_mismatched_mtp_head_is_refused(kit, mtp_head, tmp_path, ed
     with pytest.raises(error, match=match):
         me.load_draft_model(kit, broken)
     assert kit.draft is None
+
+
+# --- Qwen3.5 MTP heads (mlx-vlm's split layout) on a qwen3_5 hybrid ---
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q35")
+    target = make_model(root / "qwen3_5", "qwen3_5", hidden=64, scale=3.0, seed=6)
+    return target, make_qwen3_5_mtp_head(root / "mtp", target, seed=2, scale=2.0)
+
+
+def test_qwen3_5_mtp_split_head_equals_plain_with_rewinds_of_every_length(qwen35):
+    target, head = qwen35
+    kit = me.load_model(target, max_parallel=1)
+    try:
+        report = me.check_draft_model(kit, head)
+        assert report.compatible and report.kind == "qwen3_5_mtp" and report.hidden_states == (capture.FINAL,)
+        prompt = me.tokenize(kit, TEXT)
+        want = generate_ids(kit, prompt, max_tokens=30)[0]
+        kw = dict(max_tokens=24, temp=0.9, seed=5)
+        seeded = generate_ids(kit, prompt, **kw)[0]
+        me.load_draft_model(kit, head)
+        for k in (1, 2, 3, 4, 5, None):  # a rejected round rewinds the recurrent layers by k
+            ids, final = generate_ids(kit, prompt, max_tokens=30, num_draft_tokens=k)
+            assert_same_or_near_tie(kit, prompt, want, ids)
+            assert final.stats.drafted_tokens > 0
+        assert generate_ids(kit, prompt, num_draft_tokens=3, **kw)[0] == seeded
+    finally:
+        me.unload(kit)
+
+
+def test_qwen3_5_mtp_in_a_mixed_batch_equals_each_row_alone(qwen35):
+    target, head = qwen35
+    one, batch_kit = me.load_model(target, max_parallel=1), me.load_model(target, max_parallel=3)
+    try:
+        me.load_draft_model(one, head)
+        me.load_draft_model(batch_kit, head)
+        texts = [TEXT, "def f(a, b):\n    return a + b\n", "x = 1\ny = 2\n"]
+        modes = [{"num_draft_tokens": 3}, {"prompt_lookup_num_tokens": 3}, {"auto_speculative": True}]
+        jobs = [(me.tokenize(one, t), m, n) for t, m, n in zip(texts, modes, (20, 14, 17))]
+        want = [generate_ids(one, p, max_tokens=n, **m)[0] for p, m, n in jobs]
+        got, _ = round_robin([me.create_generator(batch_kit, p, max_tokens=n, **m) for p, m, n in jobs])
+        for (p, _, _), w, ids in zip(jobs, want, got):
+            assert_same_or_near_tie(one, p, w, ids)
+    finally:
+        me.unload(one)
+        me.unload(batch_kit)
+
+
+def test_qwen3_5_own_mtp_weights_load_by_name(qwen35, tmp_path):
+    target, _ = qwen35
+    own = tmp_path / "with_mtp"
+    shutil.copytree(target, own)
+    make_qwen3_5_mtp_head(own, target, seed=8, hf_layout=True)  # mtp.* tensors, zero-centred norms
+    kit = me.load_model(own, max_parallel=1)
+    try:
+        report = me.check_draft_model(kit, "mtp")
+        assert report.compatible and report.kind == "qwen3_5_mtp" and report.notes
+        prompt = me.tokenize(kit, TEXT)
+        want = generate_ids(kit, prompt, max_tokens=20)[0]
+        me.load_draft_model(kit, "mtp")
+        ids, final = generate_ids(kit, prompt, max_tokens=20, num_draft_tokens=2)
+        assert_same_or_near_tie(kit, prompt, want, ids)
+        assert final.stats.drafted_tokens > 0
+    finally:
+        me.unload(kit)
+
+
+def test_qwen3_5_mtp_malformed_is_refused_naming_the_tensor(qwen35, tmp_path):
+    target, head = qwen35
+    kit = me.load_model(target, max_parallel=1)
+    try:
+        broken = _broken_copy(head, tmp_path / "broken", lambda w: w.pop("layers.0.self_attn.o_proj.weight"))
+        with pytest.raises(ModelLoadError, match="lacks tensor 'layers.0.self_attn.o_proj.weight'"):
+            me.load_draft_model(kit, broken)
+    finally:
+        me.unload(kit)
+
+
+def test_qwen3_5_mtp_proposals_equal_mlx_vlm_drafter(qwen35):
+    from mlx_engine.heads.qwen3_5_mtp import head_config
+
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.qwen3_5_mtp import Qwen3_5MTPDraftModel
+
+    target, head = qwen35
+    kit = me.load_model(target, max_parallel=1)
+    try:
+        me.load_draft_model(kit, head)
+        prompt, bonus = me.tokenize(kit, TEXT), 9
+        spec = kit.draft.head.spec
+        with capture.collecting(spec) as sink:
+            kit.model(mx.array(prompt)[None], cache=kit.new_cache(kit.model).layers)
+        hidden = capture.rows(sink, spec, 0, len(prompt))
+        drafter = HeadDrafter(kit.draft, 4)
+        drafter.take_hidden(0, hidden)
+        ours = drafter.propose(prompt + [bonus], 4).tolist()
+
+        ref = Qwen3_5MTPDraftModel(head_config(json.loads((head / "config.json").read_text())))
+        ref.load_weights(list(mx.load(str(head / "model.safetensors")).items()))
+        ref.reset(kit.model)
+        ref.prefill_from_target_hidden(mx.array(prompt)[None], hidden[None], bonus, None, mx.int32, greedy=True)
+        theirs = ref.draft_block(bonus, hidden[None], None, 5, None, mx.int32, greedy=True)[0].tolist()
+    finally:
+        me.unload(kit)
+    assert ours == theirs and len(ours) == 4

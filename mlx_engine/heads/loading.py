@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ModelLoadError
 from ..loading.checks import read_safetensors_header
-from . import capture, eagle3, mtp
+from . import capture, eagle3, mtp, qwen3_5_mtp
 from .costs import hidden_width
 from .model import HeadDraft
 
@@ -45,9 +45,19 @@ def read_head_config(path: Path) -> dict | None:
         return None
     if eagle3.is_eagle3_config(config):
         return config
+    if qwen3_5_mtp.is_split_config(config):
+        return {**config, "head_kind": "qwen3_5_mtp"}
+    model_type = (config.get("text_config") or config).get("model_type", config.get("model_type"))
+    if model_type in qwen3_5_mtp.TARGET_TYPES and _holds(path, "mtp.fc.weight"):
+        return {**config, "head_kind": "qwen3_5_mtp", "own_checkpoint": True}
     if _mtp_files(path) is not None:
         return {**config, "head_kind": "mtp"}
     return None
+
+
+def _holds(path: Path, tensor: str) -> bool:
+    """Whether a safetensors file of the folder declares ``tensor`` (headers only)."""
+    return any(tensor in read_safetensors_header(f) for f in sorted(path.glob("*.safetensors")))
 
 
 def _mtp_files(path: Path) -> tuple[int, list[Path]] | None:
@@ -64,9 +74,10 @@ def _mtp_files(path: Path) -> tuple[int, list[Path]] | None:
 def own_mtp_path(kit: ModelKit) -> Path:
     """The target's own checkpoint, when it holds an MTP head (``load_draft_model(kit, "mtp")``)."""
     path = Path(kit.model_path)
-    if not path.is_dir() or _mtp_files(path) is None:
+    config = read_head_config(path) if path.is_dir() else None
+    if config is None or config.get("head_kind") not in ("mtp", "qwen3_5_mtp"):
         raise ModelLoadError(
-            f"the model {str(path)!r} has no MTP weights in its checkpoint (no 'layers.N.eh_proj' tensor); "
+            f"the model {str(path)!r} has no MTP weights in its checkpoint (no 'mtp.fc' or 'layers.N.eh_proj' tensor); "
             f"{OWN_MTP!r} asks for the target's own MTP head"
         )
     return path
@@ -90,6 +101,8 @@ def check_head(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
 
     if config.get("head_kind") == "mtp":
         return _check_mtp(kit, path)
+    if config.get("head_kind") == "qwen3_5_mtp":
+        return _check_qwen3_5_mtp(kit, path, config)
     try:
         cfg = eagle3.eagle3_config(config)
     except (TypeError, ValueError, KeyError) as exc:
@@ -148,8 +161,35 @@ def _check_mtp(kit: ModelKit, path: Path) -> DraftCompatibility:
     return DraftCompatibility(not reasons, reasons, [], kind="mtp", hidden_states=(capture.FINAL,), vocabulary=vocab)
 
 
-def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Every tensor of the folder's safetensors files (headers checked first), and the file of each."""
+def _check_qwen3_5_mtp(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
+    from ..draft.loading import DraftCompatibility
+
+    facts = _target_facts(kit)
+    if isinstance(facts, str):
+        return DraftCompatibility(False, [facts], kind="qwen3_5_mtp")
+    try:
+        text = qwen3_5_mtp.head_config(config).text_config
+    except (TypeError, ValueError, KeyError) as exc:
+        return DraftCompatibility(False, [f"config.json in {str(path)!r} is not a valid qwen3_5_mtp config: {exc}"])
+    reasons = []
+    if int(text.hidden_size) != facts[1]:
+        reasons.append(f"the head reads hidden states of width {text.hidden_size}; this model's are {facts[1]}")
+    if int(text.vocab_size) != kit.vocab_size:
+        reasons.append(f"the head is for a model with {text.vocab_size} token ids; this model has {kit.vocab_size}")
+    notes = ["the target's own mtp.* weights"] if config.get("own_checkpoint") else []
+    return DraftCompatibility(
+        not reasons,
+        reasons,
+        notes,
+        kind="qwen3_5_mtp",
+        hidden_states=(capture.FINAL,),
+        vocabulary="the target's output layer",
+    )
+
+
+def _read_weights(path: Path, rename: bool = True) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Every tensor of the folder's safetensors files (headers checked first),
+    and the file of each; ``rename``: EAGLE-3's names onto mlx-vlm's."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"head {str(path)!r} has no .safetensors file")
@@ -160,18 +200,18 @@ def _read_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
             loaded = mx.load(str(file))
         except (OSError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"weight file {str(file)!r} could not be read: {exc}") from exc
-        for name, value in eagle3.rename_weights(loaded).items():
+        for name, value in (eagle3.rename_weights(loaded) if rename else loaded).items():
             weights[name], where[name] = value, file.name
     return weights, where
 
 
 def _check_tensors(
-    net: nn.Module, weights: dict, where: dict, path: Path, optional: set[str], prefix: str = ""
+    net: nn.Module, weights: dict, where: dict, path: Path, optional: set[str], prefix: str = "", kind: str = ""
 ) -> None:
     """Every tensor the head needs is there with its shape, and nothing else
     (named as the files name them: ``prefix`` + the name, ``block.`` dropped)."""
     expected = dict(tree_flatten(net.parameters()))
-    kind = "an MTP head" if prefix else "an EAGLE-3 head"
+    kind = kind or ("an MTP head" if prefix else "an EAGLE-3 head")
 
     def shown(name: str) -> str:
         return prefix + name.removeprefix("block.")
@@ -230,6 +270,27 @@ def _build_eagle3(kit: ModelKit, path: Path, config: dict) -> eagle3.Eagle3Head:
     return eagle3.Eagle3Head(net, cfg, net.embed_tokens)
 
 
+def _build_qwen3_5_mtp(kit: ModelKit, path: Path, config: dict) -> qwen3_5_mtp.Qwen35MTPHead:
+    """A Qwen3.5 MTP head: a split folder's tensors, or the ``mtp.*`` ones of the target's own checkpoint."""
+    net = qwen3_5_mtp.build_net(config)
+    weights, where = _read_weights(path, rename=False)
+    if config.get("own_checkpoint"):
+        weights = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+    weights = net.sanitize(weights)
+    where = {k: where.get(k, where.get("mtp." + k, "model.safetensors")) for k in weights}
+    if (q := config.get("quantization")) is not None:
+        nn.quantize(
+            net,
+            q["group_size"],
+            q["bits"],
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
+        )
+    _check_tensors(net, weights, where, path, optional=set(), kind="a qwen3_5_mtp head")
+    net.load_weights(list(weights.items()), strict=False)
+    mx.eval(net.parameters())
+    return qwen3_5_mtp.Qwen35MTPHead(net, kit.model, kit.vocab_size)
+
+
 def _build_mtp(kit: ModelKit, path: Path) -> mtp.LayerNMTPHead:
     """A layer-N MTP head from the folder's tensors of that layer, every one checked."""
     index, files = _mtp_files(path)
@@ -258,7 +319,8 @@ def _build_mtp(kit: ModelKit, path: Path) -> mtp.LayerNMTPHead:
 
 def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
     """Build and check the head (every tensor) and run it once; ``HeadDraft.attach`` then installs it."""
-    head = _build_mtp(kit, path) if config.get("head_kind") == "mtp" else _build_eagle3(kit, path, config)
+    builders = {"mtp": lambda: _build_mtp(kit, path), "qwen3_5_mtp": lambda: _build_qwen3_5_mtp(kit, path, config)}
+    head = builders.get(config.get("head_kind"), lambda: _build_eagle3(kit, path, config))()
     try:
         cache = head.new_cache()
         width = hidden_width(kit.model, head.spec)
@@ -272,5 +334,5 @@ def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
         if not (k.startswith("embed_tokens.") and head.embed is capture.text_model(kit.model).embed_tokens)
     ]
     params = sum(v.size for v in own if mx.issubdtype(v.dtype, mx.floating))
-    what = f"EAGLE-3 head reading layers {list(head.spec.points)}" if head.kind == "eagle3" else "MTP head"
+    what = f"EAGLE-3 head reading layers {list(head.spec.points)}" if head.kind == "eagle3" else f"{head.kind} head"
     return HeadDraft(path, head, int(params), description=what)
