@@ -433,3 +433,16 @@ def test_the_server_takes_mtp_as_a_draft_name():
     from mlx_engine.server.drafts import resolve_draft
 
     assert resolve_draft(me.OWN_MTP, None) == "mtp"
+
+
+def test_hidden_trail_reads_the_newest_pass_at_each_position():
+    from mlx_engine.heads.model import HiddenTrail
+
+    trail = HiddenTrail()
+    trail.add(0, mx.arange(5)[:, None])  # positions 0-4
+    trail.add(3, mx.arange(100, 104)[:, None])  # a later pass fed 3-6 again
+    trail.add(8, mx.arange(200, 201)[:, None])  # position 7 never recorded
+    assert trail.take(0, 7)[:, 0].tolist() == [0, 1, 2, 100, 101, 102, 103]
+    assert trail.take(6, 9) is None and trail.covers(8) and not trail.covers(7)
+    trail.drop_before(5)
+    assert trail.first() == 3 and trail.take(5, 7)[:, 0].tolist() == [102, 103]

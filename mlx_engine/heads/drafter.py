@@ -122,9 +122,13 @@ class HeadDrafter:
         self._catch_up = last + 1 - lo
         state.next, state.last_out = last + 1, out[:, -1:]
         self.trail.drop_before(last + 1)
-        actual = history[lo + 2 :]  # entry p predicts the token at p + 2
+        # Entry p predicts the token at p + 2; only the last MAX_SCORED positions
+        # count (a whole prompt through the output layer would cost a prefill's).
+        first = max(lo, len(history) - 2 - self.policy.MAX_SCORED)
+        actual = history[first + 2 :]
         if score and actual and self.policy.scores:
-            predicted = self.head.to_target(mx.argmax(self.head.logits(out[0, : len(actual)]), axis=-1))
+            rows = out[0, first - lo : first - lo + len(actual)]
+            predicted = self.head.to_target(mx.argmax(self.head.logits(rows), axis=-1))
             mx.async_eval(predicted)
             self._predicted = (predicted, actual)
         return state.last_out
