@@ -30,6 +30,7 @@ from .errors import (  # noqa: E402
     ModelLoadError,
     ShardedKitError,
 )  # noqa: E402
+from .heads.loading import OWN_MTP  # noqa: E402  (load_draft_model(kit, OWN_MTP): the target's own MTP head)
 from .kits.text import ModelKit  # noqa: E402
 from .kits.vision import VisionModelKit  # noqa: E402
 from .loading import catalog  # noqa: E402  (models known by name: lookup, draft_for)
@@ -62,6 +63,7 @@ __all__ = [
     "Embeddings",
     "embed",
     "load_embedding_model",
+    "OWN_MTP",
     "Follower",
     "GenerationInProgressError",
     "GenerationResult",

@@ -103,6 +103,10 @@ class DraftModelDrafter:
             self.policy.scoring()
             self._keep_predictions(cache.feed(feed), feed[1:])
 
+    def prefill_todo(self, prompt: list[int]) -> int:
+        """Prompt tokens ``prefill_prompt`` will feed the draft model (what its cache lacks)."""
+        return len(prompt) - 1 - common_prefix_length(self.cache.tokens, prompt[:-1])
+
     def prefill_prompt(
         self, prompt: list[int], on_chunk: Callable[[int], None] | None = None, chunk_size: int = PREFILL_CHUNK
     ) -> Iterator[None]:

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..caches.sequence import layer_rewind_reason
 from ..errors import IncompatibleDraftModelError, ModelLoadError
+from ..heads import loading as heads
 from ..loading import model as loading
 from .model import DraftModel
 
@@ -35,6 +36,12 @@ class DraftCompatibility:
     compatible: bool
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # What drafts: "draft_model" (a separate model) or a head ("eagle3"); a head
+    # also says which target hidden states it reads (decoder layer indices whose
+    # outputs, or -1: the final normed state) and how its vocabulary maps.
+    kind: str = "draft_model"
+    hidden_states: tuple[int, ...] = ()
+    vocabulary: str = "the target's tokenizer"
 
     def __bool__(self) -> bool:
         return self.compatible
@@ -101,12 +108,22 @@ def _special_notes(main_tok, draft_tok, main_rows: int, draft_rows) -> list[str]
     return notes
 
 
+def _draft_path(kit: ModelKit, path: str | Path) -> Path:
+    """Where a draft's files are: ``"mtp"`` names the target's own checkpoint
+    (its MTP head), anything else is resolved as a model path."""
+    if path == heads.OWN_MTP:
+        return heads.own_mtp_path(kit)
+    return loading.resolve_model_path(path, "draft model path")
+
+
 def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     """Check a draft model against a kit reading only the draft's config and
     tokenizer (no weights), so hosts can list compatible drafts cheaply."""
     reasons: list[str] = []
     try:
-        draft_path = loading.resolve_model_path(path, "draft model path")
+        draft_path = _draft_path(kit, path)
+        if (head := heads.read_head_config(draft_path)) is not None:
+            return heads.check_head(kit, draft_path, head)
         config = loading.read_config(draft_path)
         if loading.is_vision_config(config):
             reasons.append("the draft is a vision model; a draft must be a text-only model")
@@ -130,7 +147,7 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
     """Load a draft model into the kit, replacing any loaded one only once the
     new one has loaded: a failure leaves the previous draft in place. A path
     that is not there is a ``ModelLoadError`` (not found), not an incompatibility."""
-    loading.resolve_model_path(path, "draft model path")
+    draft_path = _draft_path(kit, path)
     report = check_draft_model(kit, path)
     if not report:
         raise IncompatibleDraftModelError(
@@ -138,7 +155,13 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
         )
     for note in report.notes:
         logger.info("draft model %s: %s", path, note)
-    draft_path = loading.resolve_model_path(path, "draft model path")
+    if (head := heads.read_head_config(draft_path)) is not None:
+        new = heads.load_head(kit, draft_path, head)
+        unload_draft(kit)
+        new.attach(kit.model)
+        kit.set_draft(new)
+        logger.info("loaded %s %s (%.1fM parameters)", new.description, draft_path, new.num_params / 1e6)
+        return
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
     loading.prepare_weights(model, "auto")
     loading.smoke_test(model, draft_path)
@@ -152,6 +175,9 @@ def unload_draft(kit: ModelKit) -> None:
     """Drop the draft model and its cache; the main cache is kept."""
     if kit.draft is None:
         return
+    close = getattr(kit.draft, "close", None)
+    if close is not None:  # a head: the target's recording modules back to their classes
+        close()
     kit.set_draft(None)
     gc.collect()
     mx.clear_cache()

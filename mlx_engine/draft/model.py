@@ -13,8 +13,28 @@ from ..caches.sequence import SequenceCache, common_prefix_length
 from ..speculative import cost_store, costs
 
 
+class AcceptanceRecord:
+    """The drafts a loaded drafter proposed and had accepted on this kit so far
+    (decaying counts, ``drafted_seen`` and ``accepted_seen``): a request's
+    adaptive draft length starts from what this drafter has delivered."""
+
+    drafted_seen: float
+    accepted_seen: float
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One drafted round's outcome, from any request."""
+        self.drafted_seen = self.drafted_seen * DRAFT_HISTORY_DECAY + drafted
+        self.accepted_seen = self.accepted_seen * DRAFT_HISTORY_DECAY + accepted
+
+    def acceptance_prior(self, default: float) -> float:
+        """Share of this draft's tokens accepted so far; ``default`` until enough are seen."""
+        if self.drafted_seen < DRAFT_HISTORY_MIN_TOKENS:
+            return default
+        return self.accepted_seen / self.drafted_seen
+
+
 @dataclass
-class DraftModel:
+class DraftModel(AcceptanceRecord):
     """A loaded draft model and its pool of draft caches: ``first_cache``, made
     at load, and the ``spare`` ones made for parallel requests; either kind is
     lent to one request at a time (``lend``, ``give_back``)."""
@@ -32,17 +52,6 @@ class DraftModel:
     # not from a generic prior (a weak draft then costs nothing from round one).
     drafted_seen: float = 0.0
     accepted_seen: float = 0.0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """One drafted round's outcome, from any request."""
-        self.drafted_seen = self.drafted_seen * DRAFT_HISTORY_DECAY + drafted
-        self.accepted_seen = self.accepted_seen * DRAFT_HISTORY_DECAY + accepted
-
-    def acceptance_prior(self, default: float) -> float:
-        """Share of this draft's tokens accepted so far; ``default`` until enough are seen."""
-        if self.drafted_seen < DRAFT_HISTORY_MIN_TOKENS:
-            return default
-        return self.accepted_seen / self.drafted_seen
 
     def chained_step_ratio(self, main: nn.Module, vocab_size: int, key: dict | None = None) -> float:
         """A draft step, as a drafter chains them, in single steps of the main

@@ -7,6 +7,8 @@ both. May measure the kit's forward costs once (``kit.forward_costs()``).
 from __future__ import annotations
 
 from ..draft.drafter import DraftModelDrafter
+from ..heads.drafter import HeadDrafter
+from ..heads.model import HeadDraft
 from ..kits.text import ModelKit
 from ..speculative import costs
 from ..speculative.batch_pricing import BatchPricing
@@ -18,7 +20,7 @@ from .plan import DecodingPlan
 
 
 def draft_step_cost(kit: ModelKit) -> float:
-    """A draft-model step, as the drafter chains them, in main-model steps."""
+    """A draft-model (or head) step, as the drafter chains them, in main-model steps."""
     return kit.draft.chained_step_ratio(kit.model, kit.vocab_size, kit.cost_key("draft_step_ratio", kit.draft.path))
 
 
@@ -32,7 +34,7 @@ def lookup_memory(kit: ModelKit, prompt: list[int]) -> list[list[int]]:
 
 def build_drafter(
     kit: ModelKit, plan: DecodingPlan, prompt: list[int], request_id: str | None = None
-) -> tuple[Drafter | None, DraftModelDrafter | None]:
+) -> tuple[Drafter | None, DraftModelDrafter | HeadDrafter | None]:
     """The drafter the plan names, and the draft-model drafter inside it (whose
     prompt must be prefilled) if any. May measure the kit's costs once. With the
     kit's suffix memory on, prompt lookup drafts from it (recording the request
@@ -57,10 +59,18 @@ def build_drafter(
         # Round costs drive the adaptive length, and the router's choice of mode.
         needs_costs = plan.draft_k is None or plan.kind == "auto"
         round_costs = costs.RoundCosts(kit.forward_costs(), draft_step_cost(kit)) if needs_costs else None
-        cache = kit.draft.lend(prompt, lambda: kit.new_cache(kit.draft.model))
-        draft_drafter = DraftModelDrafter(
-            kit.draft, plan.draft_k, round_costs, vocab_size=kit.vocab_size, cache=cache, batched=kit.max_parallel > 1
-        )
+        if isinstance(kit.draft, HeadDraft):  # a head: its state is this request's own
+            draft_drafter = HeadDrafter(kit.draft, plan.draft_k, round_costs)
+        else:
+            cache = kit.draft.lend(prompt, lambda: kit.new_cache(kit.draft.model))
+            draft_drafter = DraftModelDrafter(
+                kit.draft,
+                plan.draft_k,
+                round_costs,
+                vocab_size=kit.vocab_size,
+                cache=cache,
+                batched=kit.max_parallel > 1,
+            )
     if plan.kind == "draft_model":
         return draft_drafter, draft_drafter
     router = AutoRouter(prompt, kit.forward_costs(), lookup, draft_drafter, batch=batch, on_round=kit.observe_round)

@@ -22,9 +22,11 @@ from typing import Callable, Iterator, NamedTuple
 import mlx.core as mx
 
 from ..caches.ragged import release_row
-from ..caches.sequence import SequenceCache, common_prefix_length
+from ..caches.sequence import SequenceCache
 from ..draft.drafter import DraftModelDrafter
 from ..errors import CallbackError
+from ..heads import capture
+from ..heads.drafter import HeadDrafter
 from ..kits.text import ExpandedPrompt, ModelKit
 from ..loading.memory import prefill_chunk
 from ..results import (
@@ -128,7 +130,7 @@ class _Prepared(NamedTuple):
     cache: SequenceCache  # the prompt cache's entry this request decodes into
     todo: list[int]  # the part of the prompt that cache lacks (all but the last token)
     drafter: Drafter | None
-    draft_drafter: DraftModelDrafter | None  # the draft model inside ``drafter``, to prefill
+    draft_drafter: DraftModelDrafter | HeadDrafter | None  # the draft model (or head) inside ``drafter``, to prefill
     facts: PromptFacts  # what this stage found, for the stats
 
 
@@ -241,7 +243,7 @@ def _process_prompt(
     prompt, draft_drafter = prepared.prompt, prepared.draft_drafter
     draft_todo, draft_weight = 0, 0.0
     if draft_drafter is not None:
-        draft_todo = len(prompt) - 1 - common_prefix_length(draft_drafter.cache.tokens, prompt[:-1])
+        draft_todo = draft_drafter.prefill_todo(prompt)
         draft_weight = kit.draft.num_params / kit.num_params
     total = len(prepared.todo) + draft_weight * draft_todo
     done = 0.0
@@ -275,6 +277,7 @@ def _process_prompt(
         # stalls short, at a small cost in prefill speed.
         chunk = min(chunk, INTERLEAVED_PREFILL_CHUNK)
     main = kit.prefill_prompt(prepared.expanded, prepared.cache, prepared.todo, chunk_done(1.0), chunk)
+    main = _recording(main, prepared.cache, prepared.drafter)
     # The draft model's chunks ride along with the main model's, one of each
     # per step (a draft chunk costs a fraction of a main one), so neither
     # stalls the other rows for a whole prompt nor adds steps to this one's.
@@ -284,6 +287,28 @@ def _process_prompt(
     # A regenerated answer or an edited next message resumes here (recurrent layers).
     prepared.cache.checkpoint()
     report(100.0)
+
+
+def _recording(chunks: Iterator, cache, drafter) -> Iterator:
+    """The prompt's chunks, each handing the drafter the hidden states it reads
+    (a head: heads/capture.py) at the positions the chunk fed; the chunks
+    themselves when the drafter reads none."""
+    spec = None if drafter is None else getattr(drafter, "hidden_spec", None)
+    if spec is None:
+        yield from chunks
+        return
+    chunks = iter(chunks)
+    while True:
+        at = len(cache.tokens)
+        with capture.collecting(spec) as sink:
+            if next(chunks, _DONE) is _DONE:
+                return
+        if len(cache.tokens) > at:
+            drafter.take_hidden(at, capture.rows(sink, spec, 0, len(cache.tokens) - at))
+        yield
+
+
+_DONE = object()
 
 
 def _decode(kit: ModelKit, req: Request, prepared: _Prepared, sampler: Sampler) -> Decoding:

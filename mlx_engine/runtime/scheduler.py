@@ -30,7 +30,8 @@ from typing import Callable, Generator
 import mlx.core as mx
 
 from ..caches.ragged import RaggedBatch, can_batch
-from ..speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending
+from ..heads import capture
+from ..speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending, with_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +218,11 @@ class Scheduler:
 
     def _feed_together(self, batch: RaggedBatch, together: list[_Resolved]) -> None:
         """The rows' shared forward pass, then each row's own sampling."""
+        # The rows of a kit share its head, so one spec covers every row that asks.
+        spec = next((launch.hidden for _, launch, _ in together if launch.hidden is not None), None)
         try:
-            out = batch.feed([(launch.cache, launch.known, ids) for _, launch, ids in together])
+            with capture.collecting(spec) as sink:
+                out = batch.feed([(launch.cache, launch.known, ids) for _, launch, ids in together])
         except Exception:
             # Not attributable to one row. A failed pass records nothing (a row's
             # tokens grow after the model ran; buffer positions past a row's
@@ -226,8 +230,10 @@ class Scheduler:
             logger.exception("a batched forward pass failed; running its rows one at a time")
             self._retry_alone(batch, together)
             return
+        rows = {id(c): b for b, c in enumerate(batch.rows)}
         for (live, launch, ids), (logits, start) in zip(together, out):
-            self._attempt(live, _finish_launch, live, launch, logits, start, ids)
+            where = (sink, rows[id(launch.cache)])
+            self._attempt(live, _finish_launch, live, launch, logits, start, ids, where)
 
     def _retry_alone(self, batch: RaggedBatch, together: list[_Resolved]) -> None:
         """Take the rows out of the batch and run each launch on its own cache
@@ -281,6 +287,8 @@ def _run_alone(live: LiveRequest, launch: Launch, ids) -> None:
     live.round = forward_alone(launch, ids)
 
 
-def _finish_launch(live: LiveRequest, launch: Launch, logits, start: int, ids) -> None:
-    """Sample a row of a shared pass; its round waits for the row's resumption."""
-    live.round = launch.finish(logits, start, ids)
+def _finish_launch(live: LiveRequest, launch: Launch, logits, start: int, ids, where: tuple) -> None:
+    """Sample a row of a shared pass; its round waits for the row's resumption.
+    ``where``: the pass's recorded hidden states and the row's index in it."""
+    sink, row = where
+    live.round = with_hidden(launch.finish(logits, start, ids), launch, sink, row, logits.shape[0], start)

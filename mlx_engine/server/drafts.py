@@ -22,10 +22,10 @@ from .schemas import DraftRequest
 
 
 def resolve_draft(value: str, models_dir: Path | None) -> str:
-    """A catalog name as is, or the real path of ``value`` inside ``models_dir``:
+    """A catalog name (or ``"mtp"``, the model's own MTP head) as is, or the real path of ``value`` inside ``models_dir``:
     404 for a name or path that is not there, 403 for a path outside (or any
     path without ``models_dir``), 400 for one that cannot be a path."""
-    if value.lower() in me.CATALOG:
+    if value.lower() in me.CATALOG or value == me.OWN_MTP:  # a catalog name, or the model's own MTP head
         return value
     is_name = not any(c in value for c in "/\\") and not value.startswith(("~", "."))
     if models_dir is None:

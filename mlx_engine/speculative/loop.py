@@ -21,6 +21,8 @@ from typing import Callable, Generator, NamedTuple, Protocol
 import mlx.core as mx
 
 from ..caches.sequence import SequenceCache
+from ..heads import capture
+from ..heads.capture import HiddenSpec
 from ..request.sampling import LogitsProcessor, Sampler
 from ..structured import GrammarConstraint, apply_mask
 from .costs import MAX_DRAFT
@@ -69,12 +71,15 @@ class Launch(NamedTuple):
     after what ``cache`` holds. The caller runs every row's launch of a step as
     one batched forward pass, calls ``finish(logits, start, ids)`` (start: the
     position of the first lazy id; ids: the lazy ids, resolved) and sends the
-    ``Round`` it returns back into the generator that yielded the launch."""
+    ``Round`` it returns back into the generator that yielded the launch.
+    ``hidden``: the hidden states a head drafter reads (None: none), which the
+    caller records during the pass and puts on the round (``with_hidden``)."""
 
     cache: SequenceCache
     known: list[int]
     lazy: mx.array | PendingDrafts | None
     finish: Callable[[mx.array, int, mx.array | None], Round]
+    hidden: HiddenSpec | None = None
 
 
 class PendingDrafts:
@@ -115,12 +120,22 @@ def forward_alone(launch: Launch, ids: mx.array | None = None) -> Round:
     queued round. ``ids``: its lazy ids when already resolved."""
     if ids is None:
         ids = lazy_ids(launch)
-    if ids is not None:
-        logits, start = launch.cache.feed_lazy(launch.known, ids)
-    else:
-        logits = launch.cache.feed(launch.known)
-        start = len(launch.cache)
-    return launch.finish(logits, start, ids)
+    with capture.collecting(launch.hidden) as sink:
+        if ids is not None:
+            logits, start = launch.cache.feed_lazy(launch.known, ids)
+        else:
+            logits = launch.cache.feed(launch.known)
+            start = len(launch.cache)
+    return with_hidden(launch.finish(logits, start, ids), launch, sink, 0, logits.shape[0], start)
+
+
+def with_hidden(rnd: Round, launch: Launch, sink: dict | None, row: int, n: int, start: int) -> Round:
+    """The round with the hidden states its launch asked for: row ``row``'s
+    ``n`` positions of the pass, the first at the cache position where the
+    launch's known ids began (``start`` is its first lazy id's)."""
+    if launch.hidden is None or sink is None:
+        return rnd
+    return rnd._replace(hidden=capture.rows(sink, launch.hidden, row, n), hidden_at=start - len(launch.known))
 
 
 class DrafterUnavailable(Exception):
@@ -145,6 +160,10 @@ class Drafter(Protocol):
         round's wall time (from the previous round's result to this one's, so it
         includes drafting and the caller's overlapped work; None for the first)."""
 
+    # Optional, for drafters that read the target's hidden states (heads/):
+    # ``hidden_spec`` (a HiddenSpec or None: which ones each launch records)
+    # and ``take_hidden(at, rows)`` (each read round's, ``at`` the cache
+    # position of its first row).
     # Optional: ``plain_ahead(history) -> bool``, True when the round after
     # ``history`` and one more token (whichever it is) drafts nothing; the loop
     # then queues that round before the previous one is read, as plain decoding
@@ -195,6 +214,8 @@ class Round(NamedTuple):
     chosen: mx.array  # their log-probabilities
     logprobs: mx.array
     forced: bool = False  # the drafts are tokens the grammar forced, not the drafter's
+    hidden: mx.array | None = None  # (positions fed, width): the hidden states the launch asked for
+    hidden_at: int = 0  # the cache position of ``hidden``'s first row
 
 
 def _queue(drafts: Drafts, start: int, tokens: mx.array, logprobs: mx.array, forced: bool = False) -> Round:
@@ -266,6 +287,7 @@ class _Loop:
             self.last_read = now
             if ahead:
                 cache.resolve(pending.start, sampled[:1])
+            self.give_hidden(rnd)
             n, outcome = _accept(cache, rnd, sampled, self.drafter, seconds)
             emitted, complete = self.grammar_cut(sampled[: n + 1], n)
             self.history.extend(emitted)
@@ -284,6 +306,16 @@ class _Loop:
             if self.produced >= self.max_new or complete:
                 return
             rnd = pending
+
+    @property
+    def hidden_spec(self) -> HiddenSpec | None:
+        """The hidden states the drafter reads (recorded by every launch while it drafts)."""
+        return None if self.drafter is None else getattr(self.drafter, "hidden_spec", None)
+
+    def give_hidden(self, rnd: Round) -> None:
+        """Hand a read round's hidden states to the drafter that asked for them."""
+        if rnd.hidden is not None and self.drafter is not None:
+            self.drafter.take_hidden(rnd.hidden_at, rnd.hidden)
 
     def grammar_cut(self, emitted: list[int], accepted: int) -> tuple[list[int], bool]:
         """Advance the grammar; nothing follows a complete grammar (not even an
@@ -323,7 +355,7 @@ class _Loop:
                 self.sampler,
                 self.processors,
                 self.context_window,
-            )
+            )._replace(hidden=self.hidden_spec)
         else:
             launch = self._launch_free(history, limit)
         return (yield launch)
@@ -345,6 +377,7 @@ class _Loop:
                     lambda logits, start, ids: _queue(
                         ids, start, *sample_rows(_after(logits, skip), [], [], sample, [], 0, position=position)
                     ),
+                    self.hidden_spec,
                 )
             drafts = drafts.tolist()  # processors need each position's exact context
 
@@ -354,7 +387,7 @@ class _Loop:
             )
             return _queue(drafts, start, *rows)
 
-        return Launch(self.cache, feed + drafts, None, finish)
+        return Launch(self.cache, feed + drafts, None, finish, self.hidden_spec)
 
     def launch_plain_from(self, token: mx.array) -> Generator[Launch, Round, Round]:
         # Plain decoding without logits processors: build the next step from the
@@ -370,6 +403,7 @@ class _Loop:
                 lambda logits, start, ids: _queue(
                     [], start, *sample_rows(logits, [], [], sample, [], 0, position=position)
                 ),
+                self.hidden_spec,
             )
         )
 

@@ -203,6 +203,15 @@ class AutoRouter:
         logger.debug("router: %s (%s)", mode, why)
 
     # -- drafter interface -------------------------------------------------
+    @property
+    def hidden_spec(self):
+        """The hidden states the draft (a head) reads, recorded by every launch (loop.py)."""
+        return getattr(self.draft_drafter, "hidden_spec", None)
+
+    def take_hidden(self, at: int, rows) -> None:
+        """A read round's hidden states, for a head drafter."""
+        self.draft_drafter.take_hidden(at, rows)
+
     def plain_ahead(self, history: list[int]) -> bool:
         """True in plain decoding: the loop may then queue each round before the
         previous one is read, as plain decoding does without a router (it skips

@@ -1,0 +1,96 @@
+"""Hidden-state head benchmark: ``python -m bench.heads [--model NAME] [--tokens N]``.
+
+On the default model (or ``--model``), with a random EAGLE-3 head built for it
+on the fly (speculators layout; a 32,000-id draft vocabulary as published
+heads have, or the whole vocabulary with ``--full-vocab``):
+
+- **step costs**: a chained head step, and the small draft model's chained
+  step (``smollm2-135m-draft`` when installed), in single target steps, as the
+  engine measures them for its router and draft length;
+- **overhead of a loaded head whose drafts are all rejected**: plain decoding
+  with no head, then with the random head loaded in the draft mode and in auto
+  (the head's drafts are priced and it rests once they fail), same prompts,
+  interleaved, greedy; tokens/s and the ratio to plain.
+
+Writes ``<out>/heads.md``. A random head: costs and overheads, not acceptance.
+"""
+
+from __future__ import annotations
+
+import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from fixtures.tiny_heads import make_eagle3_head  # noqa: E402
+
+from .stats import bench_args, write_report  # noqa: E402
+
+PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a short poem about a lighthouse.",
+    "What are three tips for learning a new language?",
+    "Describe how a bicycle works.",
+]
+
+
+def _tokens_per_second(kit, prompt: list[int], tokens: int, **kw) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    n, last = 0, None
+    for r in me.create_generator(kit, prompt, max_tokens=tokens, **kw):
+        n += len(r.tokens)
+        last = r
+    return n / (time.perf_counter() - t0), last.stats
+
+
+def _step_costs(kit, head: Path) -> list[str]:
+    from mlx_engine.request.drafters import draft_step_cost
+
+    rows = []
+    me.load_draft_model(kit, head)
+    rows.append(f"| EAGLE-3 head ({kit.draft.description}) | {draft_step_cost(kit):.3f} |")
+    me.unload_draft_model(kit)
+    try:
+        me.load_draft_model(kit, "smollm2-135m-draft")
+        rows.append(f"| small draft model (smollm2-135m-draft) | {draft_step_cost(kit):.3f} |")
+        me.unload_draft_model(kit)
+    except Exception as exc:  # not installed: reported, not fatal
+        rows.append(f"| small draft model | not measured: {exc} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    def extra(p) -> None:
+        p.add_argument("--model", default="smollm2-135m-instruct")
+        p.add_argument("--full-vocab", action="store_true")
+
+    args = bench_args("bench.heads", __doc__.splitlines()[0], reps=2, max_tokens=96, argv=argv, extra=extra)
+    kit = me.load_model(args.model)
+    config = dict(kit.config.get("text_config", kit.config))
+    head = make_eagle3_head(
+        Path(tempfile.mkdtemp()) / "head", config, draft_vocab=None if args.full_vocab else 32000, seed=1
+    )
+    lines = ["# Hidden-state heads", "", f"Model {args.model}, a random EAGLE-3 head.", ""]
+    lines += ["| drafter | chained step / target step |", "|---|---|", *_step_costs(kit, head), ""]
+    prompts = [me.apply_chat_template(kit, [{"role": "user", "content": p}]) for p in PROMPTS]
+    for p in prompts:  # warm the prompt cache and the cost measurements
+        _tokens_per_second(kit, p, 8)
+    runs: dict[str, list[float]] = {"plain": [], "head (draft mode)": [], "head (auto)": []}
+    for _ in range(args.reps):
+        for p in prompts:
+            runs["plain"].append(_tokens_per_second(kit, p, args.max_tokens)[0])
+            me.load_draft_model(kit, head)
+            runs["head (draft mode)"].append(_tokens_per_second(kit, p, args.max_tokens)[0])
+            runs["head (auto)"].append(_tokens_per_second(kit, p, args.max_tokens, auto_speculative=True)[0])
+            me.unload_draft_model(kit)
+    base = statistics.median(runs["plain"])
+    lines += ["| decoding | tokens/s (median) | / plain |", "|---|---|---|"]
+    for name, values in runs.items():
+        lines.append(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) / base:.3f} |")
+    return write_report(lines, args.out, "heads.md")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

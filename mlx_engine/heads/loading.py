@@ -1,0 +1,338 @@
+"""Heads in and out of a kit: which folders are heads, the check against the
+target (kind, hidden states read, vocabulary mapping), loading with every
+tensor checked, and unloading (the target's recording modules restored)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import ModelLoadError
+from ..loading.checks import read_safetensors_header
+from . import capture, eagle3, mtp, qwen3_5_mtp
+from .costs import hidden_width
+from .model import HeadDraft
+
+if TYPE_CHECKING:
+    from ..draft.loading import DraftCompatibility
+    from ..kits.text import ModelKit
+
+logger = logging.getLogger(__name__)
+
+
+#: The name that asks for the target's own MTP weights (its checkpoint's layer-N head).
+OWN_MTP = "mtp"
+
+
+def read_head_config(path: Path) -> dict | None:
+    """A head folder's config.json when the folder holds a head this engine
+    loads (an EAGLE-3 config, or tensors of a layer-N MTP head), else None;
+    an MTP folder's config gets ``"head_kind": "mtp"``."""
+    file = path / "config.json"
+    if not path.is_dir() or not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"config.json in {str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        return None
+    if eagle3.is_eagle3_config(config):
+        return config
+    if qwen3_5_mtp.is_split_config(config):
+        return {**config, "head_kind": "qwen3_5_mtp"}
+    model_type = (config.get("text_config") or config).get("model_type", config.get("model_type"))
+    if model_type in qwen3_5_mtp.TARGET_TYPES and _holds(path, "mtp.fc.weight"):
+        return {**config, "head_kind": "qwen3_5_mtp", "own_checkpoint": True}
+    if _mtp_files(path) is not None:
+        return {**config, "head_kind": "mtp"}
+    return None
+
+
+def _holds(path: Path, tensor: str) -> bool:
+    """Whether a safetensors file of the folder declares ``tensor`` (headers only)."""
+    return any(tensor in read_safetensors_header(f) for f in sorted(path.glob("*.safetensors")))
+
+
+def _mtp_files(path: Path) -> tuple[int, list[Path]] | None:
+    """The layer index of a layer-N MTP head in the folder's safetensors files
+    (by their headers: a tensor named ``...layers.N.eh_proj.weight``) and the files."""
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        index = mtp.mtp_layer_index(list(read_safetensors_header(file)))
+        if index is not None:
+            return index, files
+    return None
+
+
+def own_mtp_path(kit: ModelKit) -> Path:
+    """The target's own checkpoint, when it holds an MTP head (``load_draft_model(kit, "mtp")``)."""
+    path = Path(kit.model_path)
+    config = read_head_config(path) if path.is_dir() else None
+    if config is None or config.get("head_kind") not in ("mtp", "qwen3_5_mtp"):
+        raise ModelLoadError(
+            f"the model {str(path)!r} has no MTP weights in its checkpoint (no 'mtp.fc' or 'layers.N.eh_proj' tensor); "
+            f"{OWN_MTP!r} asks for the target's own MTP head"
+        )
+    return path
+
+
+def _target_facts(kit: ModelKit) -> tuple[int, int] | str:
+    """The target's decoder layer count and hidden size, or why hidden states cannot be read from it."""
+    if getattr(kit, "is_vision", False) or type(kit).__name__ != "ModelKit":
+        return f"hidden-state heads are supported on text kits, not on a {type(kit).__name__}"
+    try:
+        inner = capture.text_model(kit.model)
+    except ValueError as exc:
+        return str(exc)
+    return len(inner.layers), int(inner.embed_tokens.weight.shape[-1])
+
+
+def check_head(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
+    """Check a head against the kit from its config alone (no weights; an MTP
+    head from its tensors' headers)."""
+    from ..draft.loading import DraftCompatibility
+
+    if config.get("head_kind") == "mtp":
+        return _check_mtp(kit, path)
+    if config.get("head_kind") == "qwen3_5_mtp":
+        return _check_qwen3_5_mtp(kit, path, config)
+    try:
+        cfg = eagle3.eagle3_config(config)
+    except (TypeError, ValueError, KeyError) as exc:
+        return DraftCompatibility(False, [f"config.json in {str(path)!r} is not a valid EAGLE-3 config: {exc}"])
+    facts = _target_facts(kit)
+    if isinstance(facts, str):
+        return DraftCompatibility(False, [facts], kind="eagle3")
+    layers, hidden = facts
+    reasons, notes = [], []
+    vocab = int(cfg.transformer_layer_config.vocab_size)
+    if vocab != kit.vocab_size:
+        reasons.append(f"the head is for a model with {vocab} token ids; this model has {kit.vocab_size}")
+    if int(cfg.target_hidden_size) != hidden:
+        reasons.append(f"the head reads hidden states of width {cfg.target_hidden_size}; this model's are {hidden}")
+    if len(cfg.target_layer_ids) != 3 or not all(0 <= int(i) <= layers for i in cfg.target_layer_ids):
+        reasons.append(
+            f"eagle_aux_hidden_state_layer_ids {list(cfg.target_layer_ids)} must name 3 of this model's "
+            f"hidden states (0..{layers})"
+        )
+    if not 0 < int(cfg.draft_vocab_size) <= vocab:
+        reasons.append(f"draft_vocab_size {cfg.draft_vocab_size} must be between 1 and the vocabulary ({vocab})")
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if verifier:
+        notes.append(f"trained for {verifier}")
+    mapping = (
+        "full vocabulary"
+        if int(cfg.draft_vocab_size) == vocab
+        else f"reduced vocabulary: {cfg.draft_vocab_size} of {vocab} ids, mapped by d2t"
+    )
+    points = tuple(max(int(i) - 1, 0) for i in cfg.target_layer_ids)
+    return DraftCompatibility(not reasons, reasons, notes, kind="eagle3", hidden_states=points, vocabulary=mapping)
+
+
+def _check_mtp(kit: ModelKit, path: Path) -> DraftCompatibility:
+    from ..draft.loading import DraftCompatibility
+
+    facts = _target_facts(kit)
+    if isinstance(facts, str):
+        return DraftCompatibility(False, [facts], kind="mtp")
+    _, hidden = facts
+    index, files = _mtp_files(path)
+    shapes = {}
+    for file in files:
+        for name, info in read_safetensors_header(file).items():
+            m = mtp.LAYER_TENSOR.match(name)
+            if m and int(m.group(1)) == index:
+                shapes[m.group(2)] = info.shape
+    reasons = []
+    eh = shapes.get("eh_proj.weight")
+    if eh is not None and tuple(eh) != (hidden, 2 * hidden):
+        reasons.append(f"the head reads hidden states of width {eh[-1] // 2}; this model's are {hidden}")
+    head = shapes.get("shared_head.head.weight")
+    if head is not None and head[0] != kit.vocab_size:
+        reasons.append(f"the head is for a model with {head[0]} token ids; this model has {kit.vocab_size}")
+    vocab = "its own output layer" if head is not None else "the target's output layer"
+    return DraftCompatibility(not reasons, reasons, [], kind="mtp", hidden_states=(capture.FINAL,), vocabulary=vocab)
+
+
+def _check_qwen3_5_mtp(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
+    from ..draft.loading import DraftCompatibility
+
+    facts = _target_facts(kit)
+    if isinstance(facts, str):
+        return DraftCompatibility(False, [facts], kind="qwen3_5_mtp")
+    try:
+        text = qwen3_5_mtp.head_config(config).text_config
+    except (TypeError, ValueError, KeyError) as exc:
+        return DraftCompatibility(False, [f"config.json in {str(path)!r} is not a valid qwen3_5_mtp config: {exc}"])
+    reasons = []
+    if int(text.hidden_size) != facts[1]:
+        reasons.append(f"the head reads hidden states of width {text.hidden_size}; this model's are {facts[1]}")
+    if int(text.vocab_size) != kit.vocab_size:
+        reasons.append(f"the head is for a model with {text.vocab_size} token ids; this model has {kit.vocab_size}")
+    notes = ["the target's own mtp.* weights"] if config.get("own_checkpoint") else []
+    return DraftCompatibility(
+        not reasons,
+        reasons,
+        notes,
+        kind="qwen3_5_mtp",
+        hidden_states=(capture.FINAL,),
+        vocabulary="the target's output layer",
+    )
+
+
+def _read_weights(path: Path, rename: bool = True) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Every tensor of the folder's safetensors files (headers checked first),
+    and the file of each; ``rename``: EAGLE-3's names onto mlx-vlm's."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"head {str(path)!r} has no .safetensors file")
+    weights, where = {}, {}
+    for file in files:
+        read_safetensors_header(file)
+        try:
+            loaded = mx.load(str(file))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"weight file {str(file)!r} could not be read: {exc}") from exc
+        for name, value in (eagle3.rename_weights(loaded) if rename else loaded).items():
+            weights[name], where[name] = value, file.name
+    return weights, where
+
+
+def _check_tensors(
+    net: nn.Module, weights: dict, where: dict, path: Path, optional: set[str], prefix: str = "", kind: str = ""
+) -> None:
+    """Every tensor the head needs is there with its shape, and nothing else
+    (named as the files name them: ``prefix`` + the name, ``block.`` dropped)."""
+    expected = dict(tree_flatten(net.parameters()))
+    kind = kind or ("an MTP head" if prefix else "an EAGLE-3 head")
+
+    def shown(name: str) -> str:
+        return prefix + name.removeprefix("block.")
+
+    for name, value in weights.items():
+        if name not in expected:
+            raise ModelLoadError(f"{where[name]} in {str(path)!r}: tensor {shown(name)!r} is not part of {kind}")
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(
+                f"{where[name]} in {str(path)!r}: tensor {shown(name)!r} has shape {tuple(value.shape)}, "
+                f"expected {tuple(expected[name].shape)}"
+            )
+    missing = sorted(set(expected) - set(weights) - optional)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"head {str(path)!r} lacks tensor {shown(missing[0])!r}{more}")
+
+
+def _build_eagle3(kit: ModelKit, path: Path, config: dict) -> eagle3.Eagle3Head:
+    cfg = eagle3.eagle3_config(config)
+    net = eagle3.Eagle3DraftModel(cfg)
+    weights, where = _read_weights(path)
+    weights = net.sanitize(weights)
+    if (q := config.get("quantization")) is not None:
+        nn.quantize(
+            net,
+            q["group_size"],
+            q["bits"],
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
+        )
+    target_embed = capture.text_model(kit.model).embed_tokens
+    _check_tensors(net, weights, where, path, optional={"embed_tokens.weight"})
+    if "d2t" in weights:
+        d2t = weights["d2t"].astype(mx.int32)
+        mapped = mx.arange(d2t.shape[0]) + d2t
+        if int(mapped.min().item()) < 0 or int(mapped.max().item()) >= kit.vocab_size:
+            raise ModelLoadError(
+                f"{where['d2t']} in {str(path)!r}: tensor 'd2t' maps draft ids outside the target's vocabulary"
+            )
+    dtype = (
+        target_embed.weight.dtype if target_embed.weight.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float16
+    )
+    weights = {
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and k != "d2t" else v for k, v in weights.items()
+    }
+    net.load_weights(list(weights.items()), strict=False)
+    if "embed_tokens.weight" not in weights and tuple(net.embed_tokens.weight.shape) != tuple(
+        target_embed.weight.shape
+    ):
+        raise ModelLoadError(
+            f"head {str(path)!r} lacks tensor 'embed_tokens.weight' and cannot use the target's embedding"
+        )
+    if tuple(net.embed_tokens.weight.shape) == tuple(target_embed.weight.shape):
+        net.embed_tokens = target_embed  # as mlx-vlm binds it: the head reads the target's own embedding
+    mx.eval(net.parameters())
+    return eagle3.Eagle3Head(net, cfg, net.embed_tokens)
+
+
+def _build_qwen3_5_mtp(kit: ModelKit, path: Path, config: dict) -> qwen3_5_mtp.Qwen35MTPHead:
+    """A Qwen3.5 MTP head: a split folder's tensors, or the ``mtp.*`` ones of the target's own checkpoint."""
+    net = qwen3_5_mtp.build_net(config)
+    weights, where = _read_weights(path, rename=False)
+    if config.get("own_checkpoint"):
+        weights = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+    weights = net.sanitize(weights)
+    where = {k: where.get(k, where.get("mtp." + k, "model.safetensors")) for k in weights}
+    if (q := config.get("quantization")) is not None:
+        nn.quantize(
+            net,
+            q["group_size"],
+            q["bits"],
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
+        )
+    _check_tensors(net, weights, where, path, optional=set(), kind="a qwen3_5_mtp head")
+    net.load_weights(list(weights.items()), strict=False)
+    mx.eval(net.parameters())
+    return qwen3_5_mtp.Qwen35MTPHead(net, kit.model, kit.vocab_size)
+
+
+def _build_mtp(kit: ModelKit, path: Path) -> mtp.LayerNMTPHead:
+    """A layer-N MTP head from the folder's tensors of that layer, every one checked."""
+    index, files = _mtp_files(path)
+    tensors, where = {}, {}
+    for file in files:
+        try:
+            loaded = mx.load(str(file))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"weight file {str(file)!r} could not be read: {exc}") from exc
+        for name, value in loaded.items():
+            m = mtp.LAYER_TENSOR.match(name)
+            if m and int(m.group(1)) == index:
+                tensors[m.group(2)], where[m.group(2)] = value, file.name
+    block, template = mtp.build_block(kit.model)
+    hidden = int(capture.text_model(kit.model).embed_tokens.weight.shape[-1])
+    eps = float(kit.config.get("text_config", kit.config).get("rms_norm_eps", 1e-6))
+    own = tensors.get("shared_head.head.weight")
+    net = mtp.MTPNet(block, hidden, eps, None if own is None else int(own.shape[0]))
+    weights = mtp.head_weights(kit.model, tensors, template)
+    files_of = {k: where.get(k.removeprefix("block."), files[0].name) for k in weights}
+    _check_tensors(net, weights, files_of, path, optional=set(), prefix=f"layers.{index}.")
+    net.load_weights(list(weights.items()), strict=False)
+    mx.eval(net.parameters())
+    return mtp.LayerNMTPHead(net, kit.model, kit.vocab_size)
+
+
+def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
+    """Build and check the head (every tensor) and run it once; ``HeadDraft.attach`` then installs it."""
+    builders = {"mtp": lambda: _build_mtp(kit, path), "qwen3_5_mtp": lambda: _build_qwen3_5_mtp(kit, path, config)}
+    head = builders.get(config.get("head_kind"), lambda: _build_eagle3(kit, path, config))()
+    try:
+        cache = head.new_cache()
+        width = hidden_width(kit.model, head.spec)
+        out = head.forward(cache, mx.zeros((1, 2), dtype=mx.uint32), mx.zeros((1, 2, width)), 0)
+        mx.eval(head.logits(out))
+    except Exception as exc:
+        raise ModelLoadError(f"head {str(path)!r} failed a test pass: {type(exc).__name__}: {exc}") from exc
+    own = [
+        v
+        for k, v in tree_flatten(head.net.parameters())
+        if not (k.startswith("embed_tokens.") and head.embed is capture.text_model(kit.model).embed_tokens)
+    ]
+    params = sum(v.size for v in own if mx.issubdtype(v.dtype, mx.floating))
+    what = f"EAGLE-3 head reading layers {list(head.spec.points)}" if head.kind == "eagle3" else f"{head.kind} head"
+    return HeadDraft(path, head, int(params), description=what)

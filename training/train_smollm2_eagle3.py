@@ -1,0 +1,406 @@
+"""Train an EAGLE-3 head for SmolLM2-135M-Instruct on its own greedy answers:
+``python -m training.train_smollm2_eagle3``.
+
+Reads the aux hidden states ``training/extract_smollm2_hidden.py`` wrote (the
+outputs of the target's layers 1, 14 and 26, float16) and trains the head alone,
+on this CPU, in MLX. The head is mlx-vlm's ``Eagle3DraftModel`` (the
+speculators/SGLang layout the engine loads): ``fc`` (3 x 576 -> 576), one llama
+decoder layer whose attention reads the normed token embedding beside the normed
+hidden state, ``norm``, and a reduced output layer ``lm_head`` over the
+``--draft-vocab`` most frequent answer tokens, with ``d2t`` (target id = draft
+id + d2t[draft id]). The token embedding is the target's (frozen, not saved).
+
+**Training-time test** (EAGLE-3): the head's entry for position ``q`` reads the
+target's features at ``q`` and the token at ``q + 1`` and predicts the token at
+``q + 2``. At depth ``k`` its hidden input is instead the head's own output one
+position earlier at depth ``k - 1`` (what a chained draft feeds it), and its
+attention sees the target-fed entries up to ``q - k`` plus its own chain
+``q - k + 1 .. q`` (one entry per depth): exactly the keys the head's cache
+holds when it drafts its ``k + 1``-th token. Loss: cross-entropy against the
+target's greedy token (the answers are greedy) at every depth, weighted
+``--depth-decay ** k``, on answer positions whose token is in the draft
+vocabulary.
+
+Output (``--out``): ``config.json`` (speculators form, ``model_type`` eagle3),
+``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
+``t2d``), float32 or mlx-quantized (``--bits``), and ``training.json``.
+"""
+
+from __future__ import annotations
+
+import mlx_engine as me  # first: loads OpenBLAS before mlx.core
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_vlm.speculative.drafters.eagle3 import Eagle3DraftModel, ModelConfig  # noqa: E402
+
+from .extract_smollm2_hidden import AUX_LAYER_IDS, DATA, HOLDOUT_EVERY, load_sequences  # noqa: E402
+
+logger = logging.getLogger("train_smollm2_eagle3")
+TARGET = "smollm2-135m-instruct"
+
+
+# -- the head -------------------------------------------------------------------
+def head_config(draft_vocab: int, args: dict) -> dict:
+    """The speculators-form config of a head for a llama target with ``args``
+    (mlx-lm's ModelArgs as a dict): one decoder layer of the target's shape."""
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "model_type": "eagle3",
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {
+            "model_type": "llama",
+            "hidden_size": args["hidden_size"],
+            "intermediate_size": args["intermediate_size"],
+            "num_hidden_layers": 1,
+            "num_attention_heads": args["num_attention_heads"],
+            "num_key_value_heads": args["num_key_value_heads"],
+            "head_dim": args["hidden_size"] // args["num_attention_heads"],
+            "rms_norm_eps": args["rms_norm_eps"],
+            "vocab_size": args["vocab_size"],
+            "max_position_embeddings": args["max_position_embeddings"],
+            "rope_theta": args["rope_theta"],
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+        },
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": args["hidden_size"],
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(AUX_LAYER_IDS),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 4}],
+            "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+
+
+def draft_vocabulary(seqs: list[np.ndarray], lens: np.ndarray, n: int, vocab: int) -> np.ndarray:
+    """The ``n`` most frequent answer tokens of the training sequences (never the
+    held-out ones), ascending: draft id ``i`` is target id ``ids[i]``."""
+    answers = [s[lens[i, 0] :] for i, s in enumerate(seqs) if i % HOLDOUT_EVERY]
+    counts = np.bincount(np.concatenate(answers).astype(np.int64), minlength=vocab)
+    return np.sort(np.argsort(-counts, kind="stable")[:n])
+
+
+def new_head(kit: me.ModelKit, draft_ids: np.ndarray, seed: int) -> Eagle3DraftModel:
+    """A head started from the target: its embedding and its output rows of the
+    draft vocabulary (both frozen) and its final norm; ``fc`` and the layer are
+    random (passing the top aux layer through ``fc`` instead starts the head
+    confidently predicting the *current* next token, loss 14, and its large
+    residual drowns the layer's updates)."""
+    mx.random.seed(seed)
+    cfg = head_config(len(draft_ids), vars(kit.model.args))
+    head = Eagle3DraftModel(ModelConfig.from_dict(cfg))
+    inner = kit.model.model
+    emb = inner.embed_tokens.weight.astype(mx.float32)
+    head.embed_tokens.weight = emb
+    head.lm_head.weight = emb[mx.array(draft_ids)]
+    head.norm.weight = inner.norm.weight.astype(mx.float32)
+    head.d2t = mx.array(draft_ids - np.arange(len(draft_ids)), dtype=mx.int32)
+    freeze_target_parts(head)
+    mx.eval(head.parameters())
+    return head
+
+
+def freeze_target_parts(head: Eagle3DraftModel) -> None:
+    """The embedding and the output rows are the target's and ``d2t`` a map:
+    none is trained (EAGLE's frozen output layer; the head learns to reach the
+    target's last hidden space, with few parameters to fit on little data)."""
+    head.embed_tokens.freeze()
+    head.lm_head.freeze()
+    head.freeze(keys=["d2t"], recurse=False)
+
+
+# -- the training-time test -----------------------------------------------------
+def _heads(x: mx.array, n: int) -> mx.array:
+    b, t, _ = x.shape
+    return x.reshape(b, t, n, -1).transpose(0, 2, 1, 3)
+
+
+def _shift(x: mx.array, k: int) -> mx.array:
+    """``x`` moved ``k`` places later along axis 2 (zeros in front)."""
+    if k == 0:
+        return x
+    pad = mx.zeros((*x.shape[:2], k, *x.shape[3:]), dtype=x.dtype)
+    return mx.concatenate([pad, x[:, :, : x.shape[2] - k]], axis=2)
+
+
+def ttt_forward(head: Eagle3DraftModel, aux: mx.array, tokens: mx.array, depths: int) -> list[mx.array]:
+    """The head's output (before ``norm``) at every entry for depths 0..depths-1.
+
+    ``aux`` (B, L, 3 * hidden) target features, ``tokens`` (B, L). Entry ``q``
+    (0 <= q < L - 1) reads the token at ``q + 1`` and sits at rotary position
+    ``q + 1``, as in ``Eagle3DraftModel.prefill_from_target_hidden``."""
+    layer = head.layers[0]
+    attn = layer.self_attn
+    n = tokens.shape[1] - 1
+    emb = layer.input_layernorm(head.embed_tokens(tokens[:, 1:]))
+    hidden = head.fc(aux[:, :n])
+    causal = mx.arange(n)[:, None] - mx.arange(n)[None, :]  # q - r
+    keys, values, outs = [], [], []
+    for k in range(depths):
+        x = mx.concatenate([emb, layer.hidden_norm(hidden)], axis=-1)
+        q = attn.rope(_heads(attn.q_proj(x), attn.n_heads), offset=1)
+        kk = attn.rope(_heads(attn.k_proj(x), attn.n_kv_heads), offset=1)
+        v = _heads(attn.v_proj(x), attn.n_kv_heads)
+        rep = attn.n_heads // attn.n_kv_heads
+        keys.append(mx.repeat(kk, rep, axis=1))
+        values.append(mx.repeat(v, rep, axis=1))
+        s0 = (q * attn.scale) @ keys[0].transpose(0, 1, 3, 2)
+        s0 = mx.where(causal >= k, s0, -1e9)
+        # depth-j key for query q is the chain entry q - k + j (its own at j = k)
+        diag = [((q * attn.scale) * _shift(keys[j], k - j)).sum(-1, keepdims=True) for j in range(1, k + 1)]
+        p = mx.softmax(mx.concatenate([s0, *diag], axis=-1), axis=-1)
+        o = p[..., :n] @ values[0]
+        for j in range(1, k + 1):
+            o = o + p[..., n + j - 1 : n + j] * _shift(values[j], k - j)
+        o = attn.o_proj(o.transpose(0, 2, 1, 3).reshape(*hidden.shape[:2], -1))
+        h = hidden + o
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        outs.append(h)
+        hidden = mx.concatenate([mx.zeros_like(h[:, :1]), h[:, :-1]], axis=1)  # own output, one place later
+    return outs
+
+
+def loss_fn(head, aux, tokens, idx, cand, target, mask, depths: int, decay: float):
+    """Weighted cross-entropy of every depth against the target's greedy token.
+
+    Scored entries are the flat positions ``idx`` (answer tokens in the draft
+    vocabulary); ``mask`` (depths, len(idx)) drops those a depth cannot reach.
+    The softmax runs over the candidate output rows ``cand`` (the most frequent
+    draft tokens and the batch's targets; ``target`` indexes into it): the
+    output layer is the target's own rows, frozen, and scoring all of it would
+    cost more than the rest of the head."""
+    w = head.lm_head.weight[cand]
+    total, weight = mx.array(0.0), 0.0
+    for k, h in enumerate(ttt_forward(head, aux, tokens, depths)):
+        h = head.norm(h.reshape(-1, h.shape[-1])[idx])
+        ce = nn.losses.cross_entropy(h @ w.T, target, reduction="none")
+        m = mask[k]
+        total = total + decay**k * (ce * m).sum() / mx.maximum(m.sum(), 1)
+        weight += decay**k
+    return total / weight
+
+
+# -- data -----------------------------------------------------------------------
+class Shards:
+    """The extracted sequences in memory: features (float16), ids, prompt lengths."""
+
+    def __init__(self, folder: Path):
+        files = sorted(Path(folder).glob("shard-*.npz"))
+        if not files:
+            raise ValueError(f"hidden: no shard-*.npz in {folder} (run training.extract_smollm2_hidden first)")
+        self.hidden, self.ids, self.prompt = [], [], []
+        for f in files:
+            d = np.load(f)
+            off = np.concatenate([[0], np.cumsum(d["lens"].sum(1))])
+            for j in range(len(d["lens"])):
+                self.hidden.append(d["hidden"][off[j] : off[j + 1]].reshape(off[j + 1] - off[j], -1))
+                self.ids.append(d["ids"][off[j] : off[j + 1]])
+                self.prompt.append(int(d["lens"][j, 0]))
+        self.tokens = sum(len(x) for x in self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def make_batch(data: Shards, rows: list[int], t2d: np.ndarray, frequent: np.ndarray, args: argparse.Namespace):
+    """Padded features and tokens, the flat indices of scored entries (entry q
+    predicts token q + 2: answer tokens in the draft vocabulary), candidate
+    output rows, the targets' places among them, and the per-depth mask (the
+    chain origin q - k inside the sequence)."""
+    length = min(args.max_len, max(len(data.ids[r]) for r in rows))
+    b = len(rows)
+    aux = np.zeros((b, length, data.hidden[rows[0]].shape[1]), dtype=np.float16)
+    tok = np.zeros((b, length), dtype=np.int32)
+    tgt = np.zeros((b, length - 1), dtype=np.int64)
+    ok = np.zeros((b, length - 1), dtype=bool)
+    for i, r in enumerate(rows):
+        ids, start = data.ids[r], max(0, len(data.ids[r]) - length)  # keep the end: answers
+        ids, n = ids[start:], len(ids) - start
+        aux[i, :n], tok[i, :n] = data.hidden[r][start:], ids
+        pos = np.arange(2, n)  # predicted token positions, entries 0 .. n - 3
+        d = t2d[ids[pos]]
+        tgt[i, : n - 2] = d
+        ok[i, : n - 2] = (d >= 0) & (pos + start >= data.prompt[r])
+    idx = np.nonzero(ok.reshape(-1))[0]
+    y = tgt.reshape(-1)[idx]
+    cand = np.unique(np.concatenate([frequent, y]))
+    q = idx % (length - 1)
+    mask = np.stack([(q >= k) for k in range(args.depths)]).astype(np.float32)
+    return (
+        mx.array(aux).astype(mx.float32),
+        mx.array(tok),
+        mx.array(idx.astype(np.int32)),
+        mx.array(cand.astype(np.int32)),
+        mx.array(np.searchsorted(cand, y).astype(np.int32)),
+        mx.array(mask),
+    )
+
+
+# -- train ----------------------------------------------------------------------
+def save_head(head: Eagle3DraftModel, draft_ids: np.ndarray, out: Path, meta: dict, bits: int = 0) -> None:
+    """Write the head in the speculators/SGLang layout (``midlayer.*``), without
+    the embedding (the target's is used); mlx-quantized when ``bits``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = head_config(len(draft_ids), head.config.transformer_layer_config.__dict__)
+    if bits:
+        head = _quantized_copy(head, bits)
+        cfg["quantization"] = {"group_size": 64, "bits": bits}
+    weights = {}
+    for k, v in tree_flatten(head.parameters()):
+        if k.startswith("embed_tokens") or k == "d2t":
+            continue
+        weights[k.replace("layers.0.", "midlayer.", 1)] = v
+    weights["d2t"] = mx.array(draft_ids - np.arange(len(draft_ids)), dtype=mx.int64)
+    t2d = np.zeros(head.target_vocab_size, dtype=bool)
+    t2d[draft_ids] = True
+    weights["t2d"] = mx.array(t2d)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    (out / "training.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def _quantized_copy(head: Eagle3DraftModel, bits: int) -> Eagle3DraftModel:
+    copy = Eagle3DraftModel(head.config)
+    copy.update(head.parameters())
+    nn.quantize(copy, group_size=64, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    mx.eval(copy.parameters())
+    return copy
+
+
+def load_head(path: Path, kit: me.ModelKit) -> tuple[Eagle3DraftModel, np.ndarray]:
+    """A saved head (float or quantized) bound to ``kit``'s embedding, and its draft ids."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    head = Eagle3DraftModel(ModelConfig.from_dict(cfg))
+    if "quantization" in cfg:
+        q = cfg["quantization"]
+        nn.quantize(
+            head, group_size=q["group_size"], bits=q["bits"], class_predicate=lambda p, m: isinstance(m, nn.Linear)
+        )
+    w = mx.load(str(Path(path) / "model.safetensors"))
+    w = {k.replace("midlayer.", "layers.0.", 1): v for k, v in w.items()}
+    head.load_weights(list(head.sanitize(w).items()), strict=False)
+    head.bind(kit.model)
+    d2t = np.array(w["d2t"]).astype(np.int64)
+    return head, d2t + np.arange(len(d2t))
+
+
+def lr_at(args: argparse.Namespace, step: int, done: float) -> float:
+    """Warm-up over steps, then a cosine to 10% over the wall-clock budget."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+
+def train(args: argparse.Namespace) -> None:
+    """Train until ``--minutes`` elapse or ``--steps``, saving every ``--save-minutes``."""
+    kit = me.load_model(TARGET)
+    seqs, lens = load_sequences(args.data)
+    draft_ids = draft_vocabulary(seqs, lens, args.draft_vocab, kit.vocab_size)
+    t2d = np.full(kit.vocab_size, -1, dtype=np.int64)
+    t2d[draft_ids] = np.arange(len(draft_ids))
+    head = new_head(kit, draft_ids, args.seed)
+    if args.resume and (args.out / "model.safetensors").exists():
+        head, _ = load_head(args.out, kit)
+        freeze_target_parts(head)
+    data, loaded_at = Shards(args.hidden), time.time()
+    counts = np.bincount(
+        np.concatenate([s[lens[i, 0] :] for i, s in enumerate(seqs) if i % HOLDOUT_EVERY]), minlength=kit.vocab_size
+    )
+    frequent = np.sort(np.argsort(-counts[draft_ids], kind="stable")[: args.candidates])
+    logger.info(
+        "head: %.2fM trainable parameters; %d sequences, %d tokens",
+        sum(v.size for _, v in tree_flatten(head.trainable_parameters())) / 1e6,
+        len(data),
+        data.tokens,
+    )
+    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.0)
+    step_fn = nn.value_and_grad(head, loss_fn)
+    rng = np.random.default_rng(args.seed)
+    start, last_save, seen, ema, step, order = time.time(), time.time(), 0, None, 0, []
+    while time.time() - start < args.minutes * 60 and step < args.steps:
+        if time.time() - loaded_at > 180:  # the extraction may still be writing shards
+            data, loaded_at, order = Shards(args.hidden), time.time(), []
+        if len(order) < args.batch:
+            order = list(rng.permutation(len(data)))
+        rows, order = order[: args.batch], order[args.batch :]
+        batch = make_batch(data, rows, t2d, frequent, args)
+        opt.learning_rate = lr_at(args, step, (time.time() - start) / (args.minutes * 60))
+        loss, grads = step_fn(head, *batch, args.depths, args.depth_decay)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(head, grads)
+        mx.eval(head.parameters(), opt.state, loss)
+        step, seen = step + 1, seen + batch[2].size
+        ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+        if step % 5 == 0:
+            el = time.time() - start
+            logger.info(
+                "step %d loss %.3f (ema %.3f) | %d answer tokens, %.0f tok/s, %.1f min",
+                step,
+                loss.item(),
+                ema,
+                seen,
+                seen / el,
+                el / 60,
+            )
+        if time.time() - last_save > args.save_minutes * 60:
+            save_head(head, draft_ids, args.out, _meta(args, step, seen, start, ema, data))
+            last_save = time.time()
+    save_head(head, draft_ids, args.out, _meta(args, step, seen, start, ema, data))
+    logger.info("saved %s after %d steps, %.1f min", args.out, step, (time.time() - start) / 60)
+
+
+def _meta(args, step, seen, start, ema, data) -> dict:
+    return {
+        "steps": step,
+        "answer_tokens_seen": seen,
+        "minutes": round((time.time() - start) / 60, 1),
+        "loss_ema": ema,
+        "sequences": len(data),
+        "tokens": data.tokens,
+        **{k: v for k, v in vars(args).items() if isinstance(v, (int, float))},
+    }
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training.train_smollm2_eagle3", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=DATA, help="answers.npz (for the draft vocabulary)")
+    p.add_argument("--hidden", type=Path, default=Path(".cache/smollm2-eagle3/hidden"), help="extracted shards")
+    p.add_argument("--out", type=Path, default=Path(".cache/smollm2-eagle3/head"))
+    p.add_argument("--draft-vocab", type=int, default=16384)
+    p.add_argument("--candidates", type=int, default=4096, help="most frequent draft tokens scored every step")
+    p.add_argument("--depths", type=int, default=3, help="training-time test depths (chain steps trained)")
+    p.add_argument("--depth-decay", type=float, default=0.8)
+    p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--save-minutes", type=float, default=5.0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    train(parse(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
