@@ -688,3 +688,18 @@ def test_a_bad_draft_in_a_load_request_unloads_nothing(tmp_path, llama_path, qwe
         r = post({"model": "beta", "draft": "foreign"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "incompatible_draft_model"
         assert state(url, "beta") == "not_loaded"
+
+
+def test_the_model_given_at_start_is_listed_first(host_dir, llama_path):
+    """``--model FILE.gguf`` with a folder (or the catalog) found first: the given
+    model heads ``GET /v1/models``, so a client taking the first lists talks to it."""
+    host = make_host(host_dir)
+    app = create_app(host, api_key=KEY)
+    kit = me.load_model(host_dir / "gamma.gguf")
+    try:
+        host.add_kit("given", kit, managed=True)
+        with serve(app) as url:
+            ids = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]]
+        assert ids[0] == "given" and "gamma" not in ids and set(ids[1:]) == {"alpha", "beta", "lab/delta"}
+    finally:
+        me.unload(kit)

@@ -372,7 +372,11 @@ class ModelHost:
         entry = ModelEntry(KnownModel(model_id, source, "kit"), options or self.defaults, managed=managed)
         entry.service, entry.state = self.make_service(kit, model_id, draft), LOADED
         entry.memory_bytes = kit_memory(kit)
-        self.entries[model_id] = entry
+        # Models given by the host (the command line's --model) are listed first, in the order
+        # given: clients that take the first listed model talk to the one the user named.
+        given = {k: e for k, e in self.entries.items() if e.model.kind == "kit" and k != model_id}
+        found = {k: e for k, e in self.entries.items() if e.model.kind != "kit" and k != model_id}
+        self.entries = {**given, model_id: entry, **found}
         self.primary = self.primary or model_id
         return entry.service
 
