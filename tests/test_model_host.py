@@ -703,3 +703,40 @@ def test_the_model_given_at_start_is_listed_first(host_dir, llama_path):
         assert ids[0] == "given" and "gamma" not in ids and set(ids[1:]) == {"alpha", "beta", "lab/delta"}
     finally:
         me.unload(kit)
+
+
+def test_a_gguf_without_a_chat_template_falls_back_to_chatml(tmp_path, llama_path, caplog):
+    """A base model's GGUF (no ``tokenizer.chat_template``) answers chat, Responses
+    and Messages requests with ChatML, as llama.cpp's server does, with a warning
+    in the log and in its listing; ``--chat-template FILE`` replaces a template."""
+    make_gguf(llama_path, tmp_path / "base.gguf", drop=("tokenizer.chat_template",))
+    host = make_host(tmp_path)
+    with serve(create_app(host, api_key=KEY)) as url, caplog.at_level("WARNING"):
+        assert chat(url, "base").status_code == 200
+        r = httpx.post(
+            f"{url}/v1/messages",
+            json={"model": "base", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            headers=AUTH,
+        )
+        assert r.status_code == 200, r.text
+        listed = httpx.get(f"{url}/v1/models/base", headers=AUTH).json()["mlx_engine"]["chat_template"]
+    assert listed.startswith("ChatML (fallback")
+    assert any("has no chat template" in rec.getMessage() for rec in caplog.records)
+
+
+def test_chat_template_option_replaces_the_models_own(tmp_path, llama_path):
+    from mlx_engine.server.__main__ import _load, parse_args
+
+    make_gguf(llama_path, tmp_path / "base.gguf", drop=("tokenizer.chat_template",))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    args = parse_args(["--model", str(tmp_path / "base.gguf"), "--chat-template", str(template)])
+    kit = _load(args)
+    try:
+        want = me.tokenize(kit, "[user] hi\n", add_special_tokens=False)
+        assert me.apply_chat_template(kit, [{"role": "user", "content": "hi"}]) == want
+    finally:
+        me.unload(kit)
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--model", str(tmp_path / "base.gguf"), "--chat-template", str(tmp_path / "missing.jinja")])
+    assert caught.value.code == 2

@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten
 
 from .errors import APIError
 from .metrics import label_request
+from .templates import give_template, template_note
 
 logger = logging.getLogger(__name__)
 
@@ -422,6 +423,7 @@ class ModelHost:
                 "waiting": queue.waiting if queue else 0,
                 "max_parallel": queue.rows if queue else entry.options.max_parallel,
                 "draft": getattr(entry.service, "draft_name", None),
+                "chat_template": template_note(getattr(entry.service, "kit", None)),
                 "last_error": entry.last_error,
             },
         }
@@ -616,6 +618,7 @@ class ModelHost:
             max_parallel=options.max_parallel,
             prompt_cache_dir=options.prompt_cache_dir,
         )
+        give_template(kit, model.id)  # ChatML for a model without a template of its own
         draft = self.draft_of(model, options)
         try:
             if draft is not None:
