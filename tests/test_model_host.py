@@ -267,7 +267,10 @@ def test_failing_load_fails_only_its_requests(tmp_path, llama_path):
             assert r.status_code == 500
             err = r.json()["error"]
             assert err["code"] == "model_load_failed" and "config.json" in err["message"]
+            assert str(tmp_path) not in err["message"]  # the server's folders are not the client's business
             assert state(url, "broken") == "not_loaded"
+        last_error = httpx.get(f"{url}/v1/models/broken", headers=AUTH).json()["mlx_engine"]["last_error"]
+        assert "config.json" in last_error and str(tmp_path) not in last_error
         stream.done.wait(120)
         assert stream.status == 200 and stream.chunks > 0
         assert chat(url, "alpha").status_code == 200

@@ -61,7 +61,10 @@ class KnownModel:
     def path(self) -> str:
         """The real path of the model's files: one model found twice is served once."""
         if self.kind == "catalog":
-            return str(catalog.lookup(self.source).resolve())
+            try:
+                return str(catalog.lookup(self.source).resolve())
+            except (me.ModelLoadError, OSError, RuntimeError):  # uninstalled since the scan: its name stands
+                return self.source
         return self.source
 
 
@@ -207,6 +210,15 @@ def model_too_large(model_id: str, size: int, budget: int) -> APIError:
         param="model",
         code="model_too_large",
     )
+
+
+def _scrubbed(message: str, model: KnownModel) -> str:
+    """``message`` with the model's path on this machine said as its id: load
+    errors go to clients, the server's folders do not."""
+    for path in (model.source, str(Path(model.source).parent)):
+        if len(path) > 1 and model.kind != "catalog":
+            message = message.replace(path, model.id)
+    return message
 
 
 def bad_draft(draft: str, model_id: str, reasons: list[str], source: str) -> APIError:
@@ -482,7 +494,7 @@ class ModelHost:
         except Exception as exc:
             raise APIError(
                 500,
-                f"model {entry.model.id!r} failed to load: {exc}",
+                f"model {entry.model.id!r} failed to load: {_scrubbed(str(exc), entry.model)}",
                 param="model",
                 type="server_error",
                 code="model_load_failed",
@@ -529,7 +541,7 @@ class ModelHost:
             await self._make_room(entry, entry.model.size_bytes)
             kit = await anyio.to_thread.run_sync(self.loader, entry.model, options)
         except BaseException as exc:
-            entry.state, entry.last_error = NOT_LOADED, f"{type(exc).__name__}: {exc}"
+            entry.state, entry.last_error = NOT_LOADED, _scrubbed(f"{type(exc).__name__}: {exc}", entry.model)
             self.events("load", entry.model.id, ok=False)
             logger.warning("loading %s failed: %s", entry.model.id, exc)
             raise
