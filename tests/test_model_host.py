@@ -743,3 +743,24 @@ def test_chat_template_option_replaces_the_models_own(tmp_path, llama_path):
     with pytest.raises(SystemExit) as caught:
         parse_args(["--model", str(tmp_path / "base.gguf"), "--chat-template", str(tmp_path / "missing.jinja")])
     assert caught.value.code == 2
+
+
+def test_unknown_model_names_rescan_the_folders_at_most_once_a_second(tmp_path, monkeypatch):
+    from mlx_engine.server import host as host_module
+
+    scans = []
+    real = host_module.scan_models_dir
+    monkeypatch.setattr(host_module, "scan_models_dir", lambda *a: scans.append(1) or real(*a))
+    host = make_host(tmp_path)
+
+    def unknown_names() -> int:
+        scans.clear()
+        for i in range(20):
+            with pytest.raises(Exception, match="is not known here"):
+                host.lookup(f"unknown-{i}")
+        return len(scans)
+
+    monkeypatch.setattr(host_module, "RESCAN_INTERVAL_S", 0.0)
+    assert unknown_names() == 20  # unthrottled, each name walked the folder
+    monkeypatch.setattr(host_module, "RESCAN_INTERVAL_S", 3600.0)
+    assert unknown_names() == 0  # within the interval of the last scan: none

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TTL_S = 3600.0  # an idle model is unloaded after an hour, as LM Studio's just-in-time loads
 DEFAULT_MEMORY_SHARE = 0.5  # of physical memory, for the weights of loaded models
 DEFAULT_LOAD_WAIT_S = 60.0
+RESCAN_INTERVAL_S = 1.0  # an unknown model name rescans the folders at most this often
 PAIRED = "paired"  # LoadOptions.draft: the catalog's draft for the model, when it has one
 _COMPUTE_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 
@@ -341,6 +342,7 @@ class ModelHost:
         self.events: Callable[..., None] = lambda *a, **k: None  # metrics hook: (event, model_id, **values)
         self._reaper: asyncio.Task | None = None
         self._warned: set[str] = set()  # --models-dir entries already logged as unreadable
+        self._last_scan = -math.inf
         self.rescan()
 
     def attach(self, make_service: Callable, events: Callable[..., None] | None = None) -> None:
@@ -354,6 +356,7 @@ class ModelHost:
     def rescan(self) -> None:
         """Add the models found in the catalog and ``models_dirs`` since the last scan
         (a name already taken, or a source already served, keeps its first entry)."""
+        self._last_scan = time.monotonic()
         found = (catalog_models() if self.use_catalog else []) + [
             m for d in self.models_dirs for m in scan_models_dir(d, self._warned)
         ]
@@ -394,9 +397,12 @@ class ModelHost:
         return entry.service
 
     def lookup(self, model: str) -> ModelEntry:
-        """The entry named ``model``, rescanning once before a 404."""
+        """The entry named ``model``, rescanning once before a 404 (at most once
+        per ``RESCAN_INTERVAL_S``: a client naming unknown models in a loop
+        cannot make the server walk its folders for each)."""
         entry = self.entries.get(model)
-        if entry is None and (self.models_dirs or self.use_catalog):
+        now = time.monotonic()
+        if entry is None and (self.models_dirs or self.use_catalog) and now - self._last_scan >= RESCAN_INTERVAL_S:
             self.rescan()
             entry = self.entries.get(model)
         if entry is None:
