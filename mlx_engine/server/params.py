@@ -301,7 +301,8 @@ def counted_chars(req: ChatCompletionRequest) -> int:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict):
             total += sum(len(fn[k]) for k in ("name", "description") if isinstance(fn.get(k), str))
-            total += _string_chars(fn.get("parameters"))
+            if isinstance(fn.get("parameters"), dict):  # anything else is refused by the tools' own checks
+                total += _string_chars(fn["parameters"])
     return total
 
 
