@@ -5,6 +5,7 @@ from mlx_engine.kits.text import DraftModel
 from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.loop import decode as _decode
 
+import gc
 import json
 import shutil
 
@@ -622,3 +623,34 @@ def test_a_resting_draft_model_lets_the_loop_queue_rounds_ahead():
     assert [s.token for s in steps] == plain
     assert len(skipped) > 80  # most rounds of a rest were queued ahead, without propose
     assert loop_stats(steps).verify_rounds <= 12 and len(proposed) + len(skipped) >= 119
+
+
+def test_unloading_a_draft_gives_back_all_of_its_memory(llama_path, draft_path):
+    """Issue 56: a draft loaded, used (fixed-length drafting) and unloaded leaves
+    the kit's active memory exactly where the same kit stands after plain
+    generations alone. The kit's own caches grow once while it warms up (a KV
+    step of the main model), with or without a draft: measured after that."""
+    kit = me.load_model(llama_path)
+    prompt = me.tokenize(kit, "def add(a, b):\n")
+
+    def plain() -> int:
+        for _ in range(3):
+            generate_ids(kit, prompt, max_tokens=16, speculative_decoding_toggle=False)
+        gc.collect()
+        mx.clear_cache()
+        return mx.get_active_memory()
+
+    try:
+        for _ in range(2):  # warm-up: first allocations of both paths
+            me.load_draft_model(kit, draft_path)
+            generate_ids(kit, prompt, max_tokens=16, num_draft_tokens=3)
+            me.unload_draft_model(kit)
+            plain()
+        before = plain()
+        me.load_draft_model(kit, draft_path)
+        generate_ids(kit, prompt, max_tokens=16, num_draft_tokens=3)
+        assert kit.draft is not None
+        me.unload_draft_model(kit)
+        assert plain() == before
+    finally:
+        me.unload(kit)

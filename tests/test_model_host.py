@@ -267,7 +267,10 @@ def test_failing_load_fails_only_its_requests(tmp_path, llama_path):
             assert r.status_code == 500
             err = r.json()["error"]
             assert err["code"] == "model_load_failed" and "config.json" in err["message"]
+            assert str(tmp_path) not in err["message"]  # the server's folders are not the client's business
             assert state(url, "broken") == "not_loaded"
+        last_error = httpx.get(f"{url}/v1/models/broken", headers=AUTH).json()["mlx_engine"]["last_error"]
+        assert "config.json" in last_error and str(tmp_path) not in last_error
         stream.done.wait(120)
         assert stream.status == 200 and stream.chunks > 0
         assert chat(url, "alpha").status_code == 200
@@ -688,3 +691,76 @@ def test_a_bad_draft_in_a_load_request_unloads_nothing(tmp_path, llama_path, qwe
         r = post({"model": "beta", "draft": "foreign"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "incompatible_draft_model"
         assert state(url, "beta") == "not_loaded"
+
+
+def test_the_model_given_at_start_is_listed_first(host_dir, llama_path):
+    """``--model FILE.gguf`` with a folder (or the catalog) found first: the given
+    model heads ``GET /v1/models``, so a client taking the first lists talks to it."""
+    host = make_host(host_dir)
+    app = create_app(host, api_key=KEY)
+    kit = me.load_model(host_dir / "gamma.gguf")
+    try:
+        host.add_kit("given", kit, managed=True)
+        with serve(app) as url:
+            ids = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]]
+        assert ids[0] == "given" and "gamma" not in ids and set(ids[1:]) == {"alpha", "beta", "lab/delta"}
+    finally:
+        me.unload(kit)
+
+
+def test_a_gguf_without_a_chat_template_falls_back_to_chatml(tmp_path, llama_path, caplog):
+    """A base model's GGUF (no ``tokenizer.chat_template``) answers chat, Responses
+    and Messages requests with ChatML, as llama.cpp's server does, with a warning
+    in the log and in its listing; ``--chat-template FILE`` replaces a template."""
+    make_gguf(llama_path, tmp_path / "base.gguf", drop=("tokenizer.chat_template",))
+    host = make_host(tmp_path)
+    with serve(create_app(host, api_key=KEY)) as url, caplog.at_level("WARNING"):
+        assert chat(url, "base").status_code == 200
+        r = httpx.post(
+            f"{url}/v1/messages",
+            json={"model": "base", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            headers=AUTH,
+        )
+        assert r.status_code == 200, r.text
+        listed = httpx.get(f"{url}/v1/models/base", headers=AUTH).json()["mlx_engine"]["chat_template"]
+    assert listed.startswith("ChatML (fallback")
+    assert any("has no chat template" in rec.getMessage() for rec in caplog.records)
+
+
+def test_chat_template_option_replaces_the_models_own(tmp_path, llama_path):
+    from mlx_engine.server.__main__ import _load, parse_args
+
+    make_gguf(llama_path, tmp_path / "base.gguf", drop=("tokenizer.chat_template",))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    args = parse_args(["--model", str(tmp_path / "base.gguf"), "--chat-template", str(template)])
+    kit = _load(args)
+    try:
+        want = me.tokenize(kit, "[user] hi\n", add_special_tokens=False)
+        assert me.apply_chat_template(kit, [{"role": "user", "content": "hi"}]) == want
+    finally:
+        me.unload(kit)
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--model", str(tmp_path / "base.gguf"), "--chat-template", str(tmp_path / "missing.jinja")])
+    assert caught.value.code == 2
+
+
+def test_unknown_model_names_rescan_the_folders_at_most_once_a_second(tmp_path, monkeypatch):
+    from mlx_engine.server import host as host_module
+
+    scans = []
+    real = host_module.scan_models_dir
+    monkeypatch.setattr(host_module, "scan_models_dir", lambda *a: scans.append(1) or real(*a))
+    host = make_host(tmp_path)
+
+    def unknown_names() -> int:
+        scans.clear()
+        for i in range(20):
+            with pytest.raises(Exception, match="is not known here"):
+                host.lookup(f"unknown-{i}")
+        return len(scans)
+
+    monkeypatch.setattr(host_module, "RESCAN_INTERVAL_S", 0.0)
+    assert unknown_names() == 20  # unthrottled, each name walked the folder
+    monkeypatch.setattr(host_module, "RESCAN_INTERVAL_S", 3600.0)
+    assert unknown_names() == 0  # within the interval of the last scan: none

@@ -214,7 +214,12 @@ def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(servers, tkit, r
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         r = httpx.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 4, "messages": user}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is too long"), path
-    assert not any(n >= len(huge) for n in rendered)
+    # A tool's parameters are rendered too: a huge schema is the same refusal.
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "description": huge}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert not any(n >= len(huge) for n in rendered) and len(rendered) == 0
 
 
 def test_truncate_middle_cuts_text_that_cannot_fit_before_rendering_it(servers, tkit, rendered):

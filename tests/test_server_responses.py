@@ -414,3 +414,14 @@ def test_streams_send_keep_alives_while_waiting_and_a_disconnect_frees_the_row(s
         wait_until(lambda: slow_kit.open_generations == 0)
         health = http.get(f"{url}/health").json()
         assert health["running"] == 0 and health["cancelled"] == 1
+
+
+def test_client_data_in_log_lines_is_clipped(server, caplog):
+    """An unknown item or tool type is skipped with a log line that names it,
+    cut short: a body cannot make a log line as long as itself."""
+    kind = "k" * 10_000  # under the hosted-tool bound
+    body = ask(input=[{"type": kind}, {"role": "user", "content": "hi"}], tools=[{"type": kind}], max_output_tokens=1)
+    with caplog.at_level("INFO", logger="mlx_engine.server.openai_responses"):
+        assert post(server, body).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "not served here" in r.getMessage()]
+    assert len(lines) == 2 and all(len(line) < 200 for line in lines)

@@ -34,6 +34,7 @@ from .connections import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connec
 from .host import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions, ModelHost  # noqa: E402
 from .hosts import LOOPBACK_NAMES  # noqa: E402
 from .overflow import POLICIES  # noqa: E402
+from .templates import give_template, read_template  # noqa: E402
 
 logger = logging.getLogger("mlx_engine.server")
 API_KEY_ENV = "MLX_ENGINE_API_KEY"
@@ -104,6 +105,11 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         "--model-id", help="the name clients pass as `model` (default: the catalog name, else the file or folder name)"
     )
     p.add_argument("--draft", help="draft model loaded at start: catalog name or path (default: none)")
+    p.add_argument(
+        "--chat-template",
+        help="a Jinja chat template file for --model, replacing its own (default: the model's; ChatML, with a "
+        "warning, for a model whose files carry none)",
+    )
 
 
 def _serving_options(p: argparse.ArgumentParser) -> None:
@@ -257,6 +263,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--decoding draft needs a draft model: pass --draft NAME|PATH")
     if args.models_dir is not None and not os.path.isdir(os.path.expanduser(args.models_dir)):
         parser.error(f"--models-dir: {args.models_dir!r} is not a folder")
+    if args.chat_template is not None:
+        if not args.model:
+            parser.error("--chat-template needs --model")
+        try:
+            args.chat_template = read_template(args.chat_template)
+        except ValueError as exc:
+            parser.error(str(exc))
     for flag, path in (("--model", args.model), ("--draft", args.draft)):
         if path and path.lower() not in me.CATALOG and not os.path.exists(os.path.expanduser(path)):
             parser.error(f"{flag}: {path!r} was not found: not a catalog name ({', '.join(me.CATALOG)}) nor a path")
@@ -341,6 +354,7 @@ def _load(args: argparse.Namespace) -> me.ModelKit:
         )
     except ValueError as exc:  # ModelLoadError included
         raise StartupError(" ".join(str(exc).split())) from None
+    give_template(kit, args.model_id or _default_id(args.model), args.chat_template)
     if args.draft:
         try:
             me.load_draft_model(kit, args.draft)

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .core import admit, collect, count_prompt, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
-from .errors import AnthropicError, APIError, bad_request, from_failure, from_validation
+from .errors import AnthropicError, APIError, bad_request, clipped, from_failure, from_validation
 from .responses import Choice, engine_stats
 from .runs import RequestRun
 from .schemas import EngineOptions
@@ -126,7 +126,7 @@ def _assistant(blocks: list, where: str, names: dict[str, str]) -> dict:
             names[call_id] = name
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
         elif kind not in _SKIPPED_BLOCKS:
-            logger.info("%s.content.%d: %r blocks are not served here; skipped", where, j, kind)
+            logger.info("%s.content.%d: %s blocks are not served here; skipped", where, j, clipped(kind))
     msg: dict = {"role": "assistant", "content": "\n".join(texts) or (None if calls else "")}
     if calls:
         msg["tool_calls"] = calls
@@ -148,7 +148,7 @@ def _user(blocks: list, role: str, where: str, names: dict[str, str]) -> list[di
             parts = []
             out.append(_tool_result(b, at, names))
         elif kind not in _SKIPPED_BLOCKS:
-            logger.info("%s: %r blocks are not served here; skipped", at, kind)
+            logger.info("%s: %s blocks are not served here; skipped", at, clipped(kind))
     return out + _flush(role, parts)
 
 
@@ -188,7 +188,10 @@ def _tool_result(block: dict, where: str, names: dict[str, str]) -> dict:
                 texts.append(_text_block(b, f"{where}.content.{k}"))
             else:
                 logger.info(
-                    "%s.content.%d: %r blocks in a tool result are not served here; skipped", where, k, b["type"]
+                    "%s.content.%d: %s blocks in a tool result are not served here; skipped",
+                    where,
+                    k,
+                    clipped(b["type"]),
                 )
         content = "\n".join(texts)
     elif not isinstance(content, str):
@@ -209,7 +212,7 @@ def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[int]]:
     for i, tool in enumerate(tools or []):
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            logger.info("tools.%d: %r tools are not served here; skipped", i, kind)
+            logger.info("tools.%d: %s tools are not served here; skipped", i, clipped(kind))
             continue
         if not isinstance(tool.get("input_schema"), dict):
             raise bad_request(f"tools.{i}.input_schema: a JSON schema object is required", f"tools.{i}.input_schema")

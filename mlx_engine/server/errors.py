@@ -104,6 +104,13 @@ def response_for(err: APIError, path: str) -> JSONResponse:
     return AnthropicError.of(err).response() if is_anthropic_path(path) else err.response()
 
 
+def clipped(value, limit: int = 64) -> str:
+    """``repr(value)`` cut to ``limit`` characters: client data in a log line
+    (an unknown item type) cannot make that line as long as the body."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 

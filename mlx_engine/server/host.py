@@ -36,12 +36,14 @@ from mlx.utils import tree_flatten
 
 from .errors import APIError
 from .metrics import label_request
+from .templates import give_template, template_note
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 3600.0  # an idle model is unloaded after an hour, as LM Studio's just-in-time loads
 DEFAULT_MEMORY_SHARE = 0.5  # of physical memory, for the weights of loaded models
 DEFAULT_LOAD_WAIT_S = 60.0
+RESCAN_INTERVAL_S = 1.0  # an unknown model name rescans the folders at most this often
 PAIRED = "paired"  # LoadOptions.draft: the catalog's draft for the model, when it has one
 _COMPUTE_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 
@@ -62,7 +64,10 @@ class KnownModel:
     def path(self) -> str:
         """The real path of the model's files: one model found twice is served once."""
         if self.kind == "catalog":
-            return str(catalog.lookup(self.source).resolve())
+            try:
+                return str(catalog.lookup(self.source).resolve())
+            except (me.ModelLoadError, OSError, RuntimeError):  # uninstalled since the scan: its name stands
+                return self.source
         return self.source
 
     @cached_property
@@ -216,6 +221,15 @@ def model_too_large(model_id: str, size: int, budget: int) -> APIError:
     )
 
 
+def _scrubbed(message: str, model: KnownModel) -> str:
+    """``message`` with the model's path on this machine said as its id: load
+    errors go to clients, the server's folders do not."""
+    for path in (model.source, str(Path(model.source).parent)):
+        if len(path) > 1 and model.kind != "catalog":
+            message = message.replace(path, model.id)
+    return message
+
+
 def bad_draft(draft: str, model_id: str, reasons: list[str], source: str) -> APIError:
     """A 400 naming ``draft``: the draft cannot serve the model; said with the
     name the client gave (the server's own paths left out)."""
@@ -336,6 +350,7 @@ class ModelHost:
         self.events: Callable[..., None] = lambda *a, **k: None  # metrics hook: (event, model_id, **values)
         self._reaper: asyncio.Task | None = None
         self._warned: set[str] = set()  # --models-dir entries already logged as unreadable
+        self._last_scan = -math.inf
         self.rescan()
 
     def attach(self, make_service: Callable, events: Callable[..., None] | None = None) -> None:
@@ -349,6 +364,7 @@ class ModelHost:
     def rescan(self) -> None:
         """Add the models found in the catalog and ``models_dirs`` since the last scan
         (a name already taken, or a source already served, keeps its first entry)."""
+        self._last_scan = time.monotonic()
         found = (catalog_models() if self.use_catalog else []) + [
             m for d in self.models_dirs for m in scan_models_dir(d, self._warned)
         ]
@@ -380,14 +396,21 @@ class ModelHost:
         entry = ModelEntry(KnownModel(model_id, source, "kit"), options or self.defaults, managed=managed)
         entry.service, entry.state = self.make_service(kit, model_id, draft), LOADED
         entry.memory_bytes = kit_memory(kit)
-        self.entries[model_id] = entry
+        # Models given by the host (the command line's --model) are listed first, in the order
+        # given: clients that take the first listed model talk to the one the user named.
+        given = {k: e for k, e in self.entries.items() if e.model.kind == "kit" and k != model_id}
+        found = {k: e for k, e in self.entries.items() if e.model.kind != "kit" and k != model_id}
+        self.entries = {**given, model_id: entry, **found}
         self.primary = self.primary or model_id
         return entry.service
 
     def lookup(self, model: str) -> ModelEntry:
-        """The entry named ``model``, rescanning once before a 404."""
+        """The entry named ``model``, rescanning once before a 404 (at most once
+        per ``RESCAN_INTERVAL_S``: a client naming unknown models in a loop
+        cannot make the server walk its folders for each)."""
         entry = self.entries.get(model)
-        if entry is None and (self.models_dirs or self.use_catalog):
+        now = time.monotonic()
+        if entry is None and (self.models_dirs or self.use_catalog) and now - self._last_scan >= RESCAN_INTERVAL_S:
             self.rescan()
             entry = self.entries.get(model)
         if entry is None:
@@ -427,6 +450,7 @@ class ModelHost:
                 "waiting": queue.waiting if queue else 0,
                 "max_parallel": queue.rows if queue else entry.options.max_parallel,
                 "draft": getattr(entry.service, "draft_name", None),
+                "chat_template": template_note(getattr(entry.service, "kit", None)),
                 "last_error": entry.last_error,
             },
         }
@@ -506,7 +530,7 @@ class ModelHost:
         except Exception as exc:
             raise APIError(
                 500,
-                f"model {entry.model.id!r} failed to load: {exc}",
+                f"model {entry.model.id!r} failed to load: {_scrubbed(str(exc), entry.model)}",
                 param="model",
                 type="server_error",
                 code="model_load_failed",
@@ -553,7 +577,7 @@ class ModelHost:
             await self._make_room(entry, entry.model.size_bytes)
             kit = await anyio.to_thread.run_sync(self.loader, entry.model, options)
         except BaseException as exc:
-            entry.state, entry.last_error = NOT_LOADED, f"{type(exc).__name__}: {exc}"
+            entry.state, entry.last_error = NOT_LOADED, _scrubbed(f"{type(exc).__name__}: {exc}", entry.model)
             self.events("load", entry.model.id, ok=False)
             logger.warning("loading %s failed: %s", entry.model.id, exc)
             raise
@@ -644,6 +668,7 @@ class ModelHost:
         )
         if isinstance(kit, me.EmbeddingKit):  # (load_model gives one for sentence-transformers' layout) no draft
             return kit
+        give_template(kit, model.id)  # ChatML for a model without a template of its own
         draft = self.draft_of(model, options)
         try:
             if draft is not None:

@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .core import Counts, admit, collect, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
-from .errors import APIError, bad_request, from_failure
+from .errors import APIError, bad_request, clipped, from_failure
 from .responses import Choice, engine_stats
 from .runs import RequestRun
 from .schemas import EngineOptions
@@ -235,7 +235,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         elif kind in _IGNORED_ITEMS:
             continue
         else:
-            logger.info("%s: input items of type %r are not served here; skipped", where, kind)
+            logger.info("%s: input items of type %s are not served here; skipped", where, clipped(kind))
     return out
 
 
@@ -302,7 +302,7 @@ def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[int]]:
             out.append(_chat_tool(tool, tool.get("name")))
             sources.append(i)
         else:
-            logger.info("tools.%d: %r tools are not served here; skipped", i, kind)
+            logger.info("tools.%d: %s tools are not served here; skipped", i, clipped(kind))
     return out or None, sources
 
 
@@ -323,7 +323,7 @@ def chat_tool_choice(choice: str | dict | None, have_tools: bool) -> str | dict 
         return choice
     if choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    logger.info("tool_choice of type %r names a tool not served here; taken as 'auto'", choice.get("type"))
+    logger.info("tool_choice of type %s names a tool not served here; taken as 'auto'", clipped(choice.get("type")))
     return "auto" if have_tools else None
 
 

@@ -301,6 +301,24 @@ def counted_chars(req: ChatCompletionRequest) -> int:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict):
             total += sum(len(fn[k]) for k in ("name", "description") if isinstance(fn.get(k), str))
+            if isinstance(fn.get("parameters"), dict):  # anything else is refused by the tools' own checks
+                total += _string_chars(fn["parameters"])
+    return total
+
+
+def _string_chars(value) -> int:
+    """Characters of every string (keys included) in a JSON value, walked
+    without recursion: a schema rendered in any layout holds them all."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return total
 
 
