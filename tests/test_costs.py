@@ -276,3 +276,13 @@ def test_a_kit_is_idle_only_with_no_request_open():
     assert ended > 0 and activity.idle_seconds() >= 0.0
     activity.register("b")
     assert activity.idle_seconds() == 0.0 and activity.last_end == ended
+
+
+def test_a_record_measured_while_busy_is_measured_again_once_it_is_old():
+    clock = Clock()
+    for age, expected in ((60.0, 0), (7200.0, 1)):
+        asked = []
+        record = {"measured_at": clock.now - age, "how": {"credible": False}}
+        book = CostBook(TRUE, "stored", record, lambda value: None, lambda: asked.append(1), clock)
+        run_requests(book, 3, clock)  # rounds that agree with it: only its doubt counts
+        assert len(asked) == expected

@@ -20,7 +20,8 @@ last ``window`` of them:
   or when its price of a drafted width relative to a single step differs from the
   rounds' by more than ``margin`` either way. A disagreeing record is measured
   again (``remeasure``), at once the first time and then at most once per
-  ``remeasure_every_s``; rounds slower than the record alone (a long context,
+  ``remeasure_every_s``; so is a record whose own samples were not credible
+  (costs.credible) once it is older than that; rounds slower than the record alone (a long context,
   other work now) are no reason, as the fit already follows them.
 - **The record** is saved (``save``) from the book's model when it moved by more
   than ``save_change`` since the record was read or last saved, so the next
@@ -185,13 +186,25 @@ class CostBook:
         off = self.disagreement(fit)
         now = self.clock()
         recent = self._last_remeasure is not None and now - self._last_remeasure < self.s.remeasure_every_s
-        if off > self.s.margin and not recent:
+        if (off > self.s.margin or self._doubtful(now)) and not recent:
             logger.info(
-                "forward costs: the record is %.2fx off what %d rounds timed; measuring again", off, len(self.rounds)
+                "forward costs: the record is %.2fx off what %d rounds timed%s; measuring again",
+                off,
+                len(self.rounds),
+                " (and was not credible)" if self._doubtful(now) else "",
             )
             self._last_remeasure, self._remeasuring = now, True
             self.remeasures += 1
             self._remeasure()
+
+    def _doubtful(self, now: float) -> bool:
+        """Whether the record is a measurement its own samples did not find
+        credible (costs.credible), taken over ``remeasure_every_s`` ago: the
+        machine may be quieter now, so it is measured again once."""
+        how, at = self.record.get("how"), self.record.get("measured_at")
+        if not isinstance(how, dict) or how.get("credible") is not False or not isinstance(at, (int, float)):
+            return False
+        return now - at >= self.s.remeasure_every_s
 
     def record_value(self, refined_rounds: int = 0) -> dict:
         """The stored form of the book's model: its seconds, the cost-model

@@ -8,7 +8,9 @@ compared on read, so a hash collision or a file copied from elsewhere is a
 miss. Files are written to a temporary name and renamed, so a concurrent
 reader sees a whole record or none; two processes measuring at once both write
 and the last rename wins. Anything unreadable or malformed is a miss (logged,
-then overwritten by the next measurement). ``MLX_ENGINE_COST_DIR`` picks the
+then overwritten by the next measurement): a name that is not a regular file (a
+FIFO, a device, a folder) is never read from, a file over ``MAX_RECORD_BYTES``
+is not read whole, and JSON nested too deep to parse is caught. ``MLX_ENGINE_COST_DIR`` picks the
 directory (default ``$XDG_CACHE_HOME/mlx_engine/costs``, else
 ``~/.cache/mlx_engine/costs``); set to an empty string it turns the store off.
 """
