@@ -324,7 +324,11 @@ def test_html_in_a_streamed_answer_shows_as_text_and_runs_nothing(page):
 
 def test_markup_stored_in_a_conversation_renders_inert(page):
     """A conversation put in storage (or imported) holding markup, code and links."""
-    answer = ATTACK + "\n\n```html\n<script>window.__pwned=4</script>\n```\n\n**bold** and [site](https://example.org)"
+    answer = (
+        ATTACK
+        + "\n\n```html\n<script>window.__pwned=4</script>\n```\n\n**bold** and [site](https://example.org)"
+        + "\n\n## Steps\n- one `x`\n- two\n\n3. three\n4. four\n\n> quoted\n\n```\nstill streaming"
+    )
     conversation = {
         "id": "x1",
         "title": "stored",
@@ -337,14 +341,20 @@ def test_markup_stored_in_a_conversation_renders_inert(page):
     page.reload()
     page.wait_for_selector("body[data-ready=true]")
     expect(page.locator(".msg.assistant strong")).to_have_text("bold")
-    expect(page.locator(".code-block code")).to_have_text("<script>window.__pwned=4</script>")
+    expect(page.locator(".code-block code").first).to_have_text("<script>window.__pwned=4</script>")
     link = page.locator(".msg.assistant a")
     expect(link).to_have_attribute("href", "https://example.org")
     expect(link).to_have_attribute("rel", "noopener noreferrer nofollow")
+    expect(page.locator(".msg.assistant h4")).to_have_text("Steps")
+    expect(page.locator(".msg.assistant ul li")).to_have_text(["one x", "two"])
+    expect(page.locator(".msg.assistant ol li")).to_have_text(["three", "four"])
+    expect(page.locator(".msg.assistant ol")).to_have_attribute("start", "3")
+    expect(page.locator(".msg.assistant blockquote")).to_have_text("quoted")
+    expect(page.locator(".code-block code").last).to_have_text("still streaming")  # an open fence: code to the end
     assert page.evaluate("() => window.__pwned") is None
     assert page.locator("#messages img, #messages script").count() == 0
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
-    page.locator(".code-block button", has_text="Copy").click()
+    page.locator(".code-block button", has_text="Copy").first.click()
     assert page.evaluate("() => navigator.clipboard.readText()") == "<script>window.__pwned=4</script>"
 
 
