@@ -207,7 +207,7 @@ def _check_dims(h: GGUFHeader, config: dict) -> None:
         raise bad_field(h, f"{arch}.attention.head_count_kv", kv_heads, f"a divisor of head_count ({heads})")
     head_dim, inter = config.get("head_dim") or hidden // heads, config["intermediate_size"]
     fused = arch == "phi3"
-    gated = 2 if arch == "qwen35" else 1  # attn_q holds the queries and their output gate
+    gated = 2 if arch in ("qwen35", "qwen35moe") else 1  # attn_q holds the queries and their output gate
     attn = next((i for i in range(config["num_hidden_layers"]) if f"blk.{i}.attn_k.weight" in h.tensors), 0)
     expected = {
         "token_embd.weight": (0, hidden, "embedding_length"),
@@ -369,7 +369,8 @@ def _read_weights(h: GGUFHeader, native: bool, dtype: str):
             rope_freqs = value
             continue
         if (hf_name := mtp_name(name, h)) is not None:  # kept aside: mlx-lm's class has no MTP head
-            mtp[hf_name] = value
+            parts = value if isinstance(value, dict) else {hf_name.rsplit(".", 1)[1]: value}
+            mtp.update({f"{hf_name.rsplit('.', 1)[0]}.{part}": array for part, array in parts.items()})
             continue
         key = mlx_name(name, h)
         if isinstance(value, dict):  # an expert tensor kept quantized: weight, scales[, biases]

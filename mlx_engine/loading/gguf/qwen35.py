@@ -1,4 +1,6 @@
-"""GGUF ``qwen35`` (Qwen3.5/3.6 dense) mapped onto mlx-lm's ``qwen3_5``: gated
+"""GGUF ``qwen35`` (Qwen3.5/3.6 dense) and ``qwen35moe`` (Qwen3.5/3.6 MoE:
+experts and a gated shared expert, as qwen3moe's plus ``ffn_*_shexp``) mapped
+onto mlx-lm's ``qwen3_5`` and ``qwen3_5_moe``: gated
 delta-net (linear attention) layers with a full-attention layer every
 ``full_attention_interval``. What llama.cpp's converter (``Qwen3_5TextModel``:
 ``Qwen3NextModel`` and ``_LinearAttentionVReorderBase``) did, and what the
@@ -36,6 +38,7 @@ import numpy as np
 
 from ...errors import ModelLoadError
 from .family import MLP, Family, require_tensors
+from .moe import EXPERTS, expert_sizes
 from .reader import GGUFHeader, bad_field, meta_int
 
 _ATTENTION = {
@@ -59,6 +62,15 @@ _LINEAR = {
 _BLOCK = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm", **_ATTENTION,
           **_LINEAR, **MLP}  # fmt: skip
 _BARE = {"ssm_a": "linear_attn.A_log"}
+_MOE_FFN = {
+    "ffn_gate_inp": "mlp.gate",
+    **EXPERTS,
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_MOE_BLOCK = {**{k: v for k, v in _BLOCK.items() if k not in MLP}, **_MOE_FFN}
 # The converter's remap of the MTP head (``_QwenMtpMixin.filter_tensors``), reversed.
 _MTP_NAMES = {"nextn.eh_proj": "fc", "nextn.enorm": "pre_fc_norm_embedding", "nextn.hnorm": "pre_fc_norm_hidden",
               "nextn.shared_head_norm": "norm"}  # fmt: skip
@@ -82,7 +94,7 @@ def _sizes(h: GGUFHeader) -> dict:
 def _qwen35(h: GGUFHeader, config: dict) -> None:
     """Layer kinds from ``full_attention_interval``, the delta-net sizes,
     partial RoPE; the MTP blocks counted out of the layers."""
-    arch, path = h.architecture, str(h.path)
+    arch = h.architecture
     n_mtp = meta_int(h, f"{arch}.nextn_predict_layers", 0, lo=0, hi=8)
     n_layers = config["num_hidden_layers"] - n_mtp
     if n_layers < 1:
@@ -103,14 +115,35 @@ def _qwen35(h: GGUFHeader, config: dict) -> None:
         rope_parameters={"type": "default", "rope_theta": config["rope_theta"],
                          "partial_rotary_factor": rope_dims / config["head_dim"]},
     )  # fmt: skip
+    ffn = list(_MOE_FFN) if arch == "qwen35moe" else list(MLP)
     for i in range(n_layers):
         kind = "linear" if (i + 1) % interval else "attention"
         own = list(_LINEAR) if kind == "linear" else list(_ATTENTION)
-        names = [f"blk.{i}.{t}.{'bias' if t == 'ssm_dt' else 'weight'}" for t in ["attn_norm", *own, *MLP]]
+        names = [f"blk.{i}.{t}.{'bias' if t == 'ssm_dt' else 'weight'}" for t in ["attn_norm", *own, *ffn]]
         require_tensors(h, names + ([f"blk.{i}.ssm_a"] if kind == "linear" else []), f"layer {i}, {kind}")
     _check_linear_shapes(h, config, ssm)
     if n_mtp:
         require_tensors(h, [f"blk.{n_layers}.nextn.eh_proj.weight"], "the MTP block ('nextn_predict_layers')")
+
+
+def _qwen35moe(h: GGUFHeader, config: dict) -> None:
+    """qwen35 with every feed-forward a sparse MoE block and a sigmoid-gated
+    shared expert (``ffn_*_shexp``, ``ffn_gate_inp_shexp``); top-k
+    renormalized, as llama.cpp computes it."""
+    arch = h.architecture
+    if any(name.endswith("ffn_gate_up_exps.weight") for name in h.tensors):
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: fused 'ffn_gate_up_exps' expert tensors are not mapped; files with "
+            "separate ffn_gate_exps and ffn_up_exps are"
+        )
+    _qwen35(h, config)
+    n_expert, n_used, width = expert_sizes(h, config["hidden_size"])
+    config.update(
+        num_experts=n_expert, num_experts_per_tok=n_used, moe_intermediate_size=width, decoder_sparse_step=1,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=meta_int(h, f"{arch}.expert_shared_feed_forward_length",
+                                                 config["intermediate_size"]),
+    )  # fmt: skip
 
 
 def _check_linear_shapes(h: GGUFHeader, config: dict, ssm: dict) -> None:
@@ -157,6 +190,8 @@ def _qwen35_reshape(h: GGUFHeader, key: str, value):
         value = mx.log(-a)
     if key.endswith("conv1d.weight") and value.ndim == 2:
         value = value[..., None]
+    if key.endswith("shared_expert_gate.weight"):  # GGUF [hidden] or [hidden, 1]: one output
+        return value.reshape(1, -1)
     if r == 1 or ".linear_attn." not in key:
         return value
     key_dim = k * d
@@ -183,7 +218,7 @@ def mtp_name(name: str, h: GGUFHeader) -> str | None:
     if stem in _MTP_NAMES:
         return f"mtp.{_MTP_NAMES[stem]}.{suffix}"
     layer = int(m.group(1)) - first
-    return f"mtp.layers.{layer}.{_BLOCK.get(stem, stem)}.{suffix}"
+    return f"mtp.layers.{layer}.{_MOE_BLOCK.get(stem, _BLOCK.get(stem, stem))}.{suffix}"
 
 
 @dataclass(frozen=True)
@@ -203,4 +238,5 @@ QWEN35_FAMILIES = {
     "qwen35": Family(
         "qwen3_5", _BLOCK, _qwen35, reshape=_qwen35_reshape, bare_names=_BARE, decoded=True
     ),  # decoded: the value heads are permuted back within rows and columns
+    "qwen35moe": Family("qwen3_5_moe", _MOE_BLOCK, _qwen35moe, reshape=_qwen35_reshape, bare_names=_BARE, decoded=True),
 }
