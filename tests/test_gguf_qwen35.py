@@ -17,7 +17,11 @@ from fixtures.gguf_families import arch_metadata, bpe_metadata, gguf_tensors, re
 PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
 
 
-FAMILIES = {"qwen35": "mlx_lm.models.qwen3_5", "qwen35moe": "mlx_lm.models.qwen3_5_moe"}
+FAMILIES = {
+    "qwen35": "mlx_lm.models.qwen3_5",
+    "qwen35moe": "mlx_lm.models.qwen3_5_moe",
+    "qwen3next": "mlx_lm.models.qwen3_next",
+}
 
 
 @pytest.fixture(scope="module")
@@ -171,5 +175,14 @@ def test_a_malformed_qwen35_file_is_refused_naming_it(source, change, message):
 def test_a_malformed_qwen35moe_file_is_refused_naming_it(sources, change, message):
     path = _file(sources("qwen35moe"), "bad", **change)
     with pytest.raises(me.ModelLoadError, match=message) as info:
+        me.load_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_qwen3next_refuses_the_older_fused_ssm_in(sources):
+    """An older converter wrote Qwen3-Next's projection fused as ``ssm_in``;
+    only the current split (attn_qkv + attn_gate) is mapped."""
+    path = _file(sources("qwen3next"), "bad", tensors={"blk.0.ssm_in.weight": np.zeros((1024, 256), np.float32)})
+    with pytest.raises(me.ModelLoadError, match=r"fused 'ssm_in'") as info:
         me.load_model(path)
     assert str(path) in str(info.value)

@@ -207,7 +207,7 @@ def _check_dims(h: GGUFHeader, config: dict) -> None:
         raise bad_field(h, f"{arch}.attention.head_count_kv", kv_heads, f"a divisor of head_count ({heads})")
     head_dim, inter = config.get("head_dim") or hidden // heads, config["intermediate_size"]
     fused = arch == "phi3"
-    gated = 2 if arch in ("qwen35", "qwen35moe") else 1  # attn_q holds the queries and their output gate
+    gated = 2 if arch in ("qwen35", "qwen35moe", "qwen3next") else 1  # attn_q holds the queries and their output gate
     attn = next((i for i in range(config["num_hidden_layers"]) if f"blk.{i}.attn_k.weight" in h.tensors), 0)
     expected = {
         "token_embd.weight": (0, hidden, "embedding_length"),
@@ -326,6 +326,8 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
         keep_quantized = mx.default_device() != mx.cpu
     native = all_mlx_native(h) and not FAMILIES[h.architecture].decoded
     weights, source_types, rope_freqs, modes, mtp = _read_weights(h, native, "float16" if keep_quantized else "float32")
+    if FAMILIES[h.architecture].combine is not None:
+        weights = FAMILIES[h.architecture].combine(h, weights)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
         # qwen3_5's sanitize moves the text model under its multimodal wrapper's prefix

@@ -71,6 +71,10 @@ _MOE_FFN = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _MOE_BLOCK = {**{k: v for k, v in _BLOCK.items() if k not in MLP}, **_MOE_FFN}
+# qwen3next: the split halves of in_proj_qkvz (re-fused by _fuse_qkvz) and the fused in_proj_ba
+_NEXT_LINEAR = {**{k: v for k, v in _LINEAR.items() if k not in ("ssm_beta", "ssm_alpha")},
+                "ssm_ba": "linear_attn.in_proj_ba"}  # fmt: skip
+_NEXT_BLOCK = {**{k: v for k, v in _MOE_BLOCK.items() if k not in ("ssm_beta", "ssm_alpha")}, **_NEXT_LINEAR}
 # The converter's remap of the MTP head (``_QwenMtpMixin.filter_tensors``), reversed.
 _MTP_NAMES = {"nextn.eh_proj": "fc", "nextn.enorm": "pre_fc_norm_embedding", "nextn.hnorm": "pre_fc_norm_hidden",
               "nextn.shared_head_norm": "norm"}  # fmt: skip
@@ -114,11 +118,18 @@ def _qwen35(h: GGUFHeader, config: dict) -> None:
         linear_conv_kernel_dim=ssm["conv"], attention_bias=False, num_experts=0,
         rope_parameters={"type": "default", "rope_theta": config["rope_theta"],
                          "partial_rotary_factor": rope_dims / config["head_dim"]},
+        partial_rotary_factor=rope_dims / config["head_dim"], mlp_only_layers=[], decoder_sparse_step=1,
     )  # fmt: skip
-    ffn = list(_MOE_FFN) if arch == "qwen35moe" else list(MLP)
+    ffn = list(MLP) if arch == "qwen35" else list(_MOE_FFN)
+    linear = list(_NEXT_LINEAR) if arch == "qwen3next" else list(_LINEAR)
+    if arch == "qwen3next" and any(name.endswith(".ssm_in.weight") for name in h.tensors):
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: qwen3next with a fused 'ssm_in' projection (an older converter's layout) "
+            "is not mapped; files with attn_qkv and attn_gate are"
+        )
     for i in range(n_layers):
         kind = "linear" if (i + 1) % interval else "attention"
-        own = list(_LINEAR) if kind == "linear" else list(_ATTENTION)
+        own = linear if kind == "linear" else list(_ATTENTION)
         names = [f"blk.{i}.{t}.{'bias' if t == 'ssm_dt' else 'weight'}" for t in ["attn_norm", *own, *ffn]]
         require_tensors(h, names + ([f"blk.{i}.ssm_a"] if kind == "linear" else []), f"layer {i}, {kind}")
     _check_linear_shapes(h, config, ssm)
@@ -152,10 +163,13 @@ def _check_linear_shapes(h: GGUFHeader, config: dict, ssm: dict) -> None:
     expected = {
         "attn_qkv.weight": (hidden, 2 * key_dim + value_dim), "attn_gate.weight": (hidden, value_dim),
         "ssm_conv1d.weight": (ssm["conv"], 2 * key_dim + value_dim), "ssm_beta.weight": (hidden, ssm["v_heads"]),
-        "ssm_out.weight": (value_dim, hidden), "ssm_a": (ssm["v_heads"],),
+        "ssm_ba.weight": (hidden, 2 * ssm["v_heads"]), "ssm_out.weight": (value_dim, hidden),
+        "ssm_a": (ssm["v_heads"],),
     }  # fmt: skip
     for name, shape in expected.items():
-        info = h.tensors[f"blk.0.{name}"]
+        info = h.tensors.get(f"blk.0.{name}")
+        if info is None:  # ssm_beta in qwen35, ssm_ba in qwen3next
+            continue
         if info.shape != shape:
             raise ModelLoadError(
                 f"GGUF file {str(h.path)!r}: tensor {info.name!r} of shape {list(info.shape)} does not match the "
@@ -192,7 +206,7 @@ def _qwen35_reshape(h: GGUFHeader, key: str, value):
         value = value[..., None]
     if key.endswith("shared_expert_gate.weight"):  # GGUF [hidden] or [hidden, 1]: one output
         return value.reshape(1, -1)
-    if r == 1 or ".linear_attn." not in key:
+    if r == 1 or ".linear_attn." not in key or h.architecture == "qwen3next":  # qwen3next: heads as in HF
         return value
     key_dim = k * d
     if key.endswith(("in_proj_qkv.weight", "conv1d.weight")):
@@ -205,6 +219,28 @@ def _qwen35_reshape(h: GGUFHeader, key: str, value):
     if key.endswith("out_proj.weight"):
         return _untile(value, 1, k, r, d)
     return value
+
+
+def _fuse_qkvz(h: GGUFHeader, weights: dict) -> dict:
+    """qwen3next: the converter split ``in_proj_qkvz`` (per key head ``[q, k,
+    v, z]``) into ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (z);
+    mlx-lm's class takes it fused as in the checkpoint, so it is re-fused."""
+    import mlx.core as mx
+
+    ssm = _sizes(h)
+    nk, d = ssm["k_heads"], ssm["head"]
+    out = {}
+    for key, value in weights.items():
+        if not key.endswith("linear_attn.in_proj_qkv.weight"):
+            if not key.endswith("linear_attn.in_proj_z.weight"):
+                out[key] = value
+            continue
+        stem = key[: -len("in_proj_qkv.weight")]
+        hidden = value.shape[-1]
+        q, k, v = value[: nk * d], value[nk * d : 2 * nk * d], value[2 * nk * d :]
+        parts = [t.reshape(nk, -1, hidden) for t in (q, k, v, weights[f"{stem}in_proj_z.weight"])]
+        out[f"{stem}in_proj_qkvz.weight"] = mx.concatenate(parts, axis=1).reshape(-1, hidden)
+    return out
 
 
 def mtp_name(name: str, h: GGUFHeader) -> str | None:
@@ -239,4 +275,13 @@ QWEN35_FAMILIES = {
         "qwen3_5", _BLOCK, _qwen35, reshape=_qwen35_reshape, bare_names=_BARE, decoded=True
     ),  # decoded: the value heads are permuted back within rows and columns
     "qwen35moe": Family("qwen3_5_moe", _MOE_BLOCK, _qwen35moe, reshape=_qwen35_reshape, bare_names=_BARE, decoded=True),
+    "qwen3next": Family(
+        "qwen3_next",
+        _NEXT_BLOCK,
+        _qwen35moe,
+        reshape=_qwen35_reshape,
+        bare_names=_BARE,
+        decoded=True,
+        combine=_fuse_qkvz,
+    ),  # fmt: skip
 }
