@@ -1,6 +1,10 @@
-"""GGUF ``qwen35`` (Qwen3.5/3.6 dense) and ``qwen35moe`` (Qwen3.5/3.6 MoE:
-experts and a gated shared expert, as qwen3moe's plus ``ffn_*_shexp``) mapped
-onto mlx-lm's ``qwen3_5`` and ``qwen3_5_moe``: gated
+"""GGUF ``qwen35`` (Qwen3.5/3.6 dense), ``qwen35moe`` (Qwen3.5/3.6 MoE:
+experts and a gated shared expert, as qwen3moe's plus ``ffn_*_shexp``) and
+``qwen3next`` (Qwen3-Next: qwen35moe's shape; the converter reorders no value
+heads but splits the checkpoint's fused ``in_proj_qkvz``, per key head ``[q, k,
+v, z]``, into ``attn_qkv`` and ``attn_gate``, re-fused here, and keeps
+``in_proj_ba`` as ``ssm_ba``) mapped onto mlx-lm's ``qwen3_5``,
+``qwen3_5_moe`` and ``qwen3_next``: gated
 delta-net (linear attention) layers with a full-attention layer every
 ``full_attention_interval``. What llama.cpp's converter (``Qwen3_5TextModel``:
 ``Qwen3NextModel`` and ``_LinearAttentionVReorderBase``) did, and what the
