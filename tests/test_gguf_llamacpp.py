@@ -42,7 +42,7 @@ def _bound(ftype: str, n_matmuls: int) -> float:
     return 2 * math.sqrt(n_matmuls) * _ACTIVATION_STEP.get(ftype, _EIGHT_BIT) / math.sqrt(12)
 
 
-MOE_FAMILIES = ("qwen3moe", "gpt-oss", "qwen35moe", "qwen3next")
+MOE_FAMILIES = ("qwen3moe", "gpt-oss", "qwen35moe", "qwen3next", "granitehybrid-moe")
 # A router near-tie: the k-th and (k+1)-th router logits closer than this (their
 # spread is ~1 here), where the activation rounding above can swap which expert
 # a token goes to, and that position's output with it.
@@ -92,7 +92,8 @@ def _n_matmuls(kit, family: str) -> int:
     counted as 4 more (test_qwen35_is_llama_cpps_up_to_its_activation_rounding
     shows the difference is that rounding)."""
     config, n = kit.config, kit.config["num_hidden_layers"]
-    ffn = 3 * config.get("num_experts_per_tok", 1) + (4 if family in ("qwen35moe", "qwen3next") else 0)  # + shared
+    shared = {"qwen35moe": 4, "qwen3next": 4, "granitehybrid-moe": 3}.get(family, 0)  # a shared expert (and gate)
+    ffn = 3 * config.get("num_experts_per_tok", 1) + shared
     if family.startswith("qwen3") and "linear_num_key_heads" in config:
         attention = n // config["full_attention_interval"]
         return (4 + ffn) * attention + (9 + ffn) * (n - attention) + 1
@@ -148,6 +149,7 @@ def test_every_loader_type_is_covered():
         "qwen3moe-Q4_K_M.gguf",
         "qwen35-Q4_K_M.gguf",
         "qwen35moe-Q4_K_M.gguf",
+        "granitehybrid-moe-Q4_K_M.gguf",
     ],
 )
 def test_q4_k_m_of_another_family_answers(name):
@@ -177,6 +179,7 @@ def test_q4_k_m_of_another_family_answers(name):
         "qwen35-Q4_K_M.gguf",
         "qwen35moe-Q4_K_M.gguf",
         "qwen3next-Q4_K_M.gguf",
+        "granitehybrid-moe-Q4_K_M.gguf",
         "llama-Q2_K.gguf",
         "llama-Q6_K.gguf",
         "llama-IQ4_XS.gguf",
