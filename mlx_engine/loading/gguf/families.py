@@ -360,9 +360,11 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
 
 
 def _read_weights(h: GGUFHeader, native: bool, dtype: str):
-    """``(weights, source types, rope_freqs, MLX modes)`` under mlx-lm's names,
-    the family's transforms undone; expert tensors of a ``TRANSCODED`` type
-    come as MLX quantized triples (``moe.expert_weights``)."""
+    """``(weights, source types, rope_freqs, MLX modes, MTP head)`` under
+    mlx-lm's names, the family's transforms undone; expert tensors of a
+    ``TRANSCODED`` type come as MLX quantized triples (transcode.py)."""
+    import mlx.core as mx
+
     family = FAMILIES[h.architecture]
     tensors = iter(read_native(h).items()) if native else read_decoded(h, dtype, keep=is_expert_tensor)
     weights, source_types, rope_freqs, modes, kept, mtp = {}, {}, None, {}, {}, {}
@@ -371,6 +373,10 @@ def _read_weights(h: GGUFHeader, native: bool, dtype: str):
             rope_freqs = value
             continue
         if (hf_name := mtp_name(name, h)) is not None:  # kept aside: mlx-lm's class has no MTP head
+            bits = EXPERT_REQUANT_BITS.get(h.tensors[name].type_name) if name in h.tensors else None
+            if not isinstance(value, dict) and value.ndim == 3 and bits and value.shape[-1] % REQUANT_GROUP == 0:
+                q = mx.quantize(value, group_size=REQUANT_GROUP, bits=bits)  # its experts stay quantized too
+                value = {"weight": q[0], "scales": q[1], "biases": q[2]}
             parts = value if isinstance(value, dict) else {hf_name.rsplit(".", 1)[1]: value}
             mtp.update({f"{hf_name.rsplit('.', 1)[0]}.{part}": array for part, array in parts.items()})
             continue
