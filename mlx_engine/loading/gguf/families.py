@@ -314,8 +314,9 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
     decoded tensor by tensor: to float32 on the CPU (the fast path there);
     elsewhere (``keep_quantized``, by default off the CPU) to float16, with the
     matrices of quantized types re-quantized to MLX's affine format by
-    ``REQUANT_BITS``. Stacked MoE expert tensors stay quantized everywhere
-    (``expert_weights``)."""
+    ``REQUANT_BITS``. Stacked MoE expert tensors stay quantized everywhere:
+    re-packed where MLX has their format (transcode.py), else re-quantized by
+    ``EXPERT_REQUANT_BITS``. A family's MTP blocks become ``model.mtp``."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
