@@ -21,7 +21,14 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "gguf"
-DEFAULT = ["qwen3moe-Q4_K_M.gguf", "gpt-oss-Q4_K_M.gguf", "gpt-oss-MXFP4_MOE.gguf"]
+DEFAULT = [
+    "qwen3moe-Q4_K_M.gguf",
+    "gpt-oss-Q4_K_M.gguf",
+    "gpt-oss-MXFP4_MOE.gguf",
+    "qwen35moe-Q4_K_M.gguf",
+    "qwen3next-Q4_K_M.gguf",
+    "granitehybrid-moe-Q4_K_M.gguf",
+]
 
 _RUN = r"""
 import json, sys
@@ -35,11 +42,14 @@ h = reader.read_header(__import__("pathlib").Path(path))
 expert_file = sum(t.n_bytes for t in h.tensors.values() if t.name.endswith("_exps.weight"))
 mx.reset_peak_memory()
 kit = me.load_model(path, compute_dtype="native")
-params = tree_flatten(kit.model.parameters())
+def arrays(model):  # the parameters and a kept MTP head (qwen35/qwen3next: resident too)
+    mtp = getattr(model, "mtp", None)
+    return tree_flatten(model.parameters()) + (list(mtp.weights.items()) if mtp is not None else [])
+params = arrays(kit.model)
 native = {"all": sum(v.nbytes for _, v in params), "experts": sum(v.nbytes for k, v in params if ".mlp.experts." in k or ".switch_mlp." in k),
           "active": mx.get_active_memory()}
 metal = families.load_model(h, families.config_from_header(h), keep_quantized=True)
-mparams = tree_flatten(metal.parameters())
+mparams = arrays(metal)
 print(json.dumps({"file": h.path.stat().st_size, "expert_file": expert_file, "native": native,
                   "metal_all": sum(v.nbytes for _, v in mparams)}))
 """

@@ -179,11 +179,11 @@ def test_digit_splitting_pre_tokenizers_split_digits_one_by_one(tmp_path):
     )  # the converter alone differs
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama3", "gemma3", "granitehybrid-moe"])
 def test_parallel_requests_equal_their_solo_outputs(family_files, family):
     """Batched rows carry their own RoPE offsets (an array): Llama 3's factored
     RoPE and gemma3's sliding-window caches must give each request what it gets
-    alone."""
+    alone; Granite 4.0-H with experts routes each row's tokens itself."""
 
     path, _, _ = family_files(family, "Q8_0")
     solo_kit, kit = me.load_model(path, max_parallel=1), me.load_model(path, max_parallel=4)
@@ -286,6 +286,7 @@ RECURRENT = {
     "lfm2": "mlx_lm.models.lfm2",
     "mamba2": "mlx_lm.models.mamba2",
     "granitehybrid": "mlx_lm.models.granitemoehybrid",
+    "granitehybrid-moe": "mlx_lm.models.granitemoehybrid",
 }
 
 
@@ -338,9 +339,10 @@ def _changed_file(tmp_path, arch, tensors=None, metadata=None, drop=()):
     (tmp_path / "bpe").mkdir(exist_ok=True)
     tok = bpe_metadata(tmp_path / "bpe")
     model, config = reference_model(arch, len(tok["tokenizer.ggml.tokens"]))
+    family, arch = arch, FAMILIES[arch][0]  # a fixture family (granitehybrid-moe) and its GGUF architecture
     all_tensors = {**gguf_tensors(model, config, arch), **(tensors or {})}
     meta = {**arch_metadata(arch, config), **tok, **(metadata or {})}
-    path = tmp_path / f"bad-{arch}.gguf"
+    path = tmp_path / f"bad-{family}.gguf"
     write_gguf(path, arch, {k: v for k, v in all_tensors.items() if k not in drop},
                {k: v for k, v in meta.items() if k not in drop})  # fmt: skip
     return path
@@ -391,10 +393,15 @@ def _changed_file(tmp_path, arch, tensors=None, metadata=None, drop=()):
         ("granitehybrid", dict(drop=["blk.2.ssm_d"]), r"lacks 'blk\.2\.ssm_d' \(layer 2, mamba\)"),
         ("granitehybrid", dict(drop=["blk.1.attn_v.weight"]), r"lacks 'blk\.1\.attn_v\.weight' \(layer 1, attention\)"),
         ("granitehybrid", dict(drop=["granitehybrid.rope.scaling.finetuned"]), r"with RoPE \(Bamba\) is not mapped"),
-        (
+        (  # a router without its experts' metadata
             "granitehybrid",
             dict(tensors={"blk.0.ffn_gate_inp.weight": np.zeros((4, 256), np.float32)}),
-            r"with experts \(MoE\)",
+            r"lacks the metadata field 'granitehybrid\.expert_count'",
+        ),
+        (
+            "granitehybrid-moe",
+            dict(drop=["blk.2.ffn_up_shexp.weight"]),
+            r"lacks 'blk\.2\.ffn_up_shexp\.weight' \(layer 2, mamba\)",
         ),
         (
             "granitehybrid",

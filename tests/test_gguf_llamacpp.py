@@ -42,7 +42,7 @@ def _bound(ftype: str, n_matmuls: int) -> float:
     return 2 * math.sqrt(n_matmuls) * _ACTIVATION_STEP.get(ftype, _EIGHT_BIT) / math.sqrt(12)
 
 
-MOE_FAMILIES = ("qwen3moe", "gpt-oss")
+MOE_FAMILIES = ("qwen3moe", "gpt-oss", "qwen35moe", "qwen3next", "granitehybrid-moe")
 # A router near-tie: the k-th and (k+1)-th router logits closer than this (their
 # spread is ~1 here), where the activation rounding above can swap which expert
 # a token goes to, and that position's output with it.
@@ -52,9 +52,10 @@ ROUTER_TIE = 0.05
 @pytest.mark.parametrize("name", sorted(REFS["files"]))
 def test_logits_match_llama_cpp(name):
     """Every file within its activation-rounding bound. MoE files (qwen3moe,
-    gpt-oss; measured 2.0% to 2.4% on positions routed alike): a position
-    past the bound must be a router near-tie (at most two of 24; measured:
-    one, gpt-oss Q4_K_M position 10, margin 0.015, 50% off)."""
+    gpt-oss, qwen35moe; measured 2.0% to 4.3% on the other positions): a
+    position past the bound must be at or after a router near-tie (at most two
+    of 24; measured: gpt-oss Q4_K_M position 10, margin 0.015, 50% off;
+    qwen35moe position 17, 12% off, after a 0.007 margin at position 2)."""
     ref = REFS["files"][name]
     kit = me.load_model(FIXTURES / name)
     tokens = ref["tokens"]
@@ -66,7 +67,8 @@ def test_logits_match_llama_cpp(name):
     keep = np.ones(len(tokens), dtype=bool)
     if ref["family"] in MOE_FAMILIES:
         per_position = mx.sqrt(((got - expected) ** 2).mean(axis=-1)) / mx.sqrt((expected**2).mean(axis=-1))
-        ties = mx.array(margins()) < ROUTER_TIE
+        # a near-tie here or earlier: a token sent elsewhere changes the KV cache or recurrent state after it
+        ties = mx.array(np.minimum.accumulate(np.array(margins())) < ROUTER_TIE)
         off = per_position > bound
         assert not (off & ~ties).any().item() and off.sum().item() <= 2, (
             name,
@@ -90,12 +92,12 @@ def _n_matmuls(kit, family: str) -> int:
     counted as 4 more (test_qwen35_is_llama_cpps_up_to_its_activation_rounding
     shows the difference is that rounding)."""
     config, n = kit.config, kit.config["num_hidden_layers"]
-    if family in MOE_FAMILIES:
-        return (4 + 3 * config["num_experts_per_tok"]) * n + 1
-    if family == "qwen35":
+    shared = {"qwen35moe": 4, "qwen3next": 4, "granitehybrid-moe": 3}.get(family, 0)  # a shared expert (and gate)
+    ffn = 3 * config.get("num_experts_per_tok", 1) + shared
+    if family.startswith("qwen3") and "linear_num_key_heads" in config:
         attention = n // config["full_attention_interval"]
-        return 7 * attention + 12 * (n - attention) + 1
-    return 7 * n + 1
+        return (4 + ffn) * attention + (9 + ffn) * (n - attention) + 1
+    return (4 + ffn) * n + 1
 
 
 @contextmanager
@@ -146,6 +148,8 @@ def test_every_loader_type_is_covered():
         "granitehybrid-Q4_K_M.gguf",
         "qwen3moe-Q4_K_M.gguf",
         "qwen35-Q4_K_M.gguf",
+        "qwen35moe-Q4_K_M.gguf",
+        "granitehybrid-moe-Q4_K_M.gguf",
     ],
 )
 def test_q4_k_m_of_another_family_answers(name):
@@ -173,6 +177,9 @@ def test_q4_k_m_of_another_family_answers(name):
         "qwen3moe-Q4_K_M.gguf",
         "gpt-oss-Q4_K_M.gguf",
         "qwen35-Q4_K_M.gguf",
+        "qwen35moe-Q4_K_M.gguf",
+        "qwen3next-Q4_K_M.gguf",
+        "granitehybrid-moe-Q4_K_M.gguf",
         "llama-Q2_K.gguf",
         "llama-Q6_K.gguf",
         "llama-IQ4_XS.gguf",
@@ -209,7 +216,7 @@ def test_decoded_types_kept_quantized_for_metal(name):
     for path, module in kept.named_modules():
         path = path.removeprefix("language_model.")  # qwen35: mlx-lm's multimodal wrapper
         if path in types and types[path] in gguf_models.REQUANT_BITS:
-            if path.endswith("_proj") and ".mlp." in path and kept.args.model_type in ("qwen3_moe", "gpt_oss"):
+            if ".switch_mlp." in path or ".mlp.experts." in path:
                 assert isinstance(module, QuantizedSwitchLinear), path  # experts: re-packed where exact
                 assert module.bits == TRANSCODED.get(types[path], gguf_models.EXPERT_REQUANT_BITS[types[path]]), path
             else:
@@ -254,20 +261,34 @@ def test_mamba2_is_llama_cpps_up_to_its_activation_rounding(monkeypatch):
     assert rel <= 1e-3, rel
 
 
-def test_qwen35_is_llama_cpps_up_to_its_activation_rounding(monkeypatch):
-    """With llama.cpp's Q8_K rounding of every Linear's input emulated, the
-    engine's logits on llama.cpp's Q4_K_M qwen35 are llama.cpp's to 1.2%
-    relative RMS (4.6% without the emulation; the rest is llama.cpp's F16 KV
-    cache and float32 roundings): the value-head reordering, -exp(A_log), the
-    conv kernel, the +1 norms and the partial RoPE are undone as llama.cpp
-    reads them (on the F32 source the two agree to 1.3e-4)."""
+@pytest.mark.parametrize(
+    "name, bound", [("qwen35-Q4_K_M.gguf", 2e-2), ("qwen35moe-Q4_K_M.gguf", 4e-2), ("qwen3next-Q4_K_M.gguf", 4e-2)]
+)
+def test_qwen35_is_llama_cpps_up_to_its_activation_rounding(monkeypatch, name, bound):
+    """With llama.cpp's Q8_K rounding of the inputs of every quantized Linear
+    and expert emulated, the engine's logits on llama.cpp's Q4_K_M qwen35 are
+    llama.cpp's to 1.2% relative RMS (4.6% without the emulation), qwen35moe's
+    to 2.7% (its routing then follows llama.cpp's at the near-ties too),
+    qwen3next's to 1.6% (3.8%; its re-fused in_proj_qkvz too); the
+    rest is llama.cpp's F16 KV cache and float32 roundings. So the value-head
+    reordering, -exp(A_log), the conv kernel, the +1 norms, the partial RoPE
+    and the shared expert's gate are undone as llama.cpp reads them (on the
+    F32 sources the two agree to 1.3e-4 and 1.1e-4)."""
     import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchLinear
 
-    name = "qwen35-Q4_K_M.gguf"
     kit = me.load_model(FIXTURES / name)
-    linear = nn.Linear.__call__
-    monkeypatch.setattr(nn.Linear, "__call__", lambda self, x: linear(self, _q8_k(x) if x.shape[-1] % 256 == 0 else x))
+    routers = (kit.config.get("num_experts") or 0, 1)  # ffn_gate_inp(_shexp): F32, inputs not rounded
+    linear, switch = nn.Linear.__call__, SwitchLinear.__call__
+
+    def rounded(self, x):
+        return linear(self, _q8_k(x) if x.shape[-1] % 256 == 0 and self.weight.shape[0] not in routers else x)
+
+    monkeypatch.setattr(nn.Linear, "__call__", rounded)
+    monkeypatch.setattr(
+        SwitchLinear, "__call__", lambda self, x, i, sorted_indices=False: switch(self, _q8_k(x), i, sorted_indices)
+    )
     got = kit.model(mx.array(REFS["files"][name]["tokens"])[None])[0].astype(mx.float32)
     expected = mx.array(LOGITS[name])
     rel = (mx.sqrt(((got - expected) ** 2).mean()) / mx.sqrt((expected**2).mean())).item()
-    assert rel <= 2e-2, rel
+    assert rel <= bound, rel

@@ -10,77 +10,112 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import assert_same_or_near_tie, generate_ids, round_robin
+from mlx.utils import tree_flatten
 
 from fixtures.gguf_families import arch_metadata, bpe_metadata, gguf_tensors, reference_model, write_gguf
 
 PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
 
 
+FAMILIES = {
+    "qwen35": "mlx_lm.models.qwen3_5",
+    "qwen35moe": "mlx_lm.models.qwen3_5_moe",
+    "qwen3next": "mlx_lm.models.qwen3_next",
+}
+
+
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    work = tmp_path_factory.mktemp("qwen35")
-    (work / "bpe").mkdir()
-    tok = bpe_metadata(work / "bpe")
-    model, config = reference_model("qwen35", len(tok["tokenizer.ggml.tokens"]))
-    return work, tok, model, config, gguf_tensors(model, config, "qwen35")
+def sources(tmp_path_factory):
+    """Per family: work folder, tokenizer metadata, source model, config and
+    GGUF tensors (converted once for the module)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            work = tmp_path_factory.mktemp(family)
+            (work / "bpe").mkdir()
+            tok = bpe_metadata(work / "bpe")
+            model, config = reference_model(family, len(tok["tokenizer.ggml.tokens"]))
+            cache[family] = (family, work, tok, model, config, gguf_tensors(model, config, family))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def source(sources):
+    return sources("qwen35")
 
 
 def _file(source, name, qtype="F32", tensors=None, metadata=None, drop=()):
-    work, tok, _, config, all_tensors = source
-    meta = {**arch_metadata("qwen35", config), **tok, **(metadata or {})}
+    family, work, tok, _, config, all_tensors = source
+    meta = {**arch_metadata(family, config), **tok, **(metadata or {})}
     merged = {**all_tensors, **(tensors or {})}
-    return write_gguf(work / f"{name}.gguf", "qwen35", {k: v for k, v in merged.items() if k not in drop},
+    return write_gguf(work / f"{name}.gguf", family, {k: v for k, v in merged.items() if k not in drop},
                       {k: v for k, v in meta.items() if k not in drop}, qtype)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def f32_kit(source):
-    return me.load_model(_file(source, "f32"))
+def f32_kits(sources):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = me.load_model(_file(sources(family), "f32"))
+        return cache[family]
+
+    return get
 
 
-def test_qwen35_is_mlx_lms_class_and_computes_its_source(source, f32_kit):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_qwen35_is_mlx_lms_class_and_computes_its_source(sources, f32_kits, family):
     """Linear-attention layers in ``ArraysCache`` (so rewinds, checkpoints and
     batching apply), the value heads back in grouped order, A_log, the conv
     kernel, the +1 norms used as stored: the F32 file gives the source's
-    logits (measured 6e-7 relative RMS)."""
+    logits (measured 6.3e-7 relative RMS; qwen35moe, with its experts and
+    gated shared expert, 6.6e-7)."""
     from mlx_engine.caches.ragged import can_batch
     from mlx_engine.caches.sequence import SequenceCache
 
     from mlx_lm.models.cache import ArraysCache
 
-    kit = f32_kit
-    assert type(kit.model).__module__ == "mlx_lm.models.qwen3_5"
+    kit = f32_kits(family)
+    assert type(kit.model).__module__ == FAMILIES[family]
     assert [type(c) for c in kit.model.make_cache()][:2] == [ArraysCache, type(kit.model.make_cache()[1])]
     assert ArraysCache in {type(c) for c in kit.model.make_cache()} and can_batch(SequenceCache(kit.model))
     ids = mx.array(me.tokenize(kit, PROMPT))[None]
-    got, want = kit.model(ids), source[2](ids)
+    got, want = kit.model(ids), sources(family)[3](ids)
     assert (mx.sqrt(((got - want) ** 2).mean()) / mx.sqrt((want**2).mean())).item() <= 1e-4
 
 
-def test_the_mtp_head_is_kept_under_its_hugging_face_names(source, f32_kit):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_mtp_head_is_kept_under_its_hugging_face_names(sources, f32_kits, family):
     """The ``nextn`` block (``nextn_predict_layers`` 1) is not dropped: it is
     ``model.mtp.weights``, not a model parameter, with the converter's names
     reversed and the values as stored."""
-    mtp = f32_kit.model.mtp.weights
-    n = source[3]["num_hidden_layers"]
-    tensors = source[4]
+    kit = f32_kits(family)
+    mtp = kit.model.mtp.weights
+    n, tensors = sources(family)[4]["num_hidden_layers"], sources(family)[5]
     assert np.array_equal(np.array(mtp["mtp.fc.weight"]), tensors[f"blk.{n}.nextn.eh_proj.weight"])
     assert np.array_equal(np.array(mtp["mtp.pre_fc_norm_hidden.weight"]), tensors[f"blk.{n}.nextn.hnorm.weight"])
     assert np.array_equal(np.array(mtp["mtp.layers.0.self_attn.q_proj.weight"]), tensors[f"blk.{n}.attn_q.weight"])
-    assert {"mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.layers.0.mlp.down_proj.weight"} <= set(mtp)
-    assert not any("mtp" in k for k, _ in __import__("mlx.utils").utils.tree_flatten(f32_kit.model.parameters()))
+    assert {"mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.layers.0.self_attn.o_proj.weight"} <= set(mtp)
+    assert not any("mtp" in k for k, _ in tree_flatten(kit.model.parameters()))
+    if family == "qwen35moe":  # its MTP block has experts too: kept quantized as the model's
+        assert "mtp.layers.0.mlp.switch_mlp.gate_proj.weight" in mtp
 
 
 @pytest.fixture(scope="module")
-def q8_file(source):
-    return _file(source, "q8", "Q8_0")
+def q8_files(sources):
+    return {family: _file(sources(family), "q8", "Q8_0") for family in FAMILIES}
 
 
-def test_qwen35_speculates_exactly_and_the_next_turn_reuses_the_cache(q8_file):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_qwen35_speculates_exactly_and_the_next_turn_reuses_the_cache(q8_files, family):
     """Prompt lookup speculates on the delta-net state (no fallback) and gives
     plain greedy's tokens; the next turn resumes from a checkpoint and answers
     as a fresh kit does."""
-    kit, fresh = me.load_model(q8_file), me.load_model(q8_file)
+    kit, fresh = me.load_model(q8_files[family]), me.load_model(q8_files[family])
     prompt = me.tokenize(kit, PROMPT * 2)
     plain, _ = generate_ids(fresh, prompt, max_tokens=10, temp=0.0)
     lookup, last = generate_ids(kit, prompt, max_tokens=10, temp=0.0, prompt_lookup_num_tokens=3)
@@ -94,8 +129,11 @@ def test_qwen35_speculates_exactly_and_the_next_turn_reuses_the_cache(q8_file):
     assert cold.stats.cached_tokens == 0 and ids == want
 
 
-def test_qwen35_parallel_requests_equal_their_solo_outputs(q8_file):
-    solo_kit, kit = me.load_model(q8_file, max_parallel=1), me.load_model(q8_file, max_parallel=3)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_qwen35_parallel_requests_equal_their_solo_outputs(q8_files, family):
+    """Batched rows (the delta-net state per row, with its lengths) equal solo runs."""
+    path = q8_files[family]
+    solo_kit, kit = me.load_model(path, max_parallel=1), me.load_model(path, max_parallel=3)
     prompts = [me.tokenize(kit, t) for t in (PROMPT, "def add(a, b):", "The quick brown fox " * 3)]
     want = [generate_ids(solo_kit, p, max_tokens=8, temp=0.0)[0] for p in prompts]
     got, _ = round_robin([me.create_generator(kit, p, max_tokens=8, temp=0.0) for p in prompts])
@@ -121,5 +159,30 @@ def test_qwen35_parallel_requests_equal_their_solo_outputs(q8_file):
 def test_a_malformed_qwen35_file_is_refused_naming_it(source, change, message):
     path = _file(source, "bad", **change)
     with pytest.raises(me.ModelLoadError, match=message) as info:
+        me.load_model(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(drop=["blk.1.ffn_up_shexp.weight"]), r"lacks 'blk\.1\.ffn_up_shexp\.weight' \(layer 1, attention\)"),
+        (dict(drop=["blk.0.ffn_gate_exps.weight"]), r"lacks 'blk\.0\.ffn_gate_exps\.weight'"),
+        (dict(metadata={"qwen35moe.expert_count": 8}), r"'blk\.0\.ffn_gate_exps\.weight' of shape \[256, 256, 4\]"),
+        (dict(tensors={"blk.0.ffn_gate_up_exps.weight": np.zeros((4, 512, 256), np.float32)}), r"fused 'ffn_gate_up_exps'"),
+    ],
+)  # fmt: skip
+def test_a_malformed_qwen35moe_file_is_refused_naming_it(sources, change, message):
+    path = _file(sources("qwen35moe"), "bad", **change)
+    with pytest.raises(me.ModelLoadError, match=message) as info:
+        me.load_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_qwen3next_refuses_the_older_fused_ssm_in(sources):
+    """An older converter wrote Qwen3-Next's projection fused as ``ssm_in``;
+    only the current split (attn_qkv + attn_gate) is mapped."""
+    path = _file(sources("qwen3next"), "bad", tensors={"blk.0.ssm_in.weight": np.zeros((1024, 256), np.float32)})
+    with pytest.raises(me.ModelLoadError, match=r"fused 'ssm_in'") as info:
         me.load_model(path)
     assert str(path) in str(info.value)

@@ -2,7 +2,7 @@
 decoding and mlx-lm, rewinds of every length, turns that reuse the shared
 prefix through recurrent-state checkpoints, and a hybrid draft model.
 
-Tiny random models of eight hybrid families (fixtures/tiny_models.HYBRID_ARCHS)
+Tiny random models of nine hybrid families (fixtures/tiny_models.HYBRID_ARCHS)
 plus the llama fixture as the attention-only control; all share one tokenizer."""
 
 import mlx_engine

@@ -41,7 +41,10 @@ STEP = 256  # buffer growth, in positions (as mlx-lm's KVCache)
 #: row alone in tests/test_hybrid.py. Not nemotron_h (its Mamba layer does not
 #: pass ``lengths`` to ``ssm_update``, so right padding enters the state) nor
 #: jamba (its Mamba-1 layer ignores the mask): their rows run alone.
-BATCHED_RECURRENT = frozenset({"qwen3_next", "qwen3_5", "lfm2", "mamba2", "granitemoehybrid", "falcon_h1"})
+#: qwen3_5_moe is qwen3_5's model with MoE feed-forwards (tests/test_gguf_qwen35.py).
+BATCHED_RECURRENT = frozenset(
+    {"qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "mamba2", "granitemoehybrid", "falcon_h1"}
+)
 
 
 def can_batch(cache: SequenceCache) -> bool:

@@ -207,7 +207,7 @@ def _check_dims(h: GGUFHeader, config: dict) -> None:
         raise bad_field(h, f"{arch}.attention.head_count_kv", kv_heads, f"a divisor of head_count ({heads})")
     head_dim, inter = config.get("head_dim") or hidden // heads, config["intermediate_size"]
     fused = arch == "phi3"
-    gated = 2 if arch == "qwen35" else 1  # attn_q holds the queries and their output gate
+    gated = 2 if arch in ("qwen35", "qwen35moe", "qwen3next") else 1  # attn_q holds the queries and their output gate
     attn = next((i for i in range(config["num_hidden_layers"]) if f"blk.{i}.attn_k.weight" in h.tensors), 0)
     expected = {
         "token_embd.weight": (0, hidden, "embedding_length"),
@@ -314,8 +314,9 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
     decoded tensor by tensor: to float32 on the CPU (the fast path there);
     elsewhere (``keep_quantized``, by default off the CPU) to float16, with the
     matrices of quantized types re-quantized to MLX's affine format by
-    ``REQUANT_BITS``. Stacked MoE expert tensors stay quantized everywhere
-    (``expert_weights``)."""
+    ``REQUANT_BITS``. Stacked MoE expert tensors stay quantized everywhere:
+    re-packed where MLX has their format (transcode.py), else re-quantized by
+    ``EXPERT_REQUANT_BITS``. A family's MTP blocks become ``model.mtp``."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
@@ -326,6 +327,8 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
         keep_quantized = mx.default_device() != mx.cpu
     native = all_mlx_native(h) and not FAMILIES[h.architecture].decoded
     weights, source_types, rope_freqs, modes, mtp = _read_weights(h, native, "float16" if keep_quantized else "float32")
+    if FAMILIES[h.architecture].combine is not None:
+        weights = FAMILIES[h.architecture].combine(h, weights)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
         # qwen3_5's sanitize moves the text model under its multimodal wrapper's prefix
@@ -358,9 +361,11 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
 
 
 def _read_weights(h: GGUFHeader, native: bool, dtype: str):
-    """``(weights, source types, rope_freqs, MLX modes)`` under mlx-lm's names,
-    the family's transforms undone; expert tensors of a ``TRANSCODED`` type
-    come as MLX quantized triples (``moe.expert_weights``)."""
+    """``(weights, source types, rope_freqs, MLX modes, MTP head)`` under
+    mlx-lm's names, the family's transforms undone; expert tensors of a
+    ``TRANSCODED`` type come as MLX quantized triples (transcode.py)."""
+    import mlx.core as mx
+
     family = FAMILIES[h.architecture]
     tensors = iter(read_native(h).items()) if native else read_decoded(h, dtype, keep=is_expert_tensor)
     weights, source_types, rope_freqs, modes, kept, mtp = {}, {}, None, {}, {}, {}
@@ -369,7 +374,12 @@ def _read_weights(h: GGUFHeader, native: bool, dtype: str):
             rope_freqs = value
             continue
         if (hf_name := mtp_name(name, h)) is not None:  # kept aside: mlx-lm's class has no MTP head
-            mtp[hf_name] = value
+            bits = EXPERT_REQUANT_BITS.get(h.tensors[name].type_name) if name in h.tensors else None
+            if not isinstance(value, dict) and value.ndim == 3 and bits and value.shape[-1] % REQUANT_GROUP == 0:
+                q = mx.quantize(value, group_size=REQUANT_GROUP, bits=bits)  # its experts stay quantized too
+                value = {"weight": q[0], "scales": q[1], "biases": q[2]}
+            parts = value if isinstance(value, dict) else {hf_name.rsplit(".", 1)[1]: value}
+            mtp.update({f"{hf_name.rsplit('.', 1)[0]}.{part}": array for part, array in parts.items()})
             continue
         key = mlx_name(name, h)
         if isinstance(value, dict):  # an expert tensor kept quantized: weight, scales[, biases]

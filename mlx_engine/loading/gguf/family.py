@@ -40,6 +40,7 @@ class Family:
     own_config: Callable[[GGUFHeader], dict] | None = None  # families without attention metadata
     yarn: bool = False  # YaRN RoPE scaling is mapped by extra_config
     decoded: bool = False  # reshape permutes within matrices: always read decoded, never through mx.load
+    combine: Callable[[GGUFHeader, dict], dict] | None = None  # several GGUF tensors into one parameter
 
 
 def no_head_dim(h: GGUFHeader, config: dict) -> None:

@@ -53,13 +53,14 @@ def is_expert_tensor(info: TensorInfo) -> bool:
     return info.name.endswith("_exps.weight") and len(info.shape) == 3 and info.type_name in TRANSCODED
 
 
-def expert_sizes(h: GGUFHeader, hidden: int) -> tuple[int, int, int]:
-    """``(experts, used per token, expert width)`` from ``<arch>.expert_*``,
-    checked against every block's stacked expert tensors."""
+def expert_sizes(h: GGUFHeader, hidden: int, width_key: str = "expert_feed_forward_length") -> tuple[int, int, int]:
+    """``(experts, used per token, expert width)`` from ``<arch>.expert_*``
+    (the width from ``width_key``), checked against every block's stacked
+    expert tensors."""
     arch = h.architecture
     n_expert = meta_int(h, f"{arch}.expert_count", hi=4096)
     n_used = meta_int(h, f"{arch}.expert_used_count", hi=n_expert)
-    width = meta_int(h, f"{arch}.expert_feed_forward_length")
+    width = meta_int(h, f"{arch}.{width_key}")
     n_layers = meta_int(h, f"{arch}.block_count")
     expected = {"ffn_gate_exps": (hidden, width, n_expert), "ffn_up_exps": (hidden, width, n_expert),
                 "ffn_down_exps": (width, hidden, n_expert), "ffn_gate_inp": (hidden, n_expert)}  # fmt: skip
@@ -71,7 +72,7 @@ def expert_sizes(h: GGUFHeader, hidden: int) -> tuple[int, int, int]:
             if info.shape != shape:
                 raise ModelLoadError(
                     f"GGUF file {str(h.path)!r}: tensor {info.name!r} of shape {list(info.shape)} does not match "
-                    f"'{arch}.embedding_length', '{arch}.expert_feed_forward_length' and '{arch}.expert_count', "
+                    f"'{arch}.embedding_length', '{arch}.{width_key}' and '{arch}.expert_count', "
                     f"which give {list(shape)}"
                 )
     return n_expert, n_used, width

@@ -1,4 +1,10 @@
-"""GGUF ``qwen35`` (Qwen3.5/3.6 dense) mapped onto mlx-lm's ``qwen3_5``: gated
+"""GGUF ``qwen35`` (Qwen3.5/3.6 dense), ``qwen35moe`` (Qwen3.5/3.6 MoE:
+experts and a gated shared expert, as qwen3moe's plus ``ffn_*_shexp``) and
+``qwen3next`` (Qwen3-Next: qwen35moe's shape; the converter reorders no value
+heads but splits the checkpoint's fused ``in_proj_qkvz``, per key head ``[q, k,
+v, z]``, into ``attn_qkv`` and ``attn_gate``, re-fused here, and keeps
+``in_proj_ba`` as ``ssm_ba``) mapped onto mlx-lm's ``qwen3_5``,
+``qwen3_5_moe`` and ``qwen3_next``: gated
 delta-net (linear attention) layers with a full-attention layer every
 ``full_attention_interval``. What llama.cpp's converter (``Qwen3_5TextModel``:
 ``Qwen3NextModel`` and ``_LinearAttentionVReorderBase``) did, and what the
@@ -36,6 +42,7 @@ import numpy as np
 
 from ...errors import ModelLoadError
 from .family import MLP, Family, require_tensors
+from .moe import EXPERTS, expert_sizes
 from .reader import GGUFHeader, bad_field, meta_int
 
 _ATTENTION = {
@@ -59,6 +66,19 @@ _LINEAR = {
 _BLOCK = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm", **_ATTENTION,
           **_LINEAR, **MLP}  # fmt: skip
 _BARE = {"ssm_a": "linear_attn.A_log"}
+_MOE_FFN = {
+    "ffn_gate_inp": "mlp.gate",
+    **EXPERTS,
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_MOE_BLOCK = {**{k: v for k, v in _BLOCK.items() if k not in MLP}, **_MOE_FFN}
+# qwen3next: the split halves of in_proj_qkvz (re-fused by _fuse_qkvz) and the fused in_proj_ba
+_NEXT_LINEAR = {**{k: v for k, v in _LINEAR.items() if k not in ("ssm_beta", "ssm_alpha")},
+                "ssm_ba": "linear_attn.in_proj_ba"}  # fmt: skip
+_NEXT_BLOCK = {**{k: v for k, v in _MOE_BLOCK.items() if k not in ("ssm_beta", "ssm_alpha")}, **_NEXT_LINEAR}
 # The converter's remap of the MTP head (``_QwenMtpMixin.filter_tensors``), reversed.
 _MTP_NAMES = {"nextn.eh_proj": "fc", "nextn.enorm": "pre_fc_norm_embedding", "nextn.hnorm": "pre_fc_norm_hidden",
               "nextn.shared_head_norm": "norm"}  # fmt: skip
@@ -82,7 +102,7 @@ def _sizes(h: GGUFHeader) -> dict:
 def _qwen35(h: GGUFHeader, config: dict) -> None:
     """Layer kinds from ``full_attention_interval``, the delta-net sizes,
     partial RoPE; the MTP blocks counted out of the layers."""
-    arch, path = h.architecture, str(h.path)
+    arch = h.architecture
     n_mtp = meta_int(h, f"{arch}.nextn_predict_layers", 0, lo=0, hi=8)
     n_layers = config["num_hidden_layers"] - n_mtp
     if n_layers < 1:
@@ -102,15 +122,43 @@ def _qwen35(h: GGUFHeader, config: dict) -> None:
         linear_conv_kernel_dim=ssm["conv"], attention_bias=False, num_experts=0,
         rope_parameters={"type": "default", "rope_theta": config["rope_theta"],
                          "partial_rotary_factor": rope_dims / config["head_dim"]},
+        partial_rotary_factor=rope_dims / config["head_dim"], mlp_only_layers=[], decoder_sparse_step=1,
     )  # fmt: skip
+    ffn = list(MLP) if arch == "qwen35" else list(_MOE_FFN)
+    linear = list(_NEXT_LINEAR) if arch == "qwen3next" else list(_LINEAR)
+    if arch == "qwen3next" and any(name.endswith(".ssm_in.weight") for name in h.tensors):
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: qwen3next with a fused 'ssm_in' projection (an older converter's layout) "
+            "is not mapped; files with attn_qkv and attn_gate are"
+        )
     for i in range(n_layers):
         kind = "linear" if (i + 1) % interval else "attention"
-        own = list(_LINEAR) if kind == "linear" else list(_ATTENTION)
-        names = [f"blk.{i}.{t}.{'bias' if t == 'ssm_dt' else 'weight'}" for t in ["attn_norm", *own, *MLP]]
+        own = linear if kind == "linear" else list(_ATTENTION)
+        names = [f"blk.{i}.{t}.{'bias' if t == 'ssm_dt' else 'weight'}" for t in ["attn_norm", *own, *ffn]]
         require_tensors(h, names + ([f"blk.{i}.ssm_a"] if kind == "linear" else []), f"layer {i}, {kind}")
     _check_linear_shapes(h, config, ssm)
     if n_mtp:
         require_tensors(h, [f"blk.{n_layers}.nextn.eh_proj.weight"], "the MTP block ('nextn_predict_layers')")
+
+
+def _qwen35moe(h: GGUFHeader, config: dict) -> None:
+    """qwen35 with every feed-forward a sparse MoE block and a sigmoid-gated
+    shared expert (``ffn_*_shexp``, ``ffn_gate_inp_shexp``); top-k
+    renormalized, as llama.cpp computes it."""
+    arch = h.architecture
+    if any(name.endswith("ffn_gate_up_exps.weight") for name in h.tensors):
+        raise ModelLoadError(
+            f"GGUF file {str(h.path)!r}: fused 'ffn_gate_up_exps' expert tensors are not mapped; files with "
+            "separate ffn_gate_exps and ffn_up_exps are"
+        )
+    _qwen35(h, config)
+    n_expert, n_used, width = expert_sizes(h, config["hidden_size"])
+    config.update(
+        num_experts=n_expert, num_experts_per_tok=n_used, moe_intermediate_size=width, decoder_sparse_step=1,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=meta_int(h, f"{arch}.expert_shared_feed_forward_length",
+                                                 config["intermediate_size"]),
+    )  # fmt: skip
 
 
 def _check_linear_shapes(h: GGUFHeader, config: dict, ssm: dict) -> None:
@@ -119,10 +167,13 @@ def _check_linear_shapes(h: GGUFHeader, config: dict, ssm: dict) -> None:
     expected = {
         "attn_qkv.weight": (hidden, 2 * key_dim + value_dim), "attn_gate.weight": (hidden, value_dim),
         "ssm_conv1d.weight": (ssm["conv"], 2 * key_dim + value_dim), "ssm_beta.weight": (hidden, ssm["v_heads"]),
-        "ssm_out.weight": (value_dim, hidden), "ssm_a": (ssm["v_heads"],),
+        "ssm_ba.weight": (hidden, 2 * ssm["v_heads"]), "ssm_out.weight": (value_dim, hidden),
+        "ssm_a": (ssm["v_heads"],),
     }  # fmt: skip
     for name, shape in expected.items():
-        info = h.tensors[f"blk.0.{name}"]
+        info = h.tensors.get(f"blk.0.{name}")
+        if info is None:  # ssm_beta in qwen35, ssm_ba in qwen3next
+            continue
         if info.shape != shape:
             raise ModelLoadError(
                 f"GGUF file {str(h.path)!r}: tensor {info.name!r} of shape {list(info.shape)} does not match the "
@@ -157,7 +208,9 @@ def _qwen35_reshape(h: GGUFHeader, key: str, value):
         value = mx.log(-a)
     if key.endswith("conv1d.weight") and value.ndim == 2:
         value = value[..., None]
-    if r == 1 or ".linear_attn." not in key:
+    if key.endswith("shared_expert_gate.weight"):  # GGUF [hidden] or [hidden, 1]: one output
+        return value.reshape(1, -1)
+    if r == 1 or ".linear_attn." not in key or h.architecture == "qwen3next":  # qwen3next: heads as in HF
         return value
     key_dim = k * d
     if key.endswith(("in_proj_qkv.weight", "conv1d.weight")):
@@ -172,6 +225,28 @@ def _qwen35_reshape(h: GGUFHeader, key: str, value):
     return value
 
 
+def _fuse_qkvz(h: GGUFHeader, weights: dict) -> dict:
+    """qwen3next: the converter split ``in_proj_qkvz`` (per key head ``[q, k,
+    v, z]``) into ``attn_qkv`` (all q, all k, all v) and ``attn_gate`` (z);
+    mlx-lm's class takes it fused as in the checkpoint, so it is re-fused."""
+    import mlx.core as mx
+
+    ssm = _sizes(h)
+    nk, d = ssm["k_heads"], ssm["head"]
+    out = {}
+    for key, value in weights.items():
+        if not key.endswith("linear_attn.in_proj_qkv.weight"):
+            if not key.endswith("linear_attn.in_proj_z.weight"):
+                out[key] = value
+            continue
+        stem = key[: -len("in_proj_qkv.weight")]
+        hidden = value.shape[-1]
+        q, k, v = value[: nk * d], value[nk * d : 2 * nk * d], value[2 * nk * d :]
+        parts = [t.reshape(nk, -1, hidden) for t in (q, k, v, weights[f"{stem}in_proj_z.weight"])]
+        out[f"{stem}in_proj_qkvz.weight"] = mx.concatenate(parts, axis=1).reshape(-1, hidden)
+    return out
+
+
 def mtp_name(name: str, h: GGUFHeader) -> str | None:
     """The Hugging Face name of a tensor of the MTP blocks (None for any other)."""
     n_mtp = h.metadata.get(f"{h.architecture}.nextn_predict_layers", 0)
@@ -183,7 +258,7 @@ def mtp_name(name: str, h: GGUFHeader) -> str | None:
     if stem in _MTP_NAMES:
         return f"mtp.{_MTP_NAMES[stem]}.{suffix}"
     layer = int(m.group(1)) - first
-    return f"mtp.layers.{layer}.{_BLOCK.get(stem, stem)}.{suffix}"
+    return f"mtp.layers.{layer}.{_MOE_BLOCK.get(stem, _BLOCK.get(stem, stem))}.{suffix}"
 
 
 @dataclass(frozen=True)
@@ -203,4 +278,14 @@ QWEN35_FAMILIES = {
     "qwen35": Family(
         "qwen3_5", _BLOCK, _qwen35, reshape=_qwen35_reshape, bare_names=_BARE, decoded=True
     ),  # decoded: the value heads are permuted back within rows and columns
+    "qwen35moe": Family("qwen3_5_moe", _MOE_BLOCK, _qwen35moe, reshape=_qwen35_reshape, bare_names=_BARE, decoded=True),
+    "qwen3next": Family(
+        "qwen3_next",
+        _NEXT_BLOCK,
+        _qwen35moe,
+        reshape=_qwen35_reshape,
+        bare_names=_BARE,
+        decoded=True,
+        combine=_fuse_qkvz,
+    ),  # fmt: skip
 }

@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from ...errors import ModelLoadError
 from .family import ATTENTION, GLOBAL_NAMES, MLP, Family, flag_or_true, kv_heads_per_layer, no_head_dim, require_tensors
+from .moe import expert_sizes
 from .reader import GGUFHeader, bad_field, meta_float, meta_int
 
 logger = logging.getLogger(__name__)
@@ -171,23 +172,51 @@ def _check_ssm_shapes(h: GGUFHeader, block: int, hidden: int, ssm: dict) -> None
             )
 
 
+# Granite 4.0-H Tiny/Small: experts and a shared expert, whose gate and up halves the
+# converter split from shared_mlp.input_linear (re-fused by _fuse_shared_input).
+_GRANITE_MOE = {
+    "ffn_gate_inp": "block_sparse_moe.router.layer",
+    "ffn_gate_exps": "block_sparse_moe.switch_mlp.gate_proj",
+    "ffn_up_exps": "block_sparse_moe.switch_mlp.up_proj",
+    "ffn_down_exps": "block_sparse_moe.switch_mlp.down_proj",
+    "ffn_gate_shexp": "shared_mlp.gate_half",
+    "ffn_up_shexp": "shared_mlp.up_half",
+    "ffn_down_shexp": "shared_mlp.output_linear",
+}
+
+
 _GRANITE_HYBRID_BLOCK = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     **ATTENTION,
     **MLP,
     **{k: v.replace("mixer.", "mamba.") for k, v in _MAMBA2_BLOCK.items() if k != "attn_norm"},
+    **_GRANITE_MOE,
 }
 _GRANITE_HYBRID_BARE = {k: v.replace("mixer.", "mamba.") for k, v in _MAMBA2_BARE.items()}
 
 
+def _fuse_shared_input(h: GGUFHeader, weights: dict) -> dict:
+    """The shared expert's gate and up halves back into ``input_linear`` (gate
+    first, as mlx-lm splits it); quantized triples row-wise alike."""
+    halves = ("shared_mlp.gate_half.", "shared_mlp.up_half.")
+    out = {k: v for k, v in weights.items() if not any(half in k for half in halves)}
+    for key in weights:
+        if halves[0] in key:
+            up = key.replace(halves[0], halves[1])
+            if up not in weights:
+                raise ModelLoadError(f"GGUF file {str(h.path)!r}: the shared expert of {key!r} lacks its up half")
+            out[key.replace(halves[0], "shared_mlp.input_linear.")] = mx.concatenate([weights[key], weights[up]])
+    return out
+
+
 def _granitehybrid(h: GGUFHeader, config: dict) -> None:
-    """Granite 4.0-H, dense and without RoPE: layer kinds from the per-layer KV
-    head counts (0: Mamba-2), Granite's multipliers, the Mamba-2 sizes."""
+    """Granite 4.0-H without RoPE, dense (Micro) or with experts and a shared
+    expert (Tiny, Small): layer kinds from the per-layer KV head counts (0:
+    Mamba-2), Granite's multipliers, the Mamba-2 sizes."""
     arch, path, hidden = "granitehybrid", str(h.path), config["hidden_size"]
     kinds = ["attention" if n else "mamba" for n in kv_heads_per_layer(h, config["num_hidden_layers"])]
-    if any(name.endswith("ffn_gate_inp.weight") for name in h.tensors):
-        raise ModelLoadError(f"GGUF file {path!r}: granitehybrid with experts (MoE) is not mapped yet; dense files are")
+    moe = any(name.endswith("ffn_gate_inp.weight") for name in h.tensors)
     if flag_or_true(h, f"{arch}.rope.scaling.finetuned"):  # llama.cpp's switch for RoPE, on when absent
         raise ModelLoadError(
             f"GGUF file {path!r}: granitehybrid with RoPE (Bamba) is not mapped; Granite 4.0-H has none"
@@ -206,7 +235,13 @@ def _granitehybrid(h: GGUFHeader, config: dict) -> None:
         time_step_limit=(0.0, float("inf")),
     )  # fmt: skip
     require_tensors(h, ["output_norm.weight"], "the final norm")
-    shared = ["attn_norm", "ffn_norm", *MLP]
+    shared = ["attn_norm", "ffn_norm", *(_GRANITE_MOE if moe else MLP)]
+    if moe:  # experts of width feed_forward_length, a shared expert of expert_shared_feed_forward_length
+        n_expert, n_used, width = expert_sizes(h, hidden, width_key="feed_forward_length")
+        config.update(
+            num_local_experts=n_expert, num_experts_per_tok=n_used, intermediate_size=width,
+            shared_intermediate_size=meta_int(h, f"{arch}.expert_shared_feed_forward_length"),
+        )  # fmt: skip
     for i, kind in enumerate(kinds):
         own = [f"{t}.weight" for t in ATTENTION] if kind == "attention" else _SSM_TENSORS
         require_tensors(h, [f"blk.{i}.{t}" for t in [*(f"{s}.weight" for s in shared), *own]], f"layer {i}, {kind}")
@@ -257,5 +292,6 @@ RECURRENT_FAMILIES = {
         recurrent_layers=True,
         reshape=_mamba2_reshape,
         bare_names=_GRANITE_HYBRID_BARE,
+        combine=_fuse_shared_input,
     ),
 }
