@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    machine = machine_info()  # at the start: its load average is the one the run began under
     texts = sentences()
     model_dir = catalog.lookup(MODEL)
     t = time.perf_counter()
@@ -138,7 +139,7 @@ def main() -> None:
     )
     tokens = me.embed(kit, texts, truncate=True).total_tokens
     result = {
-        "machine": machine_info(),
+        "machine": machine,
         "load_average_after": os.getloadavg(),  # other work on the machine slows both sides
         "sentences": len(texts),
         "tokens": tokens,
