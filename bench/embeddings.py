@@ -10,7 +10,10 @@ neither of which mlx-engine depends on::
     python3 -m venv /tmp/refenv && /tmp/refenv/bin/pip install torch==2.13.0 sentence-transformers
 
 Both use batch size 32 (sentence-transformers' default; it also sorts by
-length) and every CPU core. Reported: sentences per second (median of the
+length) and every CPU core; with ``OPENBLAS_NUM_THREADS=N`` in the environment
+both use N threads (the engine's OpenBLAS reads it at start; the reference
+side calls ``torch.set_num_threads(N)``), which on a machine busy with other
+work compares the two more fairly than oversubscribed cores. Reported: sentences per second (median of the
 rounds, each embedding all 1,000), the cosine between the two sides' vectors
 (min and mean over the 1,000) and load times. Writes
 ``<out>/embeddings.md`` and ``<out>/embeddings.json``.
@@ -44,10 +47,12 @@ MODEL = "all-minilm-l6-v2"
 # encode of all sentences per round (the parent starts one process per round,
 # so rounds alternate with the engine's).
 _REFERENCE = """
-import json, sys, time
+import json, os, sys, time
 import numpy as np, torch
 from sentence_transformers import SentenceTransformer
 model_dir, sentences_file, out = sys.argv[1:4]
+if os.environ.get("OPENBLAS_NUM_THREADS"):  # the engine's BLAS threads: the same number for torch
+    torch.set_num_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
 sentences = json.load(open(sentences_file))
 t = time.perf_counter()
 model = SentenceTransformer(model_dir, device="cpu")
@@ -113,6 +118,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    machine = machine_info()  # at the start: its load average is the one the run began under
     texts = sentences()
     model_dir = catalog.lookup(MODEL)
     t = time.perf_counter()
@@ -133,7 +139,7 @@ def main() -> None:
     )
     tokens = me.embed(kit, texts, truncate=True).total_tokens
     result = {
-        "machine": machine_info(),
+        "machine": machine,
         "load_average_after": os.getloadavg(),  # other work on the machine slows both sides
         "sentences": len(texts),
         "tokens": tokens,

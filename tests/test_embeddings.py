@@ -8,6 +8,7 @@ from mlx_engine.loading import catalog
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -68,6 +69,26 @@ def test_a_batch_equals_one_at_a_time(minilm):
     batch = me.embed(minilm, texts, batch_size=4).vectors
     alone = np.stack([me.embed(minilm, t).vectors[0] for t in texts])
     assert np.abs(batch - alone).max() < 1e-5
+
+
+@requires_minilm
+def test_threads_embedding_at_once_get_their_own_vectors(minilm):
+    texts = REFS["sentences"]
+    expected = me.embed(minilm, texts, truncate=True).vectors
+    results: dict[int, np.ndarray] = {}
+
+    def work(i: int) -> None:
+        mine = texts[i::4]
+        for _ in range(3):  # truncating and not, interleaved across threads
+            results[i] = me.embed(minilm, mine, truncate=True, batch_size=2).vectors
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert np.abs(results[i] - expected[i::4]).max() < 1e-5
 
 
 @requires_minilm

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import glob
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -14,6 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..errors import InvalidArgument, ModelLoadError
 from ..loading import model as loading
@@ -62,6 +64,9 @@ class EmbeddingKit:
         self.model_path = path
         self.model: nn.Module | None = model
         self.tokenizer = tokenizer
+        # A fast tokenizer called with truncation changes its own settings: calls from
+        # several threads at once could collide ("Already borrowed"), so they take turns.
+        self.tokenizer_lock = threading.Lock()
         self.config = config
         self.encoder = encoder  # True: bidirectional BERT; False: a causal decoder's hidden states
         self.dimensions = width * len(config.pooling)
@@ -182,7 +187,7 @@ def _load_decoder(path: Path, config: dict, trust_remote_code: bool) -> nn.Modul
                     weights = {f"model.{k}": v for k, v in weights.items()}
                 if hasattr(model_class, "sanitize"):
                     weights = model_class.sanitize(self, weights)
-                expected = {k for k, _ in _flatten(self.parameters()) if k.startswith("model.")}
+                expected = {k for k, _ in tree_flatten(self.parameters()) if k.startswith("model.")}
                 missing = sorted(expected - set(weights))
                 if missing:
                     raise ModelLoadError(f"weights missing for {', '.join(missing[:5])}")
@@ -204,12 +209,6 @@ def _load_decoder(path: Path, config: dict, trust_remote_code: bool) -> nn.Modul
         raise ModelLoadError(f"the {config.get('model_type')!r} model in {str(path)!r} has no inner model to pool")
     model.eval()
     return model
-
-
-def _flatten(params) -> list:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(params)
 
 
 def _load_tokenizer(path: Path, trust_remote_code: bool):
@@ -273,7 +272,9 @@ def _encode(kit: EmbeddingKit, strings: list[str], max_length: int | None = None
         except UnicodeEncodeError as exc:
             raise InvalidArgument(f"texts[{i}] is not valid Unicode text: {exc.reason}", f"texts[{i}]") from None
     kwargs = {"truncation": True, "max_length": max_length} if max_length else {"verbose": False}
-    return [list(r) for r in kit.tokenizer(strings, add_special_tokens=True, **kwargs)["input_ids"]]
+    with kit.tokenizer_lock:
+        encoded = kit.tokenizer(strings, add_special_tokens=True, **kwargs)["input_ids"]
+    return [list(r) for r in encoded]
 
 
 def _checked_ids(kit: EmbeddingKit, item, i: int) -> list[int]:
@@ -320,7 +321,7 @@ def run_batches(kit: EmbeddingKit, ids: Sequence[list[int]], batch_size: int, di
     out = np.empty((len(ids), dimensions or kit.dimensions), dtype=np.float32)
     for start in range(0, len(order), batch_size):
         chosen = order[start : start + batch_size]
-        out[chosen] = np.array(_embed_batch(kit, [ids[i] for i in chosen], dimensions), copy=False)
+        out[chosen] = np.asarray(_embed_batch(kit, [ids[i] for i in chosen], dimensions))
     return out
 
 
