@@ -10,7 +10,8 @@ heads have, or the whole vocabulary with ``--full-vocab``):
 - **overhead of a loaded head whose drafts are all rejected**: plain decoding
   with no head, then with the random head loaded in the draft mode and in auto
   (the head's drafts are priced and it rests once they fail), same prompts,
-  interleaved, greedy; tokens/s and the ratio to plain.
+  interleaved, greedy, the suffix memory off (it would draft the repeated
+  answers); tokens/s and the ratio to plain.
 
 Writes ``<out>/heads.md``. A random head: costs and overheads, not acceptance.
 """
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--full-vocab", action="store_true")
 
     args = bench_args("bench.heads", __doc__.splitlines()[0], reps=2, max_tokens=96, argv=argv, extra=extra)
-    kit = me.load_model(args.model)
+    # No suffix memory: a regenerated answer would be drafted from it, which measures lookup, not the head.
+    kit = me.load_model(args.model, suffix_memory_tokens=0)
     config = dict(kit.config.get("text_config", kit.config))
     head = make_eagle3_head(
         Path(tempfile.mkdtemp()) / "head", config, draft_vocab=None if args.full_vocab else 32000, seed=1
