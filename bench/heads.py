@@ -80,13 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     for p in prompts:  # warm the prompt cache and the cost measurements
         _tokens_per_second(kit, p, 8)
     runs: dict[str, list[float]] = {"plain": [], "head (draft mode)": [], "head (auto)": []}
-    for _ in range(args.reps):
-        for p in prompts:
-            runs["plain"].append(_tokens_per_second(kit, p, args.max_tokens)[0])
-            me.load_draft_model(kit, head)
-            runs["head (draft mode)"].append(_tokens_per_second(kit, p, args.max_tokens)[0])
-            runs["head (auto)"].append(_tokens_per_second(kit, p, args.max_tokens, auto_speculative=True)[0])
-            me.unload_draft_model(kit)
+    modes = {"plain": {}, "head (draft mode)": {}, "head (auto)": {"auto_speculative": True}}
+    for rep in range(args.reps):
+        for i, p in enumerate(prompts):
+            names = list(modes)
+            shift = (rep * len(prompts) + i) % len(names)  # each mode runs first, second and last in turn
+            for name in names[shift:] + names[:shift]:
+                if name != "plain":
+                    me.load_draft_model(kit, head)
+                runs[name].append(_tokens_per_second(kit, p, args.max_tokens, **modes[name])[0])
+                me.unload_draft_model(kit)
     base = statistics.median(runs["plain"])
     lines += ["| decoding | tokens/s (median) | / plain |", "|---|---|---|"]
     for name, values in runs.items():
