@@ -37,13 +37,15 @@ PROMPTS = [
 ]
 
 
-def _tokens_per_second(kit, prompt: list[int], tokens: int, **kw) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def _tokens_per_second(kit, prompt: list[int], tokens: int, **kw) -> tuple[float, float, object]:
+    """Tokens per wall second and per CPU second of this process (all its
+    threads: what the work costs, steadier than wall time on a shared machine)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     n, last = 0, None
     for r in me.create_generator(kit, prompt, max_tokens=tokens, **kw):
         n += len(r.tokens)
         last = r
-    return n / (time.perf_counter() - t0), last.stats
+    return n / (time.perf_counter() - t0), n / (time.process_time() - c0), last.stats
 
 
 def _step_costs(kit, head: Path) -> list[str]:
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [me.apply_chat_template(kit, [{"role": "user", "content": p}]) for p in PROMPTS]
     for p in prompts:  # warm the prompt cache and the cost measurements
         _tokens_per_second(kit, p, 8)
-    runs: dict[str, list[float]] = {"plain": [], "head (draft mode)": [], "head (auto)": []}
+    runs: dict[str, list[tuple[float, float]]] = {"plain": [], "head (draft mode)": [], "head (auto)": []}
+    drafted: dict[str, list[int]] = {name: [0, 0] for name in runs}
     modes = {"plain": {}, "head (draft mode)": {}, "head (auto)": {"auto_speculative": True}}
     for rep in range(args.reps):
         for i, p in enumerate(prompts):
@@ -88,12 +91,21 @@ def main(argv: list[str] | None = None) -> int:
             for name in names[shift:] + names[:shift]:
                 if name != "plain":
                     me.load_draft_model(kit, head)
-                runs[name].append(_tokens_per_second(kit, p, args.max_tokens, **modes[name])[0])
+                wall, cpu, stats = _tokens_per_second(kit, p, args.max_tokens, **modes[name])
+                runs[name].append((wall, cpu))
+                drafted[name][0] += stats.drafted_tokens
+                drafted[name][1] += stats.accepted_tokens
                 me.unload_draft_model(kit)
-    base = statistics.median(runs["plain"])
-    lines += ["| decoding | tokens/s (median) | / plain |", "|---|---|---|"]
+    wall0 = statistics.median(w for w, _ in runs["plain"])
+    cpu0 = statistics.median(c for _, c in runs["plain"])
+    lines += [
+        "| decoding | tokens/s (median) | / plain | tokens per CPU second | / plain | drafted, accepted |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, values in runs.items():
-        lines.append(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) / base:.3f} |")
+        wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
+        d, a = drafted[name]
+        lines.append(f"| {name} | {wall:.1f} | {wall / wall0:.3f} | {cpu:.1f} | {cpu / cpu0:.3f} | {d}, {a} |")
     return write_report(lines, args.out, "heads.md")
 
 
