@@ -55,9 +55,18 @@ def read_head_config(path: Path) -> dict | None:
     return None
 
 
+def _tensor_names(file: Path) -> list[str]:
+    """The tensors a safetensors file declares; none when its header is bad (a
+    folder is then not taken for a head: loading it reports the file)."""
+    try:
+        return list(read_safetensors_header(file))
+    except ModelLoadError:
+        return []
+
+
 def _holds(path: Path, tensor: str) -> bool:
     """Whether a safetensors file of the folder declares ``tensor`` (headers only)."""
-    return any(tensor in read_safetensors_header(f) for f in sorted(path.glob("*.safetensors")))
+    return any(tensor in _tensor_names(f) for f in sorted(path.glob("*.safetensors")))
 
 
 def _mtp_files(path: Path) -> tuple[int, list[Path]] | None:
@@ -65,7 +74,7 @@ def _mtp_files(path: Path) -> tuple[int, list[Path]] | None:
     (by their headers: a tensor named ``...layers.N.eh_proj.weight``) and the files."""
     files = sorted(path.glob("*.safetensors"))
     for file in files:
-        index = mtp.mtp_layer_index(list(read_safetensors_header(file)))
+        index = mtp.mtp_layer_index(_tensor_names(file))
         if index is not None:
             return index, files
     return None
@@ -334,5 +343,7 @@ def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
         if not (k.startswith("embed_tokens.") and head.embed is capture.text_model(kit.model).embed_tokens)
     ]
     params = sum(v.size for v in own if mx.issubdtype(v.dtype, mx.floating))
-    what = f"EAGLE-3 head reading layers {list(head.spec.points)}" if head.kind == "eagle3" else f"{head.kind} head"
+    what = {"eagle3": f"EAGLE-3 head reading layers {list(head.spec.points)}", "mtp": "layer-N MTP head"}.get(
+        head.kind, "Qwen3.5 MTP head"
+    )
     return HeadDraft(path, head, int(params), description=what)
