@@ -156,7 +156,8 @@ def _extra_args(p) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = bench_args("python -m bench.heads_chat", __doc__.split("\n\n")[0], 2, 128, argv, _extra_args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    kit = me.load_model(me.DEFAULT_MODEL)
+    # no suffix memory: every system answers the same prompts, and auto would draft the earlier answers
+    kit = me.load_model(me.DEFAULT_MODEL, suffix_memory_tokens=0)
     chat = build(kit)
     if args.workloads is not None:
         chat = [w for w in chat if w.name in args.workloads.split(",")]
