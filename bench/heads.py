@@ -10,7 +10,8 @@ heads have, or the whole vocabulary with ``--full-vocab``):
 - **overhead of a loaded head whose drafts are all rejected**: plain decoding
   with no head, then with the random head loaded in the draft mode and in auto
   (the head's drafts are priced and it rests once they fail), same prompts,
-  interleaved, greedy; tokens/s and the ratio to plain.
+  interleaved, greedy, the suffix memory off (it would draft the repeated
+  answers); tokens/s and the ratio to plain.
 
 Writes ``<out>/heads.md``. A random head: costs and overheads, not acceptance.
 """
@@ -36,13 +37,15 @@ PROMPTS = [
 ]
 
 
-def _tokens_per_second(kit, prompt: list[int], tokens: int, **kw) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def _tokens_per_second(kit, prompt: list[int], tokens: int, **kw) -> tuple[float, float, object]:
+    """Tokens per wall second and per CPU second of this process (all its
+    threads: what the work costs, steadier than wall time on a shared machine)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     n, last = 0, None
     for r in me.create_generator(kit, prompt, max_tokens=tokens, **kw):
         n += len(r.tokens)
         last = r
-    return n / (time.perf_counter() - t0), last.stats
+    return n / (time.perf_counter() - t0), n / (time.process_time() - c0), last.stats
 
 
 def _step_costs(kit, head: Path) -> list[str]:
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--full-vocab", action="store_true")
 
     args = bench_args("bench.heads", __doc__.splitlines()[0], reps=2, max_tokens=96, argv=argv, extra=extra)
-    kit = me.load_model(args.model)
+    # No suffix memory: a regenerated answer would be drafted from it, which measures lookup, not the head.
+    kit = me.load_model(args.model, suffix_memory_tokens=0)
     config = dict(kit.config.get("text_config", kit.config))
     head = make_eagle3_head(
         Path(tempfile.mkdtemp()) / "head", config, draft_vocab=None if args.full_vocab else 32000, seed=1
@@ -77,18 +81,31 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [me.apply_chat_template(kit, [{"role": "user", "content": p}]) for p in PROMPTS]
     for p in prompts:  # warm the prompt cache and the cost measurements
         _tokens_per_second(kit, p, 8)
-    runs: dict[str, list[float]] = {"plain": [], "head (draft mode)": [], "head (auto)": []}
-    for _ in range(args.reps):
-        for p in prompts:
-            runs["plain"].append(_tokens_per_second(kit, p, args.max_tokens)[0])
-            me.load_draft_model(kit, head)
-            runs["head (draft mode)"].append(_tokens_per_second(kit, p, args.max_tokens)[0])
-            runs["head (auto)"].append(_tokens_per_second(kit, p, args.max_tokens, auto_speculative=True)[0])
-            me.unload_draft_model(kit)
-    base = statistics.median(runs["plain"])
-    lines += ["| decoding | tokens/s (median) | / plain |", "|---|---|---|"]
+    runs: dict[str, list[tuple[float, float]]] = {"plain": [], "head (draft mode)": [], "head (auto)": []}
+    drafted: dict[str, list[int]] = {name: [0, 0] for name in runs}
+    modes = {"plain": {}, "head (draft mode)": {}, "head (auto)": {"auto_speculative": True}}
+    for rep in range(args.reps):
+        for i, p in enumerate(prompts):
+            names = list(modes)
+            shift = (rep * len(prompts) + i) % len(names)  # each mode runs first, second and last in turn
+            for name in names[shift:] + names[:shift]:
+                if name != "plain":
+                    me.load_draft_model(kit, head)
+                wall, cpu, stats = _tokens_per_second(kit, p, args.max_tokens, **modes[name])
+                runs[name].append((wall, cpu))
+                drafted[name][0] += stats.drafted_tokens
+                drafted[name][1] += stats.accepted_tokens
+                me.unload_draft_model(kit)
+    wall0 = statistics.median(w for w, _ in runs["plain"])
+    cpu0 = statistics.median(c for _, c in runs["plain"])
+    lines += [
+        "| decoding | tokens/s (median) | / plain | tokens per CPU second | / plain | drafted, accepted |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, values in runs.items():
-        lines.append(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) / base:.3f} |")
+        wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
+        d, a = drafted[name]
+        lines.append(f"| {name} | {wall:.1f} | {wall / wall0:.3f} | {cpu:.1f} | {cpu / cpu0:.3f} | {d}, {a} |")
     return write_report(lines, args.out, "heads.md")
 
 

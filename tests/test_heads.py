@@ -175,9 +175,13 @@ def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, frequent_head):
 
 
 def test_reload_and_replace(kit, random_head, frequent_head):
+    from mlx_engine.server.host import kit_memory
+
+    without = kit_memory(kit)
     me.load_draft_model(kit, random_head)
     me.load_draft_model(kit, frequent_head)  # replaces it; the capture points stay installed once
     assert kit.draft.path == frequent_head
+    assert kit_memory(kit) > without  # a host counts the head's weights
     me.unload_draft_model(kit)
     me.unload_draft_model(kit)  # a no-op
     assert kit.draft is None
@@ -259,7 +263,7 @@ def test_layer_mtp_head_check_load_and_greedy_equal_plain(kit, plain, mtp_head):
     prompt, want = plain
     me.load_draft_model(kit, mtp_head)
     try:
-        assert kit.draft.description == "MTP head"
+        assert kit.draft.description == "layer-N MTP head"
         for k in (None, 2, 5):
             ids, final = generate_ids(kit, prompt, max_tokens=40, num_draft_tokens=k)
             assert_same_or_near_tie(kit, prompt, want, ids)

@@ -50,6 +50,7 @@ class HeadDrafter:
         self._catch_up = 0
         self._proposed = False
         self._last_drafted = False
+        self._decoded_from: int | None = None  # the first generated position (the prompt is not scored)
 
     @property
     def hidden_spec(self) -> HiddenSpec:
@@ -107,6 +108,8 @@ class HeadDrafter:
         ``len(history) - 2``, whose next token is the pending one); returns its
         output there, or None when that position's hidden state is missing."""
         state, last = self.cache, len(history) - 2
+        if self._decoded_from is None:
+            self._decoded_from = len(history)
         state.drop_chained()
         if state.next is not None and state.next > last:
             return state.last_out
@@ -122,9 +125,10 @@ class HeadDrafter:
         self._catch_up = last + 1 - lo
         state.next, state.last_out = last + 1, out[:, -1:]
         self.trail.drop_before(last + 1)
-        # Entry p predicts the token at p + 2; only the last MAX_SCORED positions
-        # count (a whole prompt through the output layer would cost a prefill's).
-        first = max(lo, len(history) - 2 - self.policy.MAX_SCORED)
+        # Entry p predicts the token at p + 2. Only generated tokens are scored
+        # (as the draft model is), the last MAX_SCORED at most: each scored
+        # position costs the head's output layer.
+        first = max(lo, self._decoded_from - 2, len(history) - 2 - self.policy.MAX_SCORED)
         actual = history[first + 2 :]
         if score and actual and self.policy.scores:
             rows = out[0, first - lo : first - lo + len(actual)]

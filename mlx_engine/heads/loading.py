@@ -334,5 +334,7 @@ def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
         if not (k.startswith("embed_tokens.") and head.embed is capture.text_model(kit.model).embed_tokens)
     ]
     params = sum(v.size for v in own if mx.issubdtype(v.dtype, mx.floating))
-    what = f"EAGLE-3 head reading layers {list(head.spec.points)}" if head.kind == "eagle3" else f"{head.kind} head"
+    what = {"eagle3": f"EAGLE-3 head reading layers {list(head.spec.points)}", "mtp": "layer-N MTP head"}.get(
+        head.kind, "Qwen3.5 MTP head"
+    )
     return HeadDraft(path, head, int(params), description=what)

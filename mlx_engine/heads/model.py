@@ -4,7 +4,7 @@ recorded for it and not yet fed to the head (``HiddenTrail``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +23,7 @@ class Head(Protocol):
     kind: str
     spec: HiddenSpec
     draft_vocab: int
+    net: nn.Module
 
     def new_cache(self) -> list: ...
     def forward(self, cache: list, tokens: mx.array, hidden: mx.array, position: int) -> mx.array: ...
@@ -46,7 +47,11 @@ class HeadDraft(AcceptanceRecord):
     batch: None = None  # no draft batch: the scheduler's draft-batch hooks find none
     drafted_seen: float = 0.0
     accepted_seen: float = 0.0
-    lent: list = field(default_factory=list)
+
+    @property
+    def model(self) -> nn.Module:
+        """The head's network (its weights are what a host counts for the draft)."""
+        return self.head.net
 
     def chained_step_ratio(self, main: nn.Module, vocab_size: int, key: dict | None = None) -> float:
         """A chained head step in single steps of the target; stored under ``key``."""
