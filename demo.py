@@ -7,7 +7,7 @@ python demo.py --prompt "Name three rivers in Europe."
 python demo.py --model path/to/model.gguf --prompt "Hello"
 python demo.py --prompt-lookup-num-tokens 8      # prompt-lookup decoding
 python demo.py --auto-speculative                # let the engine choose
-python demo.py --draft                           # draft-model speculation with the default model's draft
+python demo.py --draft                           # speculation with the default model's drafter (its EAGLE-3 head)
 python demo.py --json-schema person.json --prompt "Describe a person as JSON."
 python demo.py --model path/to/vlm --images a.png b.jpg --prompt "Compare them"
 python demo.py --parallel 4                      # four questions at once, decoded in one batch
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft",
         action="store_true",
-        help="use the draft model the catalog lists for --model (smollm2-135m-draft for the default model)",
+        help="use the drafter the catalog lists for --model (the EAGLE-3 head smollm2-135m-eagle3 for the default model)",
     )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
     p.add_argument(

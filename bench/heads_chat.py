@@ -7,7 +7,7 @@ run on one kit of SmolLM2-135M-Instruct (float32, CPU, greedy): mlx-lm's
 ``stream_generate`` (the baseline), the engine plain, the engine with the head
 (``--head``, default ``smollm2-135m-eagle3``) as its drafter, auto with the head
 loaded, and the engine with the small draft model (``--draft``, default
-``smollm2-135m-draft``). Each round runs every workload with the head loaded
+``smollm2-135m-draft``). After a short warm-up run of each system, each round runs every workload with the head loaded
 (systems in a rotating order), then swaps in the small draft for its mode and a
 second plain run; ratios are per workload, medians over rounds, and geomeans
 per group. Reports the head's acceptance by draft position (the engine's
@@ -62,21 +62,29 @@ def _block(models, systems, workloads, max_tokens, rnd, runs) -> None:
             runs[w.name][s.name].append(S.run(models, s, w.prompt, max_tokens))
 
 
-def measure(kit, head: str, draft: str, workloads, reps: int, max_tokens: int) -> dict:
-    """``runs[workload][system]``: a warm-up round (dropped), then ``reps`` rounds."""
+def measure(kit, head: str, draft: str, workloads, reps: int, max_tokens: int) -> tuple[dict, dict]:
+    """``runs[workload][system]`` (a warm-up round dropped, then ``reps`` rounds)
+    and each drafter's chained step in target steps, as the engine measures it."""
+    from mlx_engine.request.drafters import draft_step_cost
+
     names = [s.name for s in HEAD_SYSTEMS + DRAFT_SYSTEMS]
     runs = {w.name: {n: [] for n in names} for w in workloads}
+    costs = {}
     for rnd in range(reps + 1):
+        warm = rnd == 0  # one-off costs (cost measurements, compilation), not timed: one short run each
+        todo, tokens = (workloads[:1], 8) if warm else (workloads, max_tokens)
         me.load_draft_model(kit, head)
-        _block(S.Models(kit, None, kit.eos_token_ids), list(HEAD_SYSTEMS), workloads, max_tokens, rnd, runs)
+        costs["head"] = draft_step_cost(kit)
+        _block(S.Models(kit, None, kit.eos_token_ids), list(HEAD_SYSTEMS), todo, tokens, rnd, runs)
         me.unload_draft_model(kit)
         me.load_draft_model(kit, draft)
-        _block(S.Models(kit, None, kit.eos_token_ids), list(DRAFT_SYSTEMS), workloads, max_tokens, rnd, runs)
+        costs["small draft"] = draft_step_cost(kit)
+        _block(S.Models(kit, None, kit.eos_token_ids), list(DRAFT_SYSTEMS), todo, tokens, rnd, runs)
         me.unload_draft_model(kit)
-        if rnd == 0:  # warm-up: one-off costs (cost measurements, compilation) are not timed
+        if warm:
             runs = {w.name: {n: [] for n in names} for w in workloads}
         logger.info("round %d of %d done", rnd, reps)
-    return runs
+    return runs, costs
 
 
 def analyse(runs: dict, workloads) -> list[dict]:
@@ -107,8 +115,10 @@ def analyse(runs: dict, workloads) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], reps: int, max_tokens: int) -> list[str]:
+def render(rows: list[dict], costs: dict, reps: int, max_tokens: int) -> list[str]:
     lines = [
+        "Chained step in target steps (the engine's measure): " + ", ".join(f"{k} {v:.3f}" for k, v in costs.items()),
+        "",
         f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured rounds "
         "(medians of generation tok/s; ratios of medians).",
         "",
@@ -146,15 +156,17 @@ def _extra_args(p) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = bench_args("python -m bench.heads_chat", __doc__.split("\n\n")[0], 2, 128, argv, _extra_args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    kit = me.load_model(me.DEFAULT_MODEL)
+    # no suffix memory: every system answers the same prompts, and auto would draft the earlier answers
+    kit = me.load_model(me.DEFAULT_MODEL, suffix_memory_tokens=0)
     chat = build(kit)
     if args.workloads is not None:
         chat = [w for w in chat if w.name in args.workloads.split(",")]
     workloads = held_out_chat(kit, args.prompts) + chat
-    rows = analyse(measure(kit, args.head, args.draft, workloads, args.reps, args.max_tokens), workloads)
-    (args.out).mkdir(parents=True, exist_ok=True)
-    (args.out / "heads_chat.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    return write_report(render(rows, args.reps, args.max_tokens), args.out, "heads_chat.md")
+    runs, costs = measure(kit, args.head, args.draft, workloads, args.reps, args.max_tokens)
+    rows = analyse(runs, workloads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "heads_chat.json").write_text(json.dumps({"step_costs": costs, "rows": rows}, indent=1) + "\n")
+    return write_report(render(rows, costs, args.reps, args.max_tokens), args.out, "heads_chat.md")
 
 
 if __name__ == "__main__":

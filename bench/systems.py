@@ -143,7 +143,7 @@ def run_engine(
     holding it and its reply, which the measured request may reuse."""
     kit = models.kit
     kit.prompt_cache.clear()  # every cached sequence: the run starts cold
-    if kit.draft is not None:
+    if getattr(kit.draft, "first_cache", None) is not None:  # a head (hidden-state drafter) has none
         kit.draft.first_cache.reset()
     if setup is not None:
         for _ in me.create_generator(kit, setup, max_tokens=setup_tokens, temp=0.0, **system.kwargs):

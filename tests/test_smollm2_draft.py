@@ -23,7 +23,7 @@ requires_draft = pytest.mark.skipif(not (DRAFT_DIR / "model.safetensors").exists
 @requires_draft
 def test_draft_is_a_small_quantized_catalog_model():
     assert catalog.lookup("smollm2-135m-draft") == DRAFT_DIR
-    assert catalog.draft_for(me.DEFAULT_MODEL) == "smollm2-135m-draft"
+    assert catalog.draft_for(me.DEFAULT_MODEL) == "smollm2-135m-eagle3"  # the head; the draft stays loadable by name
     cfg = json.loads((DRAFT_DIR / "config.json").read_text())
     assert cfg["quantization"]["bits"] == 4 and cfg["vocab_size"] == 49152
     assert (DRAFT_DIR / "model.safetensors").stat().st_size <= 8 * 2**20
@@ -54,7 +54,7 @@ def test_draft_serves_the_default_model_with_plain_greedy_output(smollm):
 
 
 def test_demo_draft_flag_picks_the_catalog_draft():
-    assert demo.parse_args(["--draft"]).draft_model == "smollm2-135m-draft"
+    assert demo.parse_args(["--draft"]).draft_model == "smollm2-135m-eagle3"
     with pytest.raises(SystemExit):
         demo.parse_args(["--model", "some/dir", "--draft"])
     with pytest.raises(SystemExit):
@@ -83,3 +83,30 @@ def test_training_batches_score_answers_and_copy_windows():
     assert np.allclose(np.array(soft_p).sum(1), 1.0)
     emb = pca_embedding(np.random.default_rng(0).normal(size=(50, 12)).astype(np.float32), 4)
     assert emb.shape == (50, 4) and abs(float(np.sqrt((emb**2).sum(1)).mean()) - 1.0) < 0.5
+
+
+HEAD_DIR = ROOT / "models" / "smollm2-135m-eagle3"
+
+
+def test_head_is_the_default_models_small_eagle3_drafter():
+    assert catalog.lookup("smollm2-135m-eagle3") == HEAD_DIR
+    cfg = json.loads((HEAD_DIR / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert cfg["draft_vocab_size"] == 16384 and cfg["quantization"]["bits"] == 4
+    assert sum(f.stat().st_size for f in HEAD_DIR.iterdir()) <= 10 * 10**6
+    assert (HEAD_DIR / "eval.json").exists() and (HEAD_DIR / "README.md").exists()
+
+
+@requires_default_model
+def test_head_serves_the_default_model_with_plain_greedy_output(smollm):
+    report = me.check_draft_model(smollm, "smollm2-135m-eagle3")
+    assert report.compatible and report.kind == "eagle3"
+    prompt = me.apply_chat_template(smollm, [{"role": "user", "content": "Write a short poem about the sea."}])
+    plain, _ = generate_ids(smollm, prompt, max_tokens=24, temp=0.0)
+    me.load_draft_model(smollm, "smollm2-135m-eagle3")
+    try:
+        ids, last = generate_ids(smollm, prompt, max_tokens=24, temp=0.0, num_draft_tokens=2)
+        assert last.stats.decoding_mode == "draft_model" and last.stats.drafted_tokens > 0
+        assert_same_or_near_tie(smollm, prompt, plain, ids)
+    finally:
+        me.unload_draft_model(smollm)

