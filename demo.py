@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft",
         action="store_true",
-        help="use the drafter the catalog lists for --model (the EAGLE-3 head smollm2-135m-eagle3 for the default model)",
+        help="use the drafter the catalog lists for --model (smollm2-135m-draft for the default model)",
     )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
     p.add_argument(

