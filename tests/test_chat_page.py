@@ -249,7 +249,14 @@ def test_conversations_survive_a_reload_and_export_and_import(page, tmp_path):
 
 def test_model_picker_shows_states_and_loads_and_unloads(page, url):
     options = page.locator("#model option")
-    expect(options).to_have_text(["smollm2-135m-instruct (loaded)", f"{VLM} (not loaded)"])  # by name
+    expect(options).to_have_text(
+        [
+            "all-minilm-l6-v2 (not loaded)",
+            "smollm2-135m-eagle3 (not loaded)",
+            "smollm2-135m-instruct (loaded)",
+            f"{VLM} (not loaded)",
+        ]
+    )  # by name
     page.select_option("#model", VLM)
     expect(page.locator("#model-action")).to_have_text("Load")
     page.click("#model-action")

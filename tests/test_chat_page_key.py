@@ -53,7 +53,9 @@ def test_the_page_asks_for_the_key_and_sends_it(browser, url):
     page.click("#key-submit")
     expect(dialog).to_be_hidden()
     page.wait_for_selector("body[data-ready=true]")
-    expect(page.locator("#model option")).to_have_text([f"{me.DEFAULT_MODEL} (loaded)"])
+    expect(page.locator("#model option")).to_have_text(
+        ["all-minilm-l6-v2 (not loaded)", "smollm2-135m-eagle3 (not loaded)", f"{me.DEFAULT_MODEL} (loaded)"]
+    )
 
     fill_setting(page, "max_tokens", 4)
     ask(page, "Hi")

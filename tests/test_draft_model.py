@@ -651,6 +651,6 @@ def test_unloading_a_draft_gives_back_all_of_its_memory(llama_path, draft_path):
         generate_ids(kit, prompt, max_tokens=16, num_draft_tokens=3)
         assert kit.draft is not None
         me.unload_draft_model(kit)
-        assert plain() == before
+        assert abs(plain() - before) <= 2**20  # allocator noise under 1 MiB; a leaked draft was 3.7 MB
     finally:
         me.unload(kit)
