@@ -23,9 +23,8 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .core import unless_disconnected
+from .core import take_rows
 from .errors import APIError, bad_request
-from .queue import QueueFullError, ShuttingDownError
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
@@ -133,18 +132,7 @@ def embeddings_router(host, auth) -> APIRouter:
 
 async def _embed(service, request: Request, items: list, single: bool, truncate: bool, dimensions):
     """Wait for the model's row (429 when the line is full, 503 when stopping), then embed."""
-    try:
-        await unless_disconnected(request, service.queue.acquire(1))
-    except QueueFullError:
-        raise APIError(
-            429,
-            f"the server is busy: {service.queue.waiting} requests are waiting; retry later",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        ) from None
-    except ShuttingDownError:
-        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
+    await take_rows(service, request, 1)
     started = time.perf_counter()
     try:
         result = await anyio.to_thread.run_sync(
