@@ -31,7 +31,7 @@ absolute rates drift; the paired ratios are what to read. Writes
 from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
-from mlx_engine.speculative.suffix import SuffixMemory  # noqa: E402
+from mlx_engine.drafters.suffix import SuffixMemory  # noqa: E402
 
 import json  # noqa: E402
 import logging  # noqa: E402

@@ -6,7 +6,7 @@ history length (default 32k tokens of Python source from the stdlib).
 
 from __future__ import annotations
 
-from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
 
 import argparse
 import random

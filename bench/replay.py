@@ -43,8 +43,8 @@ pseudo-random draw per position), its lengths from the engine's
 from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
-from mlx_engine.speculative import costs  # noqa: E402
-from mlx_engine.speculative.policy import DraftLengthPolicy  # noqa: E402
+from mlx_engine.drafters.policy import DraftLengthPolicy  # noqa: E402
+from mlx_engine.pricing import costs  # noqa: E402
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -250,8 +250,8 @@ def replay_drafter(prompt: list[int], output: list[int], drafter, round_cost: li
 
 def lookup_main(args: argparse.Namespace) -> None:
     """Price fixed-length prompt lookup and the router (no draft model) on traces."""
-    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
-    from mlx_engine.speculative.router import AutoRouter
+    from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
+    from mlx_engine.drafters.router import AutoRouter
 
     traces = record_traces(args.traces, 200, args.chat, args.toy_model)
     lines = dict(_parse_line(item) for item in args.cost_lines.split(",")) if args.cost_lines else {}
@@ -388,8 +388,8 @@ def draft_mix_main(args: argparse.Namespace) -> None:
     """Replay the router with a simulated draft model of each ``--draft-mix``
     acceptance beside prompt lookup alone and the draft alone, on every trace in
     ``--traces`` (``--lookup --chat`` records them)."""
-    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
-    from mlx_engine.speculative.router import AutoRouter
+    from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
+    from mlx_engine.drafters.router import AutoRouter
 
     traces = json.loads(args.traces.read_text())
     jump, slope = _parse_line(f"chat={args.chat_line}")[1]

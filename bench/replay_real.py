@@ -19,10 +19,10 @@ so the replay and the timed run can be compared round by round.
 from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
-from mlx_engine.speculative import costs  # noqa: E402
-from mlx_engine.speculative.policy import DraftLengthPolicy  # noqa: E402
-from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from mlx_engine.speculative.router import AutoRouter  # noqa: E402
+from mlx_engine.drafters.policy import DraftLengthPolicy  # noqa: E402
+from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from mlx_engine.drafters.router import AutoRouter  # noqa: E402
+from mlx_engine.pricing import costs  # noqa: E402
 
 import json  # noqa: E402
 import math  # noqa: E402
@@ -128,7 +128,7 @@ def timed(kit, traces: dict, only: list[str], system: str) -> None:
     """The real engine (``system``: auto with the draft loaded, or the draft
     model alone), round by round (seconds per round)."""
     import mlx_engine.request.drafters as D
-    from mlx_engine.draft.drafter import DraftModelDrafter
+    from mlx_engine.drafters.draft_model import DraftModelDrafter
 
     made: list[Recorder] = []
     original = D.AutoRouter

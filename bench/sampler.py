@@ -8,7 +8,7 @@ log-probabilities, interleaved in ``--repeats`` rounds, best and median per call
 from __future__ import annotations
 
 import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
-from mlx_engine.request.sampling import SamplingParams, build_sampler  # noqa: E402
+from mlx_engine.decode.sampling import SamplingParams, build_sampler  # noqa: E402
 
 import argparse  # noqa: E402
 import time  # noqa: E402

@@ -18,7 +18,7 @@ from .api import (  # noqa: E402
     unload_draft_model,
 )  # noqa: E402
 from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
-from .draft.loading import DraftCompatibility, check_draft_model  # noqa: E402
+from .draft.loading import DraftCompatibility  # noqa: E402
 from .embeddings import EmbeddingKit, Embeddings, embed, load_embedding_model  # noqa: E402
 from .errors import (  # noqa: E402
     CallbackError,
@@ -31,6 +31,7 @@ from .errors import (  # noqa: E402
     ShardedKitError,
 )  # noqa: E402
 from .heads.loading import OWN_MTP  # noqa: E402  (load_draft_model(kit, OWN_MTP): the target's own MTP head)
+from .kits.drafts import check_draft_model  # noqa: E402
 from .kits.text import ModelKit  # noqa: E402
 from .kits.vision import VisionModelKit  # noqa: E402
 from .loading import catalog  # noqa: E402  (models known by name: lookup, draft_for)

@@ -15,16 +15,16 @@ import mlx.core as mx
 from . import tools as tools_module
 from .caches.prompt import PromptCacheOptions
 from .caches.sequence import CacheOptions
-from .draft.loading import check_draft_model, load_draft, unload_draft
+from .decode.sampling import validate_seed
 from .embeddings import EmbeddingKit, is_embedding_model, load_embedding_kit
 from .errors import ChatTemplateLimitError, GenerationInProgressError
+from .kits.drafts import check_draft_model, load_draft, unload_draft
 from .kits.images import validate_max_image_pixels
 from .kits.text import KitOptions, ModelKit, validate_max_parallel, validate_suffix_memory
 from .kits.vision import VisionModelKit
 from .loading import model as loading
 from .loading.chat_template import check_render
 from .request.pipeline import Generation
-from .request.sampling import validate_seed
 from .request.validate import (
     GenerationOptions,
     WhenIdle,
@@ -253,7 +253,7 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
     ``presence_penalty`` / ``frequency_penalty`` subtract (once / per occurrence)
     for tokens among the last ``repetition_context_size`` of the sequence.
     The generation runs on the kit's engine thread; callbacks are called there.
-    The keyword arguments are ``GenerationOptions``' fields (request.py), the
+    The keyword arguments are ``GenerationOptions``' fields (request/validate.py), the
     one place their names and defaults are declared; an unknown one raises
     ``ValueError`` naming it.
     """

@@ -10,7 +10,7 @@ import pytest
 
 from fixtures.tiny_models import make_model, make_tokenizer  # noqa: E402
 
-# Measured forward costs (speculative/cost_store.py) go to a directory of this run,
+# Measured forward costs (pricing/cost_store.py) go to a directory of this run,
 # never the user's cache (nor a folder the user's shell named): every run measures
 # as a fresh machine would, and tests never write into the user's home. Set
 # unconditionally, before any test (or subprocess it starts) reads it; subprocesses
@@ -58,7 +58,7 @@ def cheap_draft(monkeypatch):
     the adaptive draft length would never draft with them; with this it
     drafts from the prior in its first rounds (their drafts are rejected, and
     scoring then keeps it undrafted)."""
-    from mlx_engine.kits.text import DraftModel
+    from mlx_engine.draft.model import DraftModel
 
     monkeypatch.setattr(DraftModel, "chained_step_ratio", lambda self, *a, **k: 0.1)
 

@@ -3,9 +3,9 @@ generation to its ids, the near-tie rule for speculative exactness, a kit with a
 Markov model, the default model's presence, the loop run without a scheduler."""
 
 import mlx_engine  # first: loads OpenBLAS before mlx.core
+from mlx_engine.decode.loop import TURN, Launch, forward_alone  # noqa: E402
 from mlx_engine.request.output import SpeculationTally  # noqa: E402
 from mlx_engine.results import GenerationStats  # noqa: E402
-from mlx_engine.speculative.loop import TURN, Launch, forward_alone  # noqa: E402
 
 import contextlib  # noqa: E402
 import socket  # noqa: E402

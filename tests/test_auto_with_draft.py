@@ -8,13 +8,13 @@ target and the draft, and the router is never shown a round's time, so it prices
 rounds with the given costs only."""
 
 from mlx_engine.caches.sequence import SequenceCache
-from mlx_engine.draft.drafter import DraftModelDrafter
-from mlx_engine.kits.text import DraftModel
-from mlx_engine.request.sampling import SamplingParams, build_sampler
-from mlx_engine.speculative.costs import CostModel, RoundCosts
-from mlx_engine.speculative.loop import decode as _decode
-from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
-from mlx_engine.speculative.router import AutoRouter, RouterSettings
+from mlx_engine.decode.loop import decode as _decode
+from mlx_engine.decode.sampling import SamplingParams, build_sampler
+from mlx_engine.draft.model import DraftModel
+from mlx_engine.drafters.draft_model import DraftModelDrafter
+from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
+from mlx_engine.drafters.router import AutoRouter, RouterSettings
+from mlx_engine.pricing.costs import CostModel, RoundCosts
 
 from itertools import pairwise
 
@@ -136,7 +136,7 @@ class _WrongDraft:
     the router reads of a DraftModelDrafter, and nothing else."""
 
     def __init__(self):
-        from mlx_engine.speculative.policy import DraftLengthPolicy
+        from mlx_engine.drafters.policy import DraftLengthPolicy
 
         self.policy = DraftLengthPolicy(None, RoundCosts(CPU_COSTS, draft_step=DRAFT_STEP), prior_acceptance=0.1)
         self.acceptance, self.round_costs = self.policy.acceptance, self.policy.round_costs

@@ -1,11 +1,11 @@
 """Speculation priced for the batch it runs in (costs.batch_round_table, rows=)."""
 
-from mlx_engine.speculative.batch_pricing import BatchPricing, DraftingRows
-from mlx_engine.speculative.costs import CostModel, batch_round_table, pass_seconds
-from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter
-from mlx_engine.speculative.router import AutoRouter
-from mlx_engine.speculative.speedup import best_draft_length
-from mlx_engine.speculative.suffix import SuffixMemory
+from mlx_engine.drafters.prompt_lookup import NGramIndex, PromptLookupDrafter
+from mlx_engine.drafters.router import AutoRouter
+from mlx_engine.drafters.suffix import SuffixMemory
+from mlx_engine.pricing.batch_pricing import BatchPricing, DraftingRows
+from mlx_engine.pricing.costs import CostModel, batch_round_table, pass_seconds
+from mlx_engine.pricing.speedup import best_draft_length
 
 import random
 

@@ -55,9 +55,9 @@ def test_unpaired_input_is_refused():
 def test_replay_prices_lookup_and_the_router_on_a_recorded_output():
     """bench.replay --lookup: every proposal is checked against the recorded
     output, so the replayed tokens are the output, and a copied passage pays."""
-    from mlx_engine.speculative import costs
-    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
-    from mlx_engine.speculative.router import AutoRouter
+    from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
+    from mlx_engine.drafters.router import AutoRouter
+    from mlx_engine.pricing import costs
 
     from bench.replay import replay_drafter
 

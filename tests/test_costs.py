@@ -1,4 +1,4 @@
-"""Forward costs that stay true (speculative/costs.py, cost_book.py, cost_store.py):
+"""Forward costs that stay true (pricing/costs.py, cost_book.py, cost_store.py):
 a noisy measurement does not clamp wider widths, timed rounds move a wrong record
 towards the truth and have it measured again, stale and hostile records are
 misses, and the test run keeps its records out of the user's home. Timings are
@@ -6,8 +6,8 @@ injected (a fake clock, made-up rounds): nothing here depends on this machine's 
 
 import mlx_engine as me
 from mlx_engine.kits.text import costs_from_record
-from mlx_engine.speculative import cost_store, costs
-from mlx_engine.speculative.cost_book import BookSettings, CostBook
+from mlx_engine.pricing import cost_store, costs
+from mlx_engine.pricing.cost_book import BookSettings, CostBook
 
 import os
 import threading

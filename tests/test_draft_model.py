@@ -1,9 +1,9 @@
 import mlx_engine as me
 from mlx_engine.caches.sequence import UNKNOWN, SequenceCache
-from mlx_engine.draft.drafter import DraftModelDrafter
-from mlx_engine.kits.text import DraftModel
-from mlx_engine.request.sampling import SamplingParams, build_sampler
-from mlx_engine.speculative.loop import decode as _decode
+from mlx_engine.decode.loop import decode as _decode
+from mlx_engine.decode.sampling import SamplingParams, build_sampler
+from mlx_engine.draft.model import DraftModel
+from mlx_engine.drafters.draft_model import DraftModelDrafter
 
 import gc
 import json
@@ -23,7 +23,7 @@ def decode(*args, **kwargs):
 def untimed_costs(verify, draft_step: float = 0.0):
     """Round costs that stay at ``verify``'s: the tiny models' timed rounds
     would otherwise re-price drafting by this machine's scheduling noise."""
-    from mlx_engine.speculative.costs import RoundCosts
+    from mlx_engine.pricing.costs import RoundCosts
 
     class Untimed(RoundCosts):
         def observe(self, k: int, seconds: float | None) -> None:
@@ -282,7 +282,7 @@ def test_decode_reports_round_times_to_the_drafter():
 
 
 def test_adaptive_length_rests_a_confident_draft_model_that_is_always_wrong():
-    from mlx_engine.speculative.costs import CostModel
+    from mlx_engine.pricing.costs import CostModel
 
     table = successor_table(50)
     target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong
@@ -305,7 +305,7 @@ def test_adaptive_length_rests_a_confident_draft_model_that_is_always_wrong():
 
 
 def test_adaptive_length_resumes_when_the_draft_model_turns_right():
-    from mlx_engine.speculative.costs import CostModel
+    from mlx_engine.pricing.costs import CostModel
 
     table = successor_table(96)
     # The draft is wrong after tokens below 25 (it skips one) and right after the rest.
@@ -332,8 +332,8 @@ def test_adaptive_length_resumes_when_the_draft_model_turns_right():
 
 
 def test_the_next_draft_is_worth_computing_while_its_best_chance_pays_for_it():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
-    from mlx_engine.speculative.policy import DraftLengthPolicy
+    from mlx_engine.drafters.policy import DraftLengthPolicy
+    from mlx_engine.pricing.costs import CostModel, RoundCosts
 
     # Rounds of k drafts cost 1.34 + 0.19·k undrafted steps (the example in keep_drafting).
     verify = CostModel((0.01,) + tuple(0.01 * (1.34 + 0.19 * k) for k in range(1, 17)))
@@ -358,7 +358,7 @@ def test_the_next_draft_is_worth_computing_while_its_best_chance_pays_for_it():
 
 def _cpu_verify_costs():
     """Verify costs shaped like this CPU's: a jump from one token to two, then a slope."""
-    from mlx_engine.speculative.costs import CostModel
+    from mlx_engine.pricing.costs import CostModel
 
     return CostModel((0.01,) + tuple(0.01 * (1.34 + 0.19 * k) for k in range(1, 17)))
 
@@ -377,8 +377,8 @@ def _rest_round(policy, matches: list[bool]) -> bool:
 
 
 def test_a_resting_draft_model_is_scored_and_wakes_only_where_it_is_right_now():
-    from mlx_engine.speculative.costs import RoundCosts
-    from mlx_engine.speculative.policy import DraftLengthPolicy
+    from mlx_engine.drafters.policy import DraftLengthPolicy
+    from mlx_engine.pricing.costs import RoundCosts
 
     verify = _cpu_verify_costs()
     rest_round = _rest_round
@@ -417,8 +417,8 @@ def test_a_resting_draft_model_is_scored_and_wakes_only_where_it_is_right_now():
 
 
 def test_one_right_guess_among_misses_does_not_wake_a_resting_draft_model_but_brings_its_next_scoring_sooner():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
-    from mlx_engine.speculative.policy import DraftLengthPolicy
+    from mlx_engine.drafters.policy import DraftLengthPolicy
+    from mlx_engine.pricing.costs import CostModel, RoundCosts
 
     def rested_after_a_good_run() -> DraftLengthPolicy:
         """A draft model whose record pays (verifying drafts costs little, as on
@@ -448,7 +448,7 @@ def test_one_right_guess_among_misses_does_not_wake_a_resting_draft_model_but_br
 
 
 def test_scored_positions_count_as_the_rounds_drafting_through_them_would_make():
-    from mlx_engine.speculative.policy import DraftLengthPolicy
+    from mlx_engine.drafters.policy import DraftLengthPolicy
 
     scored, drafted = DraftLengthPolicy(None, scores=True), DraftLengthPolicy(None)
     scored.observe_scored([True, True, False, False, True])
@@ -462,7 +462,7 @@ def test_scored_positions_count_as_the_rounds_drafting_through_them_would_make()
 
 
 def test_adaptive_length_backs_off_exploring_and_times_undrafted_rounds():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
+    from mlx_engine.pricing.costs import CostModel, RoundCosts
 
     verify = CostModel(tuple(0.01 * (1 + 0.5 * (n - 1)) for n in range(1, 18)))
     drafter = DraftModelDrafter(None, None, RoundCosts(verify, draft_step=0.2))
@@ -496,7 +496,7 @@ def test_adaptive_length_backs_off_exploring_and_times_undrafted_rounds():
 
 
 def test_exploration_drafts_the_most_promising_length():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
+    from mlx_engine.pricing.costs import CostModel, RoundCosts
 
     # Going from a 1-token pass to a 2-token one doubles the cost; each further
     # token adds 5% of a step (MLX's CPU kernels at a long context look like
@@ -510,7 +510,7 @@ def test_exploration_drafts_the_most_promising_length():
 
 
 def test_rounds_after_the_draft_model_caught_up_are_not_timed():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
+    from mlx_engine.pricing.costs import CostModel, RoundCosts
 
     table = successor_table(50)
     timed = []
@@ -532,7 +532,7 @@ def test_rounds_after_the_draft_model_caught_up_are_not_timed():
 
 
 def test_the_next_draft_is_at_most_twice_as_far_as_the_last_got_plus_two():
-    from mlx_engine.speculative.costs import CostModel, RoundCosts
+    from mlx_engine.pricing.costs import CostModel, RoundCosts
 
     # Drafts are nearly free and acceptance has been perfect: the longest pays.
     drafter = DraftModelDrafter(None, None, RoundCosts(CostModel((0.01,) * 17)), prior_acceptance=0.95)
@@ -602,7 +602,7 @@ def test_a_draft_model_remembers_its_acceptance_across_requests():
 
 
 def test_a_resting_draft_model_lets_the_loop_queue_rounds_ahead():
-    from mlx_engine.speculative.costs import CostModel
+    from mlx_engine.pricing.costs import CostModel
 
     table = successor_table(50)
     target, draft_model = MarkovLM(table), MarkovLM(mx.roll(table, 1, axis=1))  # every draft is wrong

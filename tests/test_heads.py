@@ -3,9 +3,9 @@ checking and unloading; greedy and seeded output identical to plain decoding
 in every mode and in a batch; proposals equal to mlx-vlm's drafter."""
 
 import mlx_engine as me
+from mlx_engine.decode import capture
+from mlx_engine.drafters.head import HeadDrafter
 from mlx_engine.errors import IncompatibleDraftModelError, ModelLoadError
-from mlx_engine.heads import capture
-from mlx_engine.heads.drafter import HeadDrafter
 
 import json
 import shutil

@@ -3,8 +3,8 @@
 import mlx_engine as me
 from mlx_engine import CallbackError
 from mlx_engine.caches.ragged import RaggedBatch
+from mlx_engine.pricing.costs import CostModel
 from mlx_engine.runtime.scheduler import MAX_BACKLOG
-from mlx_engine.speculative.costs import CostModel
 
 import threading
 import time

@@ -1,8 +1,8 @@
 import mlx_engine as me
-from mlx_engine.speculative.costs import CostModel, RoundCosts
-from mlx_engine.speculative.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
-from mlx_engine.speculative.router import AutoRouter, RouterSettings
-from mlx_engine.speculative.speedup import AcceptanceModel, best_draft_length, expected_tokens
+from mlx_engine.drafters.prompt_lookup import NGramIndex, PromptLookupDrafter, density_score
+from mlx_engine.drafters.router import AutoRouter, RouterSettings
+from mlx_engine.pricing.costs import CostModel, RoundCosts
+from mlx_engine.pricing.speedup import AcceptanceModel, best_draft_length, expected_tokens
 
 import pytest
 from helpers import assert_same_or_near_tie, generate_ids, markov_kit
@@ -323,7 +323,7 @@ def wait_until(condition, timeout=120.0):
 
 
 def test_cost_model_is_estimated_then_measured_between_requests_and_stored(llama_path, tmp_path, monkeypatch):
-    from mlx_engine.speculative import cost_store, costs
+    from mlx_engine.pricing import cost_store, costs
 
     monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
     # The first request must not measure every width before its first token.
@@ -356,7 +356,7 @@ def test_cost_model_is_estimated_then_measured_between_requests_and_stored(llama
     [b"not json", b'{"key": "other", "value": {"seconds": [1]}}', b"\xff\xfe", b"[]", b"{}", b"x" * 100_000],
 )
 def test_a_bad_cost_record_is_measured_again_and_replaced(llama_path, tmp_path, monkeypatch, content):
-    from mlx_engine.speculative import cost_store
+    from mlx_engine.pricing import cost_store
 
     monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
     kit = me.load_model(llama_path)
@@ -375,7 +375,7 @@ def test_a_bad_cost_record_is_measured_again_and_replaced(llama_path, tmp_path, 
 
 def test_cost_records_of_invalid_values_or_other_keys_are_misses(tmp_path, monkeypatch):
     from mlx_engine.kits.text import costs_from_record
-    from mlx_engine.speculative import cost_store, costs
+    from mlx_engine.pricing import cost_store, costs
 
     monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
     n = costs.MAX_DRAFT + 1
@@ -397,7 +397,7 @@ def test_cost_records_of_invalid_values_or_other_keys_are_misses(tmp_path, monke
 
 
 def test_draft_step_cost_is_stored(llama_path, draft_path, tmp_path, monkeypatch):
-    from mlx_engine.speculative import cost_store, costs
+    from mlx_engine.pricing import cost_store, costs
 
     monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
     kit = me.load_model(llama_path)

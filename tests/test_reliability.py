@@ -490,8 +490,8 @@ def test_multi_user_chat_soak(llama_path, draft_path, tmp_path, monkeypatch):
 
 # -- property-based fuzzing -----------------------------------------------------
 
+from mlx_engine.drafters.prompt_lookup import NGramIndex  # noqa: E402
 from mlx_engine.request.stop_strings import StopStringMatcher  # noqa: E402
-from mlx_engine.speculative.prompt_lookup import NGramIndex  # noqa: E402
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

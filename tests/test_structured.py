@@ -3,7 +3,7 @@ the same constrained output in every decoding mode, forbidden drafts cut, bad
 constraints refused before any model work."""
 
 import mlx_engine as me
-from mlx_engine.speculative.loop import decode as _decode
+from mlx_engine.decode.loop import decode as _decode
 
 import json
 
@@ -19,7 +19,7 @@ def decode(*args, **kwargs):
     return run_alone(_decode(*args, **kwargs))
 
 
-from mlx_engine.request.sampling import SamplingParams, build_sampler
+from mlx_engine.decode.sampling import SamplingParams, build_sampler
 from mlx_engine.structured import GrammarConstraint, compile_constraint
 
 SMALL_SCHEMA = {

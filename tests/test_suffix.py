@@ -1,7 +1,7 @@
-"""Suffix drafting: the kit's memory of earlier requests (speculative/suffix.py)."""
+"""Suffix drafting: the kit's memory of earlier requests (drafters/suffix.py)."""
 
 import mlx_engine as me
-from mlx_engine.speculative.suffix import SuffixDrafter, SuffixMemory
+from mlx_engine.drafters.suffix import SuffixDrafter, SuffixMemory
 
 import pytest
 from helpers import generate_ids, markov_kit
@@ -139,7 +139,7 @@ def test_drafts_are_at_most_one_token_per_matched_token():
     """SuffixDecoding's adaptive length for the request's own matches too: a
     one-token match drafts one token, a long match the full N; fixed-length
     lookup (memory off) drafts N whatever the match."""
-    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+    from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
 
     weak = [7, 8, 9, 7, 1, 2, 3, 4, 5, 6, 9]  # "9" was followed by "7" once: a one-token match
     assert SuffixDrafter(8, SuffixMemory(key=2), "a").propose(weak, 8) == [7]

@@ -3,10 +3,10 @@ verify loop, stop-string matching, decoding plans and request bookkeeping."""
 
 import mlx_engine as me
 from mlx_engine.caches.sequence import UNKNOWN, CacheOptions, SequenceCache, common_prefix_length
+from mlx_engine.decode.loop import decode
+from mlx_engine.decode.sampling import SamplingParams, build_sampler
 from mlx_engine.request.plan import DecodingPlan, choose_plan
-from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.request.stop_strings import StopStringMatcher
-from mlx_engine.speculative.loop import decode
 
 import gc
 
@@ -259,11 +259,11 @@ def test_context_budget_caps_the_answer_by_the_room_the_prompt_leaves():
 
 
 def test_shadow_lookup_scores_positions_as_they_are_decided():
-    """The worked example of speculative/shadow.py: a shadow counts its accepted
+    """The worked example of drafters/shadow.py: a shadow counts its accepted
     positions as the output decides them, then its miss; a weak one teaches the
     weak record only."""
-    from mlx_engine.speculative.shadow import ShadowLookup
-    from mlx_engine.speculative.speedup import AcceptanceModel
+    from mlx_engine.drafters.shadow import ShadowLookup
+    from mlx_engine.pricing.speedup import AcceptanceModel
 
     shadows, weak = ShadowLookup(), AcceptanceModel(prior=0.5)
     shadows.add(3, [53, 54, 55], weak=False)

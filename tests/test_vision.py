@@ -394,7 +394,7 @@ def test_prompt_lookup_and_auto_are_exact_on_image_prompts(qwen_kit):
 
 
 def test_lookup_drafter_sees_real_token_ids(qwen_kit):
-    from mlx_engine.speculative.prompt_lookup import PromptLookupDrafter
+    from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
 
     seen = []
     original = PromptLookupDrafter.match  # every lookup drafter's match (suffix drafting's too) goes through it

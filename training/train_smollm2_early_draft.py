@@ -284,11 +284,11 @@ def train(args: argparse.Namespace) -> dict:
 
 def engine_costs(kit: me.ModelKit, draft: nn.Module, agreement: float) -> dict:
     """The draft's chained step and the target's verify passes as the engine
-    measures them (mlx_engine.speculative.costs), and the speed-up over plain
+    measures them (mlx_engine.pricing.costs), and the speed-up over plain
     decoding they predict at the best draft length if each draft token is
     accepted independently with probability ``agreement`` (acceptance is
     burstier than that in practice, which favours longer drafts)."""
-    from mlx_engine.speculative import costs, speedup
+    from mlx_engine.pricing import costs, speedup
 
     target = costs.measure(kit.model, kit.vocab_size)
     draft_step = costs.measure_chained_step(draft, kit.vocab_size)

@@ -11,7 +11,7 @@ tokens, size and SHA-256; ``name`` is a hash of the tokens). ``identity``
 hashes the model files, the compute dtype and the cache options, so a different
 model, dtype or cache layout never reads another's entries.
 
-The folder is treated as untrusted input, like a model folder (model_checks.py):
+The folder is treated as untrusted input, like a model folder (loading/checks.py):
 only regular files are opened (without blocking, so a FIFO is never waited on),
 records are read up to a size bound, an entry's safetensors header is checked
 against the file's size and against the model (layer count, heads, head sizes,

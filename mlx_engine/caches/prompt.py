@@ -13,13 +13,13 @@ A request uses the entry sharing the longest prefix with its prompt:
   stays intact: every earlier point of a conversation is a checkpoint;
 - recurrent layers (hybrid models) cannot be cut back: a branch starts from
   the latest recurrent-state checkpoint at or before the shared prefix (the
-  end of an earlier prompt or answer, see cache.py), its attention KV sliced
+  end of an earlier prompt or answer, see sequence.py), its attention KV sliced
   to the same position, and the request prefills the rest;
 - caches that cannot be sliced (rotating windows that have wrapped, quantized
   layers) are trimmed in place, as a single-sequence cache would.
 
 Entries are evicted least recently used first once their KV bytes pass the
-budget; with a disk directory, evicted entries are written there (disk_cache.py)
+budget; with a disk directory, evicted entries are written there (disk.py)
 and read back on a prefix hit.
 """
 

@@ -100,7 +100,7 @@ class CacheOptions:
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
-    auto_context: bool = False  # max_kv_size="auto": the context is fitted to memory (context.py)
+    auto_context: bool = False  # max_kv_size="auto": the context is fitted to memory (loading/memory.py)
 
     @classmethod
     def validate(cls, max_kv_size=None, kv_bits=None, kv_group_size=None, quantized_kv_start=None) -> CacheOptions:

@@ -1,27 +1,20 @@
-"""Draft models in and out of a kit: the compatibility check (vocabulary,
-special tokens, a cache whose every layer can rewind: hybrids too), loading and unloading. The draft
-model's weights and cache pool are ``draft_pool.DraftModel``; the drafter that
-uses them is draft_model.py."""
+"""A draft model's files against a target: the compatibility check (vocabulary,
+special tokens, a cache whose every layer can rewind: hybrids too) and loading
+its weights into a ``draft.model.DraftModel``. Putting it into a kit (and taking
+it out) is ``kits/drafts.py``; the drafter that uses it is ``drafters/draft_model.py``."""
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..caches.sequence import layer_rewind_reason
-from ..errors import IncompatibleDraftModelError, ModelLoadError
-from ..heads import loading as heads
+from ..errors import ModelLoadError
 from ..loading import model as loading
 from .model import DraftModel
-
-if TYPE_CHECKING:  # annotations only: the kit holds the draft, this module only fills its slot
-    from ..kits.text import ModelKit
 
 logger = logging.getLogger(__name__)
 
@@ -108,22 +101,11 @@ def _special_notes(main_tok, draft_tok, main_rows: int, draft_rows) -> list[str]
     return notes
 
 
-def _draft_path(kit: ModelKit, path: str | Path) -> Path:
-    """Where a draft's files are: ``"mtp"`` names the target's own checkpoint
-    (its MTP head), anything else is resolved as a model path."""
-    if path == heads.OWN_MTP:
-        return heads.own_mtp_path(kit)
-    return loading.resolve_model_path(path, "draft model path")
-
-
-def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
-    """Check a draft model against a kit reading only the draft's config and
-    tokenizer (no weights), so hosts can list compatible drafts cheaply."""
+def check_draft_files(tokenizer, vocab_size: int, draft_path: Path) -> DraftCompatibility:
+    """Check a separate draft model's files against a target's tokenizer and
+    vocabulary size, reading only the draft's config and tokenizer (no weights)."""
     reasons: list[str] = []
     try:
-        draft_path = _draft_path(kit, path)
-        if (head := heads.read_head_config(draft_path)) is not None:
-            return heads.check_head(kit, draft_path, head)
         config = loading.read_config(draft_path)
         if loading.is_vision_config(config):
             reasons.append("the draft is a vision model; a draft must be a text-only model")
@@ -131,10 +113,9 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
         draft_tok = loading.load_tokenizer(draft_path)
     except (ModelLoadError, ValueError) as exc:
         return DraftCompatibility(False, [str(exc)])
-    main_rows = kit.vocab_size
-    vocab_reasons, notes = _compare_vocabularies(kit.tokenizer, draft_tok, main_rows)
+    vocab_reasons, notes = _compare_vocabularies(tokenizer, draft_tok, vocab_size)
     reasons += vocab_reasons
-    notes += _special_notes(kit.tokenizer, draft_tok, main_rows, config.get("vocab_size"))
+    notes += _special_notes(tokenizer, draft_tok, vocab_size, config.get("vocab_size"))
     try:
         if why := _rewind_reason(config):
             reasons.append(f"the draft architecture {config['model_type']!r} cannot rewind its cache: {why}")
@@ -143,42 +124,10 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     return DraftCompatibility(not reasons, reasons, notes)
 
 
-def load_draft(kit: ModelKit, path: str | Path) -> None:
-    """Load a draft model into the kit, replacing any loaded one only once the
-    new one has loaded: a failure leaves the previous draft in place. A path
-    that is not there is a ``ModelLoadError`` (not found), not an incompatibility."""
-    draft_path = _draft_path(kit, path)
-    report = check_draft_model(kit, path)
-    if not report:
-        raise IncompatibleDraftModelError(
-            f"draft model {str(path)!r} is not compatible: " + "; ".join(report.reasons), report.reasons
-        )
-    for note in report.notes:
-        logger.info("draft model %s: %s", path, note)
-    if (head := heads.read_head_config(draft_path)) is not None:
-        new = heads.load_head(kit, draft_path, head)
-        unload_draft(kit)
-        new.attach(kit.model)
-        kit.set_draft(new)
-        logger.info("loaded %s %s (%.1fM parameters)", new.description, draft_path, new.num_params / 1e6)
-        return
+def load_draft_files(draft_path: Path, new_cache) -> DraftModel:
+    """Load, prepare and smoke-test a separate draft model's weights;
+    ``new_cache(model)`` builds its cache the way the target kit builds caches."""
     model, _ = loading.load_weights(draft_path, trust_remote_code=False)
     loading.prepare_weights(model, "auto")
     loading.smoke_test(model, draft_path)
-    new = DraftModel(draft_path, model, kit.new_cache(model), loading.float_param_count(model))
-    unload_draft(kit)
-    kit.set_draft(new)
-    logger.info("loaded draft model %s (%.1fM parameters)", draft_path, kit.draft.num_params / 1e6)
-
-
-def unload_draft(kit: ModelKit) -> None:
-    """Drop the draft model and its cache; the main cache is kept."""
-    if kit.draft is None:
-        return
-    close = getattr(kit.draft, "close", None)
-    if close is not None:  # a head: the target's recording modules back to their classes
-        close()
-    kit.set_draft(None)
-    gc.collect()
-    mx.clear_cache()
-    logger.info("draft model unloaded")
+    return DraftModel(draft_path, model, new_cache(model), loading.float_param_count(model))

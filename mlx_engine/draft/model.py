@@ -10,7 +10,7 @@ import mlx.nn as nn
 
 from ..caches.ragged import RaggedBatch, can_batch, release_row
 from ..caches.sequence import SequenceCache, common_prefix_length
-from ..speculative import cost_store, costs
+from ..pricing import cost_store, costs
 
 
 class AcceptanceRecord:

@@ -12,7 +12,7 @@ from mlx_vlm.models.cache import KVCache
 from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
 from mlx_vlm.speculative.drafters.eagle3.eagle3 import Eagle3DraftModel
 
-from .capture import HiddenSpec
+from ..decode.capture import HiddenSpec
 
 #: llama fields of SGLang's flat EAGLE-3 config, moved under ``transformer_layer_config``.
 _LAYER_FIELDS = (

@@ -1,29 +1,35 @@
-"""Heads in and out of a kit: which folders are heads, the check against the
-target (kind, hidden states read, vocabulary mapping), loading with every
-tensor checked, and unloading (the target's recording modules restored)."""
+"""Head files against a target: which folders are heads, the check against the
+target (kind, hidden states read, vocabulary mapping) and loading with every
+tensor checked. Putting a head into a kit is ``kits/drafts.py``."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..decode import capture
+from ..draft.loading import DraftCompatibility
 from ..errors import ModelLoadError
 from ..loading.checks import read_safetensors_header
-from . import capture, eagle3, mtp, qwen3_5_mtp
-from .costs import hidden_width
+from . import eagle3, mtp, qwen3_5_mtp
 from .model import HeadDraft
 
-if TYPE_CHECKING:
-    from ..draft.loading import DraftCompatibility
-    from ..kits.text import ModelKit
-
 logger = logging.getLogger(__name__)
+
+
+class Target(Protocol):
+    """What a head is checked and built against: the target kit's model and its facts."""
+
+    model: Any
+    vocab_size: int
+    model_path: str
+    config: dict
 
 
 #: The name that asks for the target's own MTP weights (its checkpoint's layer-N head).
@@ -80,7 +86,7 @@ def _mtp_files(path: Path) -> tuple[int, list[Path]] | None:
     return None
 
 
-def own_mtp_path(kit: ModelKit) -> Path:
+def own_mtp_path(kit: Target) -> Path:
     """The target's own checkpoint, when it holds an MTP head (``load_draft_model(kit, "mtp")``)."""
     path = Path(kit.model_path)
     config = read_head_config(path) if path.is_dir() else None
@@ -92,10 +98,8 @@ def own_mtp_path(kit: ModelKit) -> Path:
     return path
 
 
-def _target_facts(kit: ModelKit) -> tuple[int, int] | str:
+def _target_facts(kit: Target) -> tuple[int, int] | str:
     """The target's decoder layer count and hidden size, or why hidden states cannot be read from it."""
-    if getattr(kit, "is_vision", False) or type(kit).__name__ != "ModelKit":
-        return f"hidden-state heads are supported on text kits, not on a {type(kit).__name__}"
     try:
         inner = capture.text_model(kit.model)
     except ValueError as exc:
@@ -103,20 +107,19 @@ def _target_facts(kit: ModelKit) -> tuple[int, int] | str:
     return len(inner.layers), int(inner.embed_tokens.weight.shape[-1])
 
 
-def check_head(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
+def check_head(kit: Target, path: Path, config: dict, refusal: str | None = None) -> DraftCompatibility:
     """Check a head against the kit from its config alone (no weights; an MTP
-    head from its tensors' headers)."""
-    from ..draft.loading import DraftCompatibility
-
+    head from its tensors' headers). ``refusal``: why the caller's kit cannot
+    feed any head (it is refused with that reason)."""
+    facts = refusal or _target_facts(kit)
     if config.get("head_kind") == "mtp":
-        return _check_mtp(kit, path)
+        return _check_mtp(kit, path, facts)
     if config.get("head_kind") == "qwen3_5_mtp":
-        return _check_qwen3_5_mtp(kit, path, config)
+        return _check_qwen3_5_mtp(kit, path, config, facts)
     try:
         cfg = eagle3.eagle3_config(config)
     except (TypeError, ValueError, KeyError) as exc:
         return DraftCompatibility(False, [f"config.json in {str(path)!r} is not a valid EAGLE-3 config: {exc}"])
-    facts = _target_facts(kit)
     if isinstance(facts, str):
         return DraftCompatibility(False, [facts], kind="eagle3")
     layers, hidden = facts
@@ -145,10 +148,7 @@ def check_head(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
     return DraftCompatibility(not reasons, reasons, notes, kind="eagle3", hidden_states=points, vocabulary=mapping)
 
 
-def _check_mtp(kit: ModelKit, path: Path) -> DraftCompatibility:
-    from ..draft.loading import DraftCompatibility
-
-    facts = _target_facts(kit)
+def _check_mtp(kit: Target, path: Path, facts: tuple[int, int] | str) -> DraftCompatibility:
     if isinstance(facts, str):
         return DraftCompatibility(False, [facts], kind="mtp")
     _, hidden = facts
@@ -170,10 +170,7 @@ def _check_mtp(kit: ModelKit, path: Path) -> DraftCompatibility:
     return DraftCompatibility(not reasons, reasons, [], kind="mtp", hidden_states=(capture.FINAL,), vocabulary=vocab)
 
 
-def _check_qwen3_5_mtp(kit: ModelKit, path: Path, config: dict) -> DraftCompatibility:
-    from ..draft.loading import DraftCompatibility
-
-    facts = _target_facts(kit)
+def _check_qwen3_5_mtp(kit: Target, path: Path, config: dict, facts: tuple[int, int] | str) -> DraftCompatibility:
     if isinstance(facts, str):
         return DraftCompatibility(False, [facts], kind="qwen3_5_mtp")
     try:
@@ -239,7 +236,7 @@ def _check_tensors(
         raise ModelLoadError(f"head {str(path)!r} lacks tensor {shown(missing[0])!r}{more}")
 
 
-def _build_eagle3(kit: ModelKit, path: Path, config: dict) -> eagle3.Eagle3Head:
+def _build_eagle3(kit: Target, path: Path, config: dict) -> eagle3.Eagle3Head:
     cfg = eagle3.eagle3_config(config)
     net = eagle3.Eagle3DraftModel(cfg)
     weights, where = _read_weights(path)
@@ -279,7 +276,7 @@ def _build_eagle3(kit: ModelKit, path: Path, config: dict) -> eagle3.Eagle3Head:
     return eagle3.Eagle3Head(net, cfg, net.embed_tokens)
 
 
-def _build_qwen3_5_mtp(kit: ModelKit, path: Path, config: dict) -> qwen3_5_mtp.Qwen35MTPHead:
+def _build_qwen3_5_mtp(kit: Target, path: Path, config: dict) -> qwen3_5_mtp.Qwen35MTPHead:
     """A Qwen3.5 MTP head: a split folder's tensors, or the ``mtp.*`` ones of the target's own checkpoint."""
     net = qwen3_5_mtp.build_net(config)
     weights, where = _read_weights(path, rename=False)
@@ -300,7 +297,7 @@ def _build_qwen3_5_mtp(kit: ModelKit, path: Path, config: dict) -> qwen3_5_mtp.Q
     return qwen3_5_mtp.Qwen35MTPHead(net, kit.model, kit.vocab_size)
 
 
-def _build_mtp(kit: ModelKit, path: Path) -> mtp.LayerNMTPHead:
+def _build_mtp(kit: Target, path: Path) -> mtp.LayerNMTPHead:
     """A layer-N MTP head from the folder's tensors of that layer, every one checked."""
     index, files = _mtp_files(path)
     tensors, where = {}, {}
@@ -326,13 +323,13 @@ def _build_mtp(kit: ModelKit, path: Path) -> mtp.LayerNMTPHead:
     return mtp.LayerNMTPHead(net, kit.model, kit.vocab_size)
 
 
-def load_head(kit: ModelKit, path: Path, config: dict) -> HeadDraft:
+def load_head(kit: Target, path: Path, config: dict) -> HeadDraft:
     """Build and check the head (every tensor) and run it once; ``HeadDraft.attach`` then installs it."""
     builders = {"mtp": lambda: _build_mtp(kit, path), "qwen3_5_mtp": lambda: _build_qwen3_5_mtp(kit, path, config)}
     head = builders.get(config.get("head_kind"), lambda: _build_eagle3(kit, path, config))()
     try:
         cache = head.new_cache()
-        width = hidden_width(kit.model, head.spec)
+        width = capture.hidden_width(kit.model, head.spec)
         out = head.forward(cache, mx.zeros((1, 2), dtype=mx.uint32), mx.zeros((1, 2, width)), 0)
         mx.eval(head.logits(out))
     except Exception as exc:

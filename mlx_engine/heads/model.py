@@ -4,17 +4,19 @@ recorded for it and not yet fed to the head (``HiddenTrail``)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
+from ..decode import capture
+from ..decode.capture import HiddenSpec, Installed
 from ..draft.model import AcceptanceRecord
-from ..speculative import cost_store
-from . import capture
-from .capture import HiddenSpec, Installed
+from ..pricing import cost_store
 
 
 class Head(Protocol):
@@ -56,8 +58,6 @@ class HeadDraft(AcceptanceRecord):
     def chained_step_ratio(self, main: nn.Module, vocab_size: int, key: dict | None = None) -> float:
         """A chained head step in single steps of the target; stored under ``key``."""
         if self.step_ratio is None:
-            from .costs import measure_head_step_ratio  # measured once per loaded head
-
             record = (cost_store.load(key) if key is not None else None) or {}
             stored = cost_store.positive_floats([record.get("ratio")], 1)
             if stored is not None:
@@ -146,3 +146,37 @@ class HiddenTrail:
     def drop_before(self, position: int) -> None:
         """Forget rows of positions before ``position`` (fed to the head)."""
         self.parts = [(at, rows) for at, rows in self.parts if at + rows.shape[0] > position]
+
+
+def measure_head_step_ratio(main: nn.Module, head: Head, vocab_size: int, chain: int = 4, context: int = 32) -> float:
+    """A chained head step (its greedy pick included, as the drafter chains
+    them) in single steps of ``main``, the two timed in turn (the median of 3)."""
+    key = mx.random.key(5)
+    tokens = mx.random.randint(0, vocab_size, (context + 1,), key=key)
+    width = capture.hidden_width(main, head.spec)
+    hidden = mx.random.normal((1, context, width), key=key) * 0.1
+    cache = make_prompt_cache(main)
+    mx.eval(main(tokens[:context][None], cache=cache))
+
+    def main_step() -> float:
+        t0 = time.perf_counter()
+        mx.eval(main(tokens[context:][None], cache=cache)[:, -1])
+        for layer in cache:
+            if layer.is_trimmable():
+                layer.trim(1)
+        return time.perf_counter() - t0
+
+    def head_steps() -> float:
+        kv = head.new_cache()
+        h = head.forward(kv, tokens[1 : context + 1][None], hidden, 0)
+        mx.eval(h)
+        t0 = time.perf_counter()
+        for j in range(chain):
+            y = head.to_target(mx.argmax(head.logits(h[:, -1:])[0, -1]))
+            h = head.chained(head.forward(kv, y.reshape(1, 1), h[:, -1:], context + j))
+            mx.eval(h)
+        return (time.perf_counter() - t0) / chain
+
+    pairs = [(head_steps(), main_step()) for _ in range(4)][1:]  # the first: warm-up
+    ratios = sorted(d / m for d, m in pairs)
+    return ratios[len(ratios) // 2]

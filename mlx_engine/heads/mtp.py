@@ -23,8 +23,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from . import capture
-from .capture import FINAL, HiddenSpec
+from ..decode import capture
+from ..decode.capture import FINAL, HiddenSpec
 
 #: A layer-N MTP tensor: ``model.layers.N.<rest>`` with ``eh_proj`` among them.
 LAYER_TENSOR = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")

@@ -20,8 +20,8 @@ from mlx_vlm.models.cache import KVCache
 from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
 from mlx_vlm.speculative.drafters.qwen3_5_mtp.qwen3_5_mtp import Qwen3_5MTPDraftModel
 
-from . import capture
-from .capture import FINAL, HiddenSpec
+from ..decode import capture
+from ..decode.capture import FINAL, HiddenSpec
 
 MODEL_TYPES = ("qwen3_5_mtp",)
 #: Target families whose own checkpoint may hold ``mtp.*`` tensors of this layout.

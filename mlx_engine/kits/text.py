@@ -1,5 +1,5 @@
 """ModelKit: a loaded text model, its tokenizer and the caches kept between
-requests, plus an optional draft model (draft_pool.DraftModel) and its request
+requests, plus an optional draft model (draft/model.py) and its request
 registry (activity.Activity)."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from ..caches.disk import DiskCache, model_identity
 from ..caches.prompt import PromptCache, PromptCacheOptions
 from ..caches.ragged import RaggedBatch, can_batch
 from ..caches.sequence import CacheOptions, SequenceCache
-from ..draft.model import DraftModel  # re-exported: tests import it from here
+from ..draft.model import DraftModel
+from ..drafters.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 from ..loading import model as loading
 from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
+from ..pricing import cost_store, costs
+from ..pricing.batch_pricing import DraftingRows
+from ..pricing.cost_background import BackgroundMeasurement
+from ..pricing.cost_book import CostBook
 from ..runtime.worker import shutting_down
-from ..speculative import cost_store, costs
-from ..speculative.batch_pricing import DraftingRows
-from ..speculative.cost_background import BackgroundMeasurement
-from ..speculative.cost_book import CostBook
-from ..speculative.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
 from .registry import Activity
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class ModelKit:
 
     def _fit_context(self) -> None:
         """``context_length``: with ``max_kv_size="auto"`` the longest context that
-        fits memory (context.py), else the one the model was trained for."""
+        fits memory (loading/memory.py), else the one the model was trained for."""
         trained = self.config.get("text_config", self.config).get("max_position_embeddings")
         trained = int(trained) if isinstance(trained, int) and trained > 0 else None
         self.context_length = fit_context(self.model, trained) if self.cache_options.auto_context else trained
@@ -134,7 +134,7 @@ class ModelKit:
         return self._worker
 
     def attach_worker(self, thread) -> None:
-        """Give the kit its engine thread (generate.py does, at load or first use)."""
+        """Give the kit its engine thread (api.py does, at load or first use)."""
         self._worker = thread
 
     @property
@@ -157,7 +157,7 @@ class ModelKit:
     def batch(self) -> RaggedBatch | None:
         """The rows of the running generations, decoded in one forward pass per
         step; None when the kit serves one generation at a time or its caches
-        cannot be batched (batch_cache.py). Rebuilt, between requests, for a
+        cannot be batched (caches/ragged.py). Rebuilt, between requests, for a
         model that was swapped."""
         current = self._batch
         if current is not None and (current.model is self.model or current.rows):
@@ -199,7 +199,7 @@ class ModelKit:
         self.cost_source: str | None = None  # where cost_model came from: stored, estimate, measured
         self._cost_measurement: BackgroundMeasurement | None = None
         self.cost_book: CostBook | None = None  # the costs refined by timed rounds (cost_book.py)
-        # What earlier requests produced, for suffix drafting (speculative/suffix.py).
+        # What earlier requests produced, for suffix drafting (drafters/suffix.py).
         self.suffix_memory = SuffixMemory(options.suffix_memory_tokens) if options.suffix_memory_tokens else None
         # What the batch's lookup rows can draft, so each prices its drafts with the others'.
         self.drafting_rows = DraftingRows()

@@ -6,16 +6,16 @@ both. May measure the kit's forward costs once (``kit.forward_costs()``).
 
 from __future__ import annotations
 
-from ..draft.drafter import DraftModelDrafter
-from ..heads.drafter import HeadDrafter
+from ..decode.loop import Drafter
+from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.head import HeadDrafter
+from ..drafters.prompt_lookup import PromptLookupDrafter
+from ..drafters.router import AutoRouter
+from ..drafters.suffix import SuffixDrafter
 from ..heads.model import HeadDraft
 from ..kits.text import ModelKit
-from ..speculative import costs
-from ..speculative.batch_pricing import BatchPricing
-from ..speculative.loop import Drafter
-from ..speculative.prompt_lookup import PromptLookupDrafter
-from ..speculative.router import AutoRouter
-from ..speculative.suffix import SuffixDrafter
+from ..pricing import costs
+from ..pricing.batch_pricing import BatchPricing
 from .plan import DecodingPlan
 
 

@@ -19,6 +19,8 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
+from ..decode.loop import Decoding, Launch, Round, Step
+from ..drafters.router import AutoRouter
 from ..errors import CallbackError
 from ..kits.text import ModelKit
 from ..results import (
@@ -31,8 +33,6 @@ from ..results import (
     ToolCallDelta,
     TopLogprob,
 )
-from ..speculative.loop import Decoding, Launch, Round, Step
-from ..speculative.router import AutoRouter
 from ..tools import ToolCallStream, ToolText
 from .stop_strings import TextStream
 from .validate import Request

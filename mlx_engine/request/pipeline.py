@@ -6,7 +6,7 @@ scheduler (scheduler.py) or, for a kit serving one generation at a time, with
 cache to its longest common prefix, checks that the cache can be rewound before
 any draft work and builds the drafter; ``_process_prompt`` prefills what the
 caches lack, in chunks, with progress and cancellation; ``decode``
-(speculative/loop.py) yields tokens; ``_results`` turns them into streamed
+(decode/loop.py) yields tokens; ``_results`` turns them into streamed
 results with exactly one final result carrying the stop condition and stats.
 """
 
@@ -23,22 +23,22 @@ import mlx.core as mx
 
 from ..caches.ragged import release_row
 from ..caches.sequence import SequenceCache
-from ..draft.drafter import DraftModelDrafter
+from ..decode import capture
+from ..decode.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
+from ..decode.sampling import Sampler, build_logits_processors, build_sampler
+from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.head import HeadDrafter
+from ..drafters.router import AutoRouter
 from ..errors import CallbackError
-from ..heads import capture
-from ..heads.drafter import HeadDrafter
 from ..kits.text import ExpandedPrompt, ModelKit
 from ..loading.memory import prefill_chunk
 from ..results import (
     GenerationResult,
 )
 from ..runtime import worker
-from ..speculative.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
-from ..speculative.router import AutoRouter
 from ..structured import GrammarConstraint
 from .drafters import build_drafter
 from .output import PromptFacts, SpeculationTally, build_stats, final_result, results
-from .sampling import Sampler, build_logits_processors, build_sampler
 from .validate import Request
 
 logger = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ def _process_prompt(
 
 def _recording(chunks: Iterator, cache, drafter) -> Iterator:
     """The prompt's chunks, each handing the drafter the hidden states it reads
-    (a head: heads/capture.py) at the positions the chunk fed; the chunks
+    (a head: decode/capture.py) at the positions the chunk fed; the chunks
     themselves when the drafter reads none."""
     spec = None if drafter is None else getattr(drafter, "hidden_spec", None)
     if spec is None:

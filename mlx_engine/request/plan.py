@@ -17,7 +17,7 @@ from ..kits.text import ModelKit
 
 if TYPE_CHECKING:
     from ..caches.sequence import SequenceCache
-from ..speculative import costs
+from ..pricing import costs
 
 DEFAULT_PROMPT_LOOKUP_TOKENS = 8
 MAX_DRAFT_TOKENS = costs.MAX_MODEL_DRAFT

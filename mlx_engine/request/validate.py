@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from ..decode.sampling import SamplingParams, validate_sampling
 from ..embeddings.kit import EmbeddingKit
 from ..errors import GenerationInProgressError, InvalidArgument, argument
 from ..kits.text import ModelKit
@@ -26,7 +27,6 @@ from ..results import GenerationStats
 from ..structured import check_grammar, compile_constraint
 from ..tools import ToolSpec, tool_constraint
 from .plan import DecodingPlan, choose_plan
-from .sampling import SamplingParams, validate_sampling
 from .stop_strings import StopStringMatcher
 
 DEFAULT_MAX_TOKENS = 256

@@ -30,8 +30,8 @@ from typing import Callable, Generator
 import mlx.core as mx
 
 from ..caches.ragged import RaggedBatch, can_batch
-from ..heads import capture
-from ..speculative.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending, with_hidden
+from ..decode import capture
+from ..decode.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending, with_hidden
 
 logger = logging.getLogger(__name__)
 

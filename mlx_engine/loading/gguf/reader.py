@@ -5,8 +5,8 @@ structural problem or unsupported tensor type becomes a ``ModelLoadError``
 naming the file (and the tensor) before any weights are read. Tensors then come
 either from MLX's own reader (``mx.load``, for files of MLX-native types only:
 it silently drops tensors of types it does not know) or one at a time through
-llama.cpp's ``gguf`` package decoders. Families and tokenizers: gguf_models.py
-and gguf_tokenizer.py; the whole rule: docs/gguf.md.
+llama.cpp's ``gguf`` package decoders. Families and tokenizers: families.py
+and tokenizer.py; the whole rule: docs/gguf.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple
 
-from .batch_pricing import BatchPricing
+from ..pricing.batch_pricing import BatchPricing
 
 
 class NGramIndex:

@@ -8,7 +8,7 @@ position keeps the output distribution exactly the target's, whatever the drafte
 proposes. With no drafter, or a round with no draft, this is plain decoding.
 
 On a hybrid model the recurrent layers cannot be trimmed: a partly accepted
-round restores their state from before the verify pass (cache.py keeps it) and
+round restores their state from before the verify pass (caches/sequence.py keeps it) and
 the next round's pass feeds the accepted tokens again before its own
 (docs/decoding.md, *Hybrid models*).
 """
@@ -21,11 +21,11 @@ from typing import Callable, Generator, NamedTuple, Protocol
 import mlx.core as mx
 
 from ..caches.sequence import SequenceCache
-from ..heads import capture
-from ..heads.capture import HiddenSpec
-from ..request.sampling import LogitsProcessor, Sampler
+from ..pricing.costs import MAX_DRAFT
 from ..structured import GrammarConstraint, apply_mask
-from .costs import MAX_DRAFT
+from . import capture
+from .capture import HiddenSpec
+from .sampling import LogitsProcessor, Sampler
 
 
 class RoundOutcome(NamedTuple):

@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import NamedTuple
 
-from .batch_pricing import BatchPricing
+from ..pricing.batch_pricing import BatchPricing
 from .prompt_lookup import Match, PromptLookupDrafter
 
 #: Default bound on the tokens a kit's suffix memory holds: about 185 bytes of

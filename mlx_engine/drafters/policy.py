@@ -8,7 +8,7 @@ object. With a fixed ``num_draft_tokens`` it always answers that length.
 
 from __future__ import annotations
 
-from . import costs, speedup
+from ..pricing import costs, speedup
 
 
 def rejection_cap(rejected_at: int | None, max_k: int, floor: int = 0) -> int:

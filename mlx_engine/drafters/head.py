@@ -16,11 +16,11 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from ..draft.drafter import greedy_picks
-from ..speculative import costs, speedup
-from ..speculative.policy import DraftLengthPolicy
-from .capture import HiddenSpec
-from .model import HeadDraft, HeadState, HiddenTrail
+from ..decode.capture import HiddenSpec
+from ..heads.model import HeadDraft, HeadState, HiddenTrail
+from ..pricing import costs, speedup
+from .draft_model import greedy_picks
+from .policy import DraftLengthPolicy
 
 
 class HeadDrafter:

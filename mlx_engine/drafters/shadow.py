@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .speedup import AcceptanceModel
+from ..pricing.speedup import AcceptanceModel
 
 
 @dataclass

@@ -10,11 +10,11 @@ import mlx.core as mx
 
 from ..caches.ragged import release_row
 from ..caches.sequence import SequenceCache, common_prefix_length
+from ..decode.loop import DrafterUnavailable, PendingDrafts
+from ..draft.model import DraftModel
 from ..loading.memory import PREFILL_CHUNK
-from ..speculative import costs, speedup
-from ..speculative.loop import DrafterUnavailable, PendingDrafts
-from ..speculative.policy import DraftLengthPolicy
-from .model import DraftModel
+from ..pricing import costs, speedup
+from .policy import DraftLengthPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -28,14 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ..draft.drafter import DraftModelDrafter
-from . import costs
-from .batch_pricing import COPYING, BatchPricing, LookupPricing, strength_acceptance
-from .loop import Drafts
+from ..decode.loop import Drafts
+from ..pricing import costs
+from ..pricing.batch_pricing import COPYING, BatchPricing, LookupPricing, strength_acceptance
+from ..pricing.speedup import AcceptanceModel, best_draft_length
+from .draft_model import DraftModelDrafter
 from .policy import rejection_cap
 from .prompt_lookup import Match, PromptLookupDrafter, density_score
 from .shadow import ShadowLookup
-from .speedup import AcceptanceModel, best_draft_length
 
 logger = logging.getLogger(__name__)
 

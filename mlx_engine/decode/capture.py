@@ -105,3 +105,8 @@ def rows(sink: dict[int, mx.array], spec: HiddenSpec, row: int, n: int) -> mx.ar
         raise RuntimeError(f"the forward pass recorded no hidden state at {missing}")
     parts = [sink[p][row, :n] for p in spec.points]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+def hidden_width(main: nn.Module, spec: HiddenSpec) -> int:
+    """The width of the rows ``spec`` records on ``main`` (per point: the model's hidden size)."""
+    return len(spec.points) * text_model(main).embed_tokens.weight.shape[-1]
