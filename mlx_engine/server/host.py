@@ -12,10 +12,7 @@ Everything else runs on the event loop: states change between awaits only.
 from __future__ import annotations
 
 import mlx_engine as me
-from mlx_engine.embeddings import is_embedding_model
-from mlx_engine.loading import catalog
-from mlx_engine.loading.gguf import reader as gguf
-from mlx_engine.loading.memory import physical_memory
+from mlx_engine import catalog, find_gguf, is_embedding_model, is_gguf, physical_memory
 
 import asyncio
 import errno
@@ -140,7 +137,7 @@ def scan_models_dir(root: str | Path, warned: set[str] | None = None) -> list[Kn
     found: list[KnownModel] = []
     for child in _entries(root, root, warned):
         try:
-            if gguf.is_gguf(child) and not child.name.lower().startswith("mmproj"):
+            if is_gguf(child) and not child.name.lower().startswith("mmproj"):
                 found.append(KnownModel(child.stem, str(child.resolve(strict=True)), "gguf", child.stat().st_size))
             elif child.is_dir():
                 found += _models_in(root, child, warned)
@@ -192,7 +189,7 @@ def _model_folder(folder: Path, model_id: str) -> KnownModel | None:
     if (folder / "config.json").is_file():
         return KnownModel(model_id, str(folder.resolve(strict=True)), "directory", _weights_bytes(folder))
     try:
-        file = gguf.find_gguf(folder)
+        file = find_gguf(folder)
     except me.ModelLoadError:  # several GGUF files: each is named by its own path, not served by folder
         return None
     return None if file is None else KnownModel(model_id, str(file.resolve(strict=True)), "gguf", file.stat().st_size)
