@@ -7,7 +7,7 @@ Tiny random models over a real socket (uvicorn in a thread)."""
 
 import mlx_engine as me
 from mlx_engine.server import create_app
-from mlx_engine.server.host import HostLimits, LoadOptions, ModelHost, kit_memory, scan_models_dir
+from mlx_engine.server.host import HostLimits, LoadOptions, ModelHost, scan_models_dir
 
 import gc
 import json
@@ -313,7 +313,7 @@ def test_lru_eviction_within_a_budget_never_evicts_a_busy_model(host_dir, llama_
     sizes = []
     for path in (llama_path, qwen_path):
         kit = me.load_model(path, max_parallel=2)
-        sizes.append(kit_memory(kit))
+        sizes.append(me.memory_in_use(kit))
         me.unload(kit)
     host = make_host(host_dir, memory_bytes=int(1.5 * max(sizes)))
     with serve(create_app(host, api_key=KEY)) as url:

@@ -40,7 +40,15 @@ def test_server_imports_only_public_engine_names():
 
 
 def test_discovery_and_depth_names_are_public(tmp_path):
-    for name in ("MAX_JSON_DEPTH", "json_depth", "is_gguf", "find_gguf", "is_embedding_model", "physical_memory"):
+    for name in (
+        "memory_in_use",
+        "MAX_JSON_DEPTH",
+        "json_depth",
+        "is_gguf",
+        "find_gguf",
+        "is_embedding_model",
+        "physical_memory",
+    ):
         assert name in me.__all__
     assert me.json_depth('{"a": [1]}') == me.json_depth({"a": [1]}) > me.json_depth({"a": 1})
     assert not me.is_gguf(tmp_path) and me.find_gguf(tmp_path) is None

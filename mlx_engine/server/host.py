@@ -29,7 +29,6 @@ from typing import AsyncIterator, Callable
 
 import anyio
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .errors import APIError
 from .metrics import label_request
@@ -239,20 +238,6 @@ def bad_draft(draft: str, model_id: str, reasons: list[str], source: str) -> API
     )
 
 
-def kit_memory(kit: me.ModelKit) -> int:
-    """Bytes a loaded kit holds: its weights, its draft model's and its prompt cache's KV."""
-    total = 0
-    for model in (kit.model, kit.draft.model if kit.draft is not None else None):
-        if model is not None:
-            total += sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    if kit.prompt_cache is not None:
-        try:
-            total += kit.prompt_cache.memory_bytes()
-        except RuntimeError:  # the engine thread changed the entries while they were summed; skip them
-            pass
-    return total
-
-
 def free_kit(kit: me.ModelKit) -> None:
     """``unload`` (which writes the prompt cache's disk tier), then collect the
     reference cycles that ended generations leave (frames, tracebacks): they can
@@ -392,7 +377,7 @@ class ModelHost:
             del self.entries[other.model.id]  # the same model found by a scan: one entry, this id
         entry = ModelEntry(KnownModel(model_id, source, "kit"), options or self.defaults, managed=managed)
         entry.service, entry.state = self.make_service(kit, model_id, draft), LOADED
-        entry.memory_bytes = kit_memory(kit)
+        entry.memory_bytes = me.memory_in_use(kit)
         # Models given by the host (the command line's --model) are listed first, in the order
         # given: clients that take the first listed model talk to the one the user named.
         given = {k: e for k, e in self.entries.items() if e.model.kind == "kit" and k != model_id}
@@ -427,7 +412,7 @@ class ModelHost:
         """One model as ``GET /v1/models`` and ``/v1/mlx_engine/models`` show it."""
         queue = getattr(entry.service, "queue", None)
         if entry.state == LOADED and entry.service is not None:
-            entry.memory_bytes = kit_memory(entry.service.kit)
+            entry.memory_bytes = me.memory_in_use(entry.service.kit)
         ttl = self.ttl_of(entry)
         return {
             "id": entry.model.id,
@@ -581,7 +566,7 @@ class ModelHost:
         draft = self.draft_of(entry.model, options) if kit.draft is not None else None
         entry.service = self.make_service(kit, entry.model.id, draft)
         entry.state, entry.last_error, entry.last_used = LOADED, None, time.monotonic()
-        entry.memory_bytes = kit_memory(kit)
+        entry.memory_bytes = me.memory_in_use(kit)
         seconds = time.monotonic() - started
         self.events("load", entry.model.id, ok=True, seconds=seconds)
         logger.info("loaded %s in %.2f s (%.1f MiB)", entry.model.id, seconds, entry.memory_bytes / 2**20)
