@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from .errors import APIError
 from .metrics import label_request
+from .model_state import LOADED, LOADING, NOT_LOADED, UNLOADING, ModelState, check_transition
 from .templates import give_template, template_note
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,6 @@ DEFAULT_LOAD_WAIT_S = 60.0
 RESCAN_INTERVAL_S = 1.0  # an unknown model name rescans the folders at most this often
 PAIRED = "paired"  # LoadOptions.draft: the catalog's draft for the model, when it has one
 _COMPUTE_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
-
-NOT_LOADED, LOADING, LOADED, UNLOADING = "not_loaded", "loading", "loaded", "unloading"
 
 
 @dataclass(frozen=True)
@@ -256,7 +255,7 @@ class ModelEntry:
     model: KnownModel
     options: LoadOptions
     managed: bool = True  # False: a kit the embedding host holds; never loaded or unloaded here
-    state: str = NOT_LOADED
+    state: ModelState = NOT_LOADED
     service: object | None = None  # the app's Service while loaded
     task: asyncio.Future | None = None  # the load or unload under way
     active: int = 0  # requests between lookup and admission (inside kit_for)
@@ -264,6 +263,12 @@ class ModelEntry:
     ttl: float | None = None  # None: the options' or the host's
     memory_bytes: int = 0
     last_error: str | None = None
+
+    def __setattr__(self, name: str, value) -> None:
+        # Every state change goes through the transitions table (model_state.py).
+        if name == "state" and "state" in self.__dict__:
+            value = check_transition(self.state, value)
+        super().__setattr__(name, value)
 
     @property
     def busy(self) -> bool:
@@ -419,7 +424,7 @@ class ModelHost:
             "object": "model",
             "created": 0,
             "owned_by": "mlx-engine",
-            "state": entry.state,
+            "state": entry.state.value,
             "mlx_engine": {
                 "type": "embeddings" if self.embeds(entry) else "llm",  # as LM Studio's model list says it
                 "source": entry.model.kind,
