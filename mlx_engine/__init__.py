@@ -12,6 +12,7 @@ from .api import (  # noqa: E402
     is_draft_model_compatible,
     load_draft_model,
     load_model,
+    memory_in_use,
     stop_generation,
     tokenize,
     unload,
@@ -19,7 +20,13 @@ from .api import (  # noqa: E402
 )  # noqa: E402
 from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
 from .draft.loading import DraftCompatibility  # noqa: E402
-from .embeddings import EmbeddingKit, Embeddings, embed, load_embedding_model  # noqa: E402
+from .embeddings import (  # noqa: E402
+    EmbeddingKit,
+    Embeddings,
+    embed,
+    is_embedding_model,  # noqa: E402  (model discovery: an embedding model's folder)
+    load_embedding_model,
+)
 from .errors import (  # noqa: E402
     CallbackError,
     ChatTemplateLimitError,
@@ -36,6 +43,8 @@ from .kits.text import ModelKit  # noqa: E402
 from .kits.vision import VisionModelKit  # noqa: E402
 from .loading import catalog  # noqa: E402  (models known by name: lookup, draft_for)
 from .loading.catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
+from .loading.gguf.reader import find_gguf, is_gguf  # noqa: E402  (model discovery: GGUF files)
+from .loading.memory import physical_memory  # noqa: E402  (the machine's memory, for a host's budget)
 from .request.validate import GenerationOptions, context_budget  # noqa: E402  (create_generator's arguments and defaults)
 from .results import (  # noqa: E402
     GenerationResult,
@@ -46,9 +55,16 @@ from .results import (  # noqa: E402
     ToolCallDelta,
     TopLogprob,
 )
+from .tools.spec import MAX_JSON_DEPTH, json_depth  # noqa: E402  (the one JSON nesting limit)
 
 __all__ = [
     "CATALOG",
+    "MAX_JSON_DEPTH",
+    "find_gguf",
+    "is_embedding_model",
+    "is_gguf",
+    "json_depth",
+    "physical_memory",
     "catalog",
     "DEFAULT_MODEL",
     "apply_chat_template",
@@ -88,6 +104,7 @@ __all__ = [
     "load_draft_model",
     "load_model",
     "load_sharded_model",
+    "memory_in_use",
     "stop_generation",
     "tokenize",
     "unload",

@@ -215,6 +215,24 @@ def unload_draft_model(kit: ModelKit) -> None:
     _worker_of(kit).call(WhenIdle(kit, unload_draft, kit))
 
 
+def memory_in_use(kit: ModelKit) -> int:
+    """Bytes a loaded kit holds: its weights, its draft model's and its prompt
+    cache's KV. Callable from any thread (a server's event loop): it reads the
+    arrays' sizes, never their data, so it does not wait for the engine thread."""
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for model in (kit.model, kit.draft.model if kit.draft is not None else None):
+        if model is not None:
+            total += sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if kit.prompt_cache is not None:
+        try:
+            total += kit.prompt_cache.memory_bytes()
+        except RuntimeError:  # the engine thread changed the entries while they were summed; skip them
+            pass
+    return total
+
+
 def stop_generation(kit: ModelKit, request_id: str) -> bool:
     """Ask the generation with ``request_id`` to stop; safe from any thread.
     It ends with ``user_cancelled``. Returns False when no such request exists."""

@@ -175,13 +175,11 @@ def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, frequent_head):
 
 
 def test_reload_and_replace(kit, random_head, frequent_head):
-    from mlx_engine.server.host import kit_memory
-
-    without = kit_memory(kit)
+    without = me.memory_in_use(kit)
     me.load_draft_model(kit, random_head)
     me.load_draft_model(kit, frequent_head)  # replaces it; the capture points stay installed once
     assert kit.draft.path == frequent_head
-    assert kit_memory(kit) > without  # a host counts the head's weights
+    assert me.memory_in_use(kit) > without  # a host counts the head's weights
     me.unload_draft_model(kit)
     me.unload_draft_model(kit)  # a no-op
     assert kit.draft is None

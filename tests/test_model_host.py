@@ -7,7 +7,7 @@ Tiny random models over a real socket (uvicorn in a thread)."""
 
 import mlx_engine as me
 from mlx_engine.server import create_app
-from mlx_engine.server.host import HostLimits, LoadOptions, ModelHost, kit_memory, scan_models_dir
+from mlx_engine.server.host import HostLimits, KnownModel, LoadOptions, ModelHost, scan_models_dir
 
 import gc
 import json
@@ -313,7 +313,7 @@ def test_lru_eviction_within_a_budget_never_evicts_a_busy_model(host_dir, llama_
     sizes = []
     for path in (llama_path, qwen_path):
         kit = me.load_model(path, max_parallel=2)
-        sizes.append(kit_memory(kit))
+        sizes.append(me.memory_in_use(kit))
         me.unload(kit)
     host = make_host(host_dir, memory_bytes=int(1.5 * max(sizes)))
     with serve(create_app(host, api_key=KEY)) as url:
@@ -764,3 +764,23 @@ def test_unknown_model_names_rescan_the_folders_at_most_once_a_second(tmp_path, 
     assert unknown_names() == 20  # unthrottled, each name walked the folder
     monkeypatch.setattr(host_module, "RESCAN_INTERVAL_S", 3600.0)
     assert unknown_names() == 0  # within the interval of the last scan: none
+
+
+def test_model_entry_moves_only_by_the_transitions_table():
+    """The host's state moves are the table's; any other is a StateError, and the
+    state shows as its plain value."""
+    from mlx_engine.server.host import ModelEntry
+    from mlx_engine.server.model_state import TRANSITIONS, ModelState, StateError
+
+    assert set(TRANSITIONS) == set(ModelState)
+    for old, allowed in TRANSITIONS.items():
+        for new in ModelState:
+            entry = ModelEntry(KnownModel("m", "/m", "directory"), LoadOptions())
+            entry.__dict__["state"] = old  # placed, not moved: the start of this check
+            if new in allowed:
+                entry.state = new
+                assert entry.state is new and str(entry.state) == new.value
+            else:
+                with pytest.raises(StateError):
+                    entry.state = new
+                assert entry.state is old

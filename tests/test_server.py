@@ -8,7 +8,7 @@ from mlx_engine.server import create_app
 from mlx_engine.server.__main__ import GracefulServer, build_parser
 from mlx_engine.server.__main__ import main as server_main
 from mlx_engine.server.connections import connection_limits
-from mlx_engine.server.hosts import LOOPBACK_NAMES
+from mlx_engine.server.host_check import LOOPBACK_NAMES
 from mlx_engine.server.queue import AdmissionQueue, QueueFullError, ShuttingDownError
 
 import asyncio

@@ -32,7 +32,7 @@ import uvicorn  # noqa: E402
 from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE, create_app  # noqa: E402
 from .connections import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connection_limits  # noqa: E402
 from .host import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions, ModelHost  # noqa: E402
-from .hosts import LOOPBACK_NAMES  # noqa: E402
+from .host_check import LOOPBACK_NAMES  # noqa: E402
 from .overflow import POLICIES  # noqa: E402
 from .templates import give_template, read_template  # noqa: E402
 

@@ -29,9 +29,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .chat_objects import Choice, engine_stats
 from .core import admit, collect, count_prompt, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
 from .errors import AnthropicError, APIError, bad_request, clipped, from_failure, from_validation
-from .responses import Choice, engine_stats
 from .runs import RequestRun
 from .schemas import EngineOptions
 

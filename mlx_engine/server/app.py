@@ -8,7 +8,7 @@ by name itself (host.py; the command line, ``python -m mlx_engine.server``,
 builds one). Each handler reads: get the model's service from the host
 (``host.kit_for``, loading it when needed), build the prompt and arguments off
 the loop (params.py), wait for rows (queue.py), start the generations on
-threads (runs.py), then answer whole or as server-sent events (responses.py).
+threads (runs.py), then answer whole or as server-sent events (chat_objects.py).
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import params
 from .anthropic_messages import messages_router
+from .chat_objects import Choice, Envelope
 from .core import ClientGone, admit, collect, fit_context
 from .drafts import draft_router
 from .embeddings import embeddings_router
 from .errors import APIError, bad_request, from_failure, from_validation, response_for
 from .host import ModelHost
-from .hosts import AllowedHosts
+from .host_check import AllowedHosts
 from .limits import BodySizeLimit
 from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
 from .models_routes import models_router
 from .openai_responses import responses_router
 from .overflow import check_policy
 from .queue import AdmissionQueue
-from .responses import Choice, Envelope
 from .runs import RequestRun
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .ui import ui_router
@@ -137,7 +137,7 @@ def create_app(
     ``keep_billing_header``: keep Claude Code's volatile first system line in
     Messages API prompts (default: dropped, so the prompt cache reuses turns).
     ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
-    hosts.py on DNS rebinding). ``context_overflow``: ``error`` refuses a
+    host_check.py on DNS rebinding). ``context_overflow``: ``error`` refuses a
     prompt over the context; ``truncate-middle`` cuts its middle (overflow.py).
     ``ui``: serve the chat page at ``/`` (ui.py)."""
     _check_arguments(kit, max_parallel, queue_size, decoding)

@@ -24,9 +24,9 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from . import overflow, params
+from .chat_objects import Choice
 from .errors import APIError, from_engine, from_failure, from_validation
 from .queue import QueueFullError, ShuttingDownError
-from .responses import Choice
 from .runs import RequestRun
 from .schemas import ChatCompletionRequest, Message
 

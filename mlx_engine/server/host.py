@@ -12,10 +12,7 @@ Everything else runs on the event loop: states change between awaits only.
 from __future__ import annotations
 
 import mlx_engine as me
-from mlx_engine.embeddings import is_embedding_model
-from mlx_engine.loading import catalog
-from mlx_engine.loading.gguf import reader as gguf
-from mlx_engine.loading.memory import physical_memory
+from mlx_engine import catalog, find_gguf, is_embedding_model, is_gguf, physical_memory
 
 import asyncio
 import errno
@@ -32,10 +29,10 @@ from typing import AsyncIterator, Callable
 
 import anyio
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .errors import APIError
 from .metrics import label_request
+from .model_state import LOADED, LOADING, NOT_LOADED, UNLOADING, ModelState, check_transition
 from .templates import give_template, template_note
 
 logger = logging.getLogger(__name__)
@@ -46,8 +43,6 @@ DEFAULT_LOAD_WAIT_S = 60.0
 RESCAN_INTERVAL_S = 1.0  # an unknown model name rescans the folders at most this often
 PAIRED = "paired"  # LoadOptions.draft: the catalog's draft for the model, when it has one
 _COMPUTE_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
-
-NOT_LOADED, LOADING, LOADED, UNLOADING = "not_loaded", "loading", "loaded", "unloading"
 
 
 @dataclass(frozen=True)
@@ -140,7 +135,7 @@ def scan_models_dir(root: str | Path, warned: set[str] | None = None) -> list[Kn
     found: list[KnownModel] = []
     for child in _entries(root, root, warned):
         try:
-            if gguf.is_gguf(child) and not child.name.lower().startswith("mmproj"):
+            if is_gguf(child) and not child.name.lower().startswith("mmproj"):
                 found.append(KnownModel(child.stem, str(child.resolve(strict=True)), "gguf", child.stat().st_size))
             elif child.is_dir():
                 found += _models_in(root, child, warned)
@@ -192,7 +187,7 @@ def _model_folder(folder: Path, model_id: str) -> KnownModel | None:
     if (folder / "config.json").is_file():
         return KnownModel(model_id, str(folder.resolve(strict=True)), "directory", _weights_bytes(folder))
     try:
-        file = gguf.find_gguf(folder)
+        file = find_gguf(folder)
     except me.ModelLoadError:  # several GGUF files: each is named by its own path, not served by folder
         return None
     return None if file is None else KnownModel(model_id, str(file.resolve(strict=True)), "gguf", file.stat().st_size)
@@ -242,20 +237,6 @@ def bad_draft(draft: str, model_id: str, reasons: list[str], source: str) -> API
     )
 
 
-def kit_memory(kit: me.ModelKit) -> int:
-    """Bytes a loaded kit holds: its weights, its draft model's and its prompt cache's KV."""
-    total = 0
-    for model in (kit.model, kit.draft.model if kit.draft is not None else None):
-        if model is not None:
-            total += sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    if kit.prompt_cache is not None:
-        try:
-            total += kit.prompt_cache.memory_bytes()
-        except RuntimeError:  # the engine thread changed the entries while they were summed; skip them
-            pass
-    return total
-
-
 def free_kit(kit: me.ModelKit) -> None:
     """``unload`` (which writes the prompt cache's disk tier), then collect the
     reference cycles that ended generations leave (frames, tracebacks): they can
@@ -274,7 +255,7 @@ class ModelEntry:
     model: KnownModel
     options: LoadOptions
     managed: bool = True  # False: a kit the embedding host holds; never loaded or unloaded here
-    state: str = NOT_LOADED
+    state: ModelState = NOT_LOADED
     service: object | None = None  # the app's Service while loaded
     task: asyncio.Future | None = None  # the load or unload under way
     active: int = 0  # requests between lookup and admission (inside kit_for)
@@ -282,6 +263,12 @@ class ModelEntry:
     ttl: float | None = None  # None: the options' or the host's
     memory_bytes: int = 0
     last_error: str | None = None
+
+    def __setattr__(self, name: str, value) -> None:
+        # Every state change goes through the transitions table (model_state.py).
+        if name == "state" and "state" in self.__dict__:
+            value = check_transition(self.state, value)
+        super().__setattr__(name, value)
 
     @property
     def busy(self) -> bool:
@@ -395,7 +382,7 @@ class ModelHost:
             del self.entries[other.model.id]  # the same model found by a scan: one entry, this id
         entry = ModelEntry(KnownModel(model_id, source, "kit"), options or self.defaults, managed=managed)
         entry.service, entry.state = self.make_service(kit, model_id, draft), LOADED
-        entry.memory_bytes = kit_memory(kit)
+        entry.memory_bytes = me.memory_in_use(kit)
         # Models given by the host (the command line's --model) are listed first, in the order
         # given: clients that take the first listed model talk to the one the user named.
         given = {k: e for k, e in self.entries.items() if e.model.kind == "kit" and k != model_id}
@@ -430,14 +417,14 @@ class ModelHost:
         """One model as ``GET /v1/models`` and ``/v1/mlx_engine/models`` show it."""
         queue = getattr(entry.service, "queue", None)
         if entry.state == LOADED and entry.service is not None:
-            entry.memory_bytes = kit_memory(entry.service.kit)
+            entry.memory_bytes = me.memory_in_use(entry.service.kit)
         ttl = self.ttl_of(entry)
         return {
             "id": entry.model.id,
             "object": "model",
             "created": 0,
             "owned_by": "mlx-engine",
-            "state": entry.state,
+            "state": entry.state.value,
             "mlx_engine": {
                 "type": "embeddings" if self.embeds(entry) else "llm",  # as LM Studio's model list says it
                 "source": entry.model.kind,
@@ -584,7 +571,7 @@ class ModelHost:
         draft = self.draft_of(entry.model, options) if kit.draft is not None else None
         entry.service = self.make_service(kit, entry.model.id, draft)
         entry.state, entry.last_error, entry.last_used = LOADED, None, time.monotonic()
-        entry.memory_bytes = kit_memory(kit)
+        entry.memory_bytes = me.memory_in_use(kit)
         seconds = time.monotonic() - started
         self.events("load", entry.model.id, ok=True, seconds=seconds)
         logger.info("loaded %s in %.2f s (%.1f MiB)", entry.model.id, seconds, entry.memory_bytes / 2**20)

@@ -27,9 +27,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from .chat_objects import Choice, engine_stats
 from .core import Counts, admit, collect, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
 from .errors import APIError, bad_request, clipped, from_failure
-from .responses import Choice, engine_stats
 from .runs import RequestRun
 from .schemas import EngineOptions
 

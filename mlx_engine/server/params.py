@@ -10,7 +10,7 @@ back from ``create_generator`` as ``ValueError`` and is mapped the same way.
 from __future__ import annotations
 
 import mlx_engine as me
-from mlx_engine.tools import json_depth
+from mlx_engine import MAX_JSON_DEPTH, json_depth
 
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -19,10 +19,8 @@ from .errors import bad_request, from_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
 
 DEFAULT_LOOKUP_TOKENS = 8
-# Deepest JSON nesting taken in tool schemas and call arguments: far beyond any
-# real schema, far below what recursive parsers and validators survive.
-MAX_JSON_DEPTH = 64
-
+# JSON nesting in tool schemas and call arguments is limited by the engine's one
+# MAX_JSON_DEPTH, so the server and the SDK refuse the same requests.
 
 # The longest token of each tokenizer, in characters (of its vocabulary's
 # strings: a byte-level BPE's strings are one character per byte, so none covers
