@@ -11,8 +11,8 @@ import threading
 from typing import Any, Callable
 
 from ..errors import ShardedKitError
-from ..request.validate import WhenIdle
 from ..runtime import worker
+from ..runtime.idle import WhenIdle
 from .control import break_ring_sockets
 
 logger = logging.getLogger(__name__)
