@@ -4,8 +4,10 @@ before the generator is returned, and becomes one frozen ``Request``.
 ``GenerationOptions`` declares ``create_generator``'s keyword arguments once
 (names, types, defaults; the function's signature is built from it), and
 ``validate_request`` checks them against the kit and plans the decoding. A bad
-argument raises ``ValueError`` naming it; nothing here touches the model or its
-caches.
+argument raises ``ValueError`` naming it. Nothing here runs the model or touches
+its KV caches; the one kit state it writes is a vision kit's processed-image cache
+(``decode_images`` runs the image processor on each image, so a refused image
+fails here, and keeps the result for the request to reuse).
 """
 
 from __future__ import annotations
