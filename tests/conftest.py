@@ -58,7 +58,7 @@ def cheap_draft(monkeypatch):
     the adaptive draft length would never draft with them; with this it
     drafts from the prior in its first rounds (their drafts are rejected, and
     scoring then keeps it undrafted)."""
-    from mlx_engine.kits.text import DraftModel
+    from mlx_engine.draft.model import DraftModel
 
     monkeypatch.setattr(DraftModel, "chained_step_ratio", lambda self, *a, **k: 0.1)
 

@@ -9,7 +9,7 @@ rounds with the given costs only."""
 
 from mlx_engine.caches.sequence import SequenceCache
 from mlx_engine.draft.drafter import DraftModelDrafter
-from mlx_engine.kits.text import DraftModel
+from mlx_engine.draft.model import DraftModel
 from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.costs import CostModel, RoundCosts
 from mlx_engine.speculative.loop import decode as _decode

@@ -1,7 +1,7 @@
 import mlx_engine as me
 from mlx_engine.caches.sequence import UNKNOWN, SequenceCache
 from mlx_engine.draft.drafter import DraftModelDrafter
-from mlx_engine.kits.text import DraftModel
+from mlx_engine.draft.model import DraftModel
 from mlx_engine.request.sampling import SamplingParams, build_sampler
 from mlx_engine.speculative.loop import decode as _decode
 

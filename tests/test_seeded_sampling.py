@@ -3,7 +3,7 @@ text in every decoding mode, and the sampler is an exact categorical sample with
 mlx-lm's filtering."""
 
 import mlx_engine as me
-from mlx_engine.kits.text import DraftModel
+from mlx_engine.draft.model import DraftModel
 from mlx_engine.request.sampling import SamplingParams, build_sampler, draw_seed, position_keys, sampling_filters
 
 import mlx.core as mx

@@ -1,5 +1,5 @@
 """ModelKit: a loaded text model, its tokenizer and the caches kept between
-requests, plus an optional draft model (draft_pool.DraftModel) and its request
+requests, plus an optional draft model (draft.model.DraftModel) and its request
 registry (activity.Activity)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..caches.disk import DiskCache, model_identity
 from ..caches.prompt import PromptCache, PromptCacheOptions
 from ..caches.ragged import RaggedBatch, can_batch
 from ..caches.sequence import CacheOptions, SequenceCache
-from ..draft.model import DraftModel  # re-exported: tests import it from here
+from ..draft.model import DraftModel
 from ..loading import model as loading
 from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
 from ..runtime.worker import shutting_down
