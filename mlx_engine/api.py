@@ -27,7 +27,6 @@ from .loading.chat_template import check_render
 from .request.pipeline import Generation
 from .request.validate import (
     GenerationOptions,
-    WhenIdle,
     require_model,
     validate_admission_timeout,
     validate_request,
@@ -35,6 +34,7 @@ from .request.validate import (
 )
 from .results import GenerationResult
 from .runtime import worker
+from .runtime.idle import WhenIdle
 from .runtime.scheduler import Scheduler
 from .runtime.streams import RequestStream, WorkerIterator
 

@@ -5,14 +5,13 @@ on a failed rank."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from typing import Any, Callable
 
 from ..errors import ShardedKitError
-from ..request.validate import WhenIdle
 from ..runtime import worker
+from ..runtime.idle import WhenIdle
 from .control import break_ring_sockets
 
 logger = logging.getLogger(__name__)
@@ -70,11 +69,12 @@ class ShardWorker(worker.MLXWorker):
             releasing = self.release is not None and (
                 fn == self.release or (isinstance(fn, WhenIdle) and fn.action == self.release)
             )
-            if releasing or _closes_generator(fn):
+            closing = isinstance(fn, worker.CloseGenerator)
+            if releasing or closing:
                 # Unloading a dead kit or closing its generators touches no rank: run it here.
                 task = worker.Task(fn, args, kwargs)
                 task.run()
-                if task.error is not None and _closes_generator(fn):
+                if task.error is not None and closing:
                     task.error = None  # a generator still running on a blocked thread stays as it is
                 return task
             raise self.health.error()
@@ -107,10 +107,6 @@ class ShardWorker(worker.MLXWorker):
         task = worker.Task(fn, (), {})
         self._tasks.put(task)  # submit() refuses work once the process is exiting
         task.done.wait(timeout)
-
-
-def _closes_generator(fn: Callable) -> bool:
-    return getattr(fn, "__name__", "") == "close" and inspect.isgenerator(getattr(fn, "__self__", None))
 
 
 def on_failure(health: Health, thread: ShardWorker, reason: str, control) -> None:

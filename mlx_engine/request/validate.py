@@ -4,8 +4,10 @@ before the generator is returned, and becomes one frozen ``Request``.
 ``GenerationOptions`` declares ``create_generator``'s keyword arguments once
 (names, types, defaults; the function's signature is built from it), and
 ``validate_request`` checks them against the kit and plans the decoding. A bad
-argument raises ``ValueError`` naming it; nothing here touches the model or its
-caches.
+argument raises ``ValueError`` naming it. Nothing here runs the model or touches
+its KV caches; the one kit state it writes is a vision kit's processed-image cache
+(``decode_images`` runs the image processor on each image, so a refused image
+fails here, and keeps the result for the request to reuse).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import mlx.core as mx
 
 from ..decode.sampling import SamplingParams, validate_sampling
 from ..embeddings.kit import EmbeddingKit
-from ..errors import GenerationInProgressError, InvalidArgument, argument
+from ..errors import InvalidArgument, argument
 from ..kits.text import ModelKit
 from ..results import GenerationStats
 from ..structured import check_grammar, compile_constraint
@@ -239,35 +241,6 @@ def require_model(kit: ModelKit) -> None:
         raise ValueError("this kit was loaded with vocab_only=True and cannot generate; load it without vocab_only")
     if kit.model is None:
         raise ValueError("this kit has been unloaded")
-
-
-def require_idle(kit: ModelKit) -> None:
-    """``GenerationInProgressError`` while a generation is open on ``kit``:
-    created and not yet finished or closed, iterated or not (its plan may
-    rely on the model and draft model as they were when it was created)."""
-    open_ = sorted(kit.activity.known)
-    if open_:
-        names = ", ".join(repr(a) for a in open_)
-        raise GenerationInProgressError(
-            f"generation {names} is still open on this kit (created, not yet finished or closed); "
-            "finish or close it first"
-        )
-
-
-class WhenIdle:
-    """A call to run on the kit's engine thread (after any close queued before
-    it) unless a generation is open: ``action(*args)`` after ``require_idle``.
-    A value, so a worker can tell which action it carries (a sharded kit's
-    worker runs its own release inline once a rank has failed)."""
-
-    __slots__ = ("kit", "action", "args")
-
-    def __init__(self, kit: ModelKit, action: Callable, *args):
-        self.kit, self.action, self.args = kit, action, args
-
-    def __call__(self) -> None:
-        require_idle(self.kit)
-        self.action(*self.args)
 
 
 def validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:

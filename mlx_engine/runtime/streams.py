@@ -14,7 +14,7 @@ from typing import Iterator, TypeVar
 
 from ..results import GenerationResult
 from .scheduler import END, LiveRequest, Scheduler
-from .worker import MLXWorker, ProcessExiting, Task, shutting_down
+from .worker import CloseGenerator, MLXWorker, ProcessExiting, Task, shutting_down
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class WorkerIterator(Iterator[T]):
         if self._pending is not None:
             self._pending.done.wait()
             self._pending = None
-        self._worker.call(gen.close)
+        self._worker.call(CloseGenerator(gen))
 
     def __del__(self) -> None:
         """Close on the worker without waiting: a finalizer may run on any thread,
@@ -185,6 +185,6 @@ class WorkerIterator(Iterator[T]):
             if self._worker.is_current:
                 gen.close()
             else:
-                self._worker.submit(gen.close)
+                self._worker.submit(CloseGenerator(gen))
         except Exception:  # pragma: no cover - best effort from a finalizer
             logger.exception("closing an abandoned generation failed")

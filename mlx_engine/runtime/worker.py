@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Generator, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,20 @@ class Task:
             error, self.error = self.error, None
             raise error
         return self.result
+
+
+class CloseGenerator:
+    """A call that closes a generator on the engine thread. A value, so a worker
+    can tell a close from other work (a sharded kit's worker runs closes inline
+    once a rank has failed: they touch no other rank)."""
+
+    __slots__ = ("gen",)
+
+    def __init__(self, gen: Generator):
+        self.gen = gen
+
+    def __call__(self) -> None:
+        self.gen.close()
 
 
 class MLXWorker:
