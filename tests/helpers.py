@@ -4,6 +4,7 @@ Markov model, the default model's presence, the loop run without a scheduler."""
 
 import mlx_engine  # first: loads OpenBLAS before mlx.core
 from mlx_engine.decode.loop import TURN, Launch, forward_alone  # noqa: E402
+from mlx_engine.pricing.costs import CostModel  # noqa: E402
 from mlx_engine.request.output import SpeculationTally  # noqa: E402
 from mlx_engine.results import GenerationStats  # noqa: E402
 
@@ -173,3 +174,8 @@ def slowed_kit(path, seconds: float, max_parallel: int):
         yield kit
     finally:
         mlx_engine.unload(kit)
+
+
+def flat_costs(rel: float = 1.1) -> CostModel:
+    """Forward costs rising by ``rel`` from 1 to 17 tokens (a pass of 17 costs ``rel`` of one)."""
+    return CostModel(tuple(0.01 * (1 + (rel - 1) * (n - 1) / 16) for n in range(1, 18)))

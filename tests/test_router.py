@@ -1,0 +1,354 @@
+"""The automatic router (drafters/router.py): which drafter runs each round, and when it switches."""
+
+import mlx_engine as me
+from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
+from mlx_engine.drafters.router import AutoRouter, RouterSettings
+from mlx_engine.pricing.costs import CostModel, RoundCosts
+from mlx_engine.pricing.speedup import AcceptanceModel
+
+import pytest
+from helpers import flat_costs, generate_ids, markov_kit
+
+
+def test_router_sends_long_echo_prompt_to_prompt_lookup(llama_path):
+    kit = markov_kit(llama_path)
+    kit.model.delay = 0.003  # a pass costs 3 ms whatever its length, as verify passes nearly do
+    prompt = list(range(100, 380)) + list(range(100, 200))
+    plain, _ = generate_ids(kit, prompt, max_tokens=60)
+    ids, final = generate_ids(kit, prompt, max_tokens=60, auto_speculative=True)
+    assert ids == plain
+    assert final.stats.decoding_mode == "auto:prompt_lookup", final.stats
+    assert "probe acceptance" in final.stats.mode_switches[0]
+    assert "density" in final.stats.mode_reason
+
+
+def test_router_probe_of_a_short_fresh_prompt_drafts_nothing_and_ends_plain(llama_path):
+    kit = markov_kit(llama_path)
+    prompt = list(range(100, 140))
+    ids, final = generate_ids(kit, prompt, max_tokens=20, auto_speculative=True)
+    assert ids == generate_ids(kit, prompt, max_tokens=20)[0]
+    assert final.stats.decoding_mode == "auto:plain"
+    assert "probing" in final.stats.mode_reason
+    assert "probe acceptance 0% over 0 drafted" in final.stats.mode_switches[0]
+    assert final.stats.drafted_tokens == 0
+
+
+def test_router_prefilter_keeps_short_prompts_plain_when_set():
+    settings = RouterSettings(min_prompt_tokens=256, min_density=0.02)
+    router = AutoRouter(list(range(40)) * 2, flat_costs(1.5), PromptLookupDrafter(8), settings=settings)
+    assert router.mode == "plain" and "too short" in router.mode_reason
+    assert AutoRouter(list(range(40)) * 2, flat_costs(1.5), PromptLookupDrafter(8)).mode == "probe"
+
+
+def test_router_probe_draft_grows_while_accepted_whole():
+    copied = list(range(50))
+    # A copy whose context differs from the original's: a 3-token match, 60% on the traces.
+    history = list(range(100, 150)) + [7] + copied + [8] + copied[:3]
+    router = AutoRouter(history, flat_costs(1.5), PromptLookupDrafter(32))
+    lengths, at = [], 3
+    while router.mode == "probe":
+        drafts = router.propose(history, 64)
+        lengths.append(len(drafts))
+        assert drafts == copied[at : at + len(drafts)]
+        router.observe(len(drafts), len(drafts))
+        history += copied[at : at + len(drafts) + 1]
+        at += len(drafts) + 1
+    # A short first draft (what a 60% match pays for), then the longest at once.
+    assert len(lengths) == 2 and lengths[0] < 8 and lengths[1] == 32
+    assert router.mode == "prompt_lookup"
+    # The probe's evidence carries over: the first committed draft is long too.
+    assert len(router.propose(history, 64)) == 32
+
+
+def test_router_probe_drafts_a_strong_match_long_at_once():
+    """A match agreeing 16 tokens or more (96% accepted on the traces) is drafted
+    at the length that pays for it from the first probe round."""
+    router = AutoRouter(list(range(50)) * 8, flat_costs(1.5), PromptLookupDrafter(32))
+    history = list(range(50)) * 8
+    drafts = router.propose(history, 64)
+    assert len(drafts) > RouterSettings().probe_draft_tokens
+    assert drafts == list(range(len(drafts)))
+
+
+def test_router_leaves_lookup_when_it_stops_paying():
+    prompt = list(range(50)) * 8
+    router = AutoRouter(prompt, flat_costs(2.0), PromptLookupDrafter(8))
+    assert router.mode == "probe"
+    for _ in range(4):
+        router.observe(4, 0)  # four consecutive misses end the probe
+    assert router.mode == "plain"
+    assert "probe acceptance 0%" in router.mode_switches[-1]
+
+
+def test_router_switches_to_lookup_when_output_starts_repeating(llama_path):
+    import mlx.core as mx
+
+    vocab = me.load_model(llama_path, vocab_only=True).vocab_size
+    nxt = [(t + 1) % vocab for t in range(vocab)]
+    # Fresh tokens 100..135 (the probe finds nothing to copy and ends in plain
+    # decoding), then 136..140 loop, as a degenerate model's output does.
+    nxt[140] = 136
+    table = mx.array([[12.0 if j == nxt[i] else 0.0 for j in range(vocab)] for i in range(vocab)])
+    kit = markov_kit(llama_path, table)
+    prompt = list(range(60, 100))
+    # Auto first: run second it would draft the plain run's answer from the suffix memory.
+    ids, final = generate_ids(kit, prompt, max_tokens=120, auto_speculative=True)
+    plain, _ = generate_ids(kit, prompt, max_tokens=120)
+    assert ids == plain
+    s = final.stats
+    assert s.mode_switches[0].startswith("probe -> plain")
+    assert any(m.startswith("plain -> prompt_lookup") and "shadow drafts" in m for m in s.mode_switches)
+    assert s.decoding_mode == "auto:prompt_lookup" and s.acceptance_rate > 0.8
+
+
+NO_PROBE = RouterSettings(min_prompt_tokens=10**6)  # every prompt too short: no probe
+
+
+class _StubDraft:
+    """Stands in for a DraftModelDrafter whose drafts are always rejected."""
+
+    def __init__(self):
+        self.acceptance = AcceptanceModel()
+        self.round_costs = RoundCosts(flat_costs(1.5), draft_step=0.1)
+
+    def propose(self, history, limit):
+        return [0]
+
+    def observe(self, drafted, accepted, seconds=None):
+        self.acceptance.observe(drafted, accepted)
+
+
+@pytest.mark.parametrize("repeating", [True, False])
+def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(repeating):
+    history = list(range(1000, 1100))
+    # The pre-filter skips the probe: the router starts in the draft model's mode.
+    router = AutoRouter(history, flat_costs(1.5), PromptLookupDrafter(8), _StubDraft(), settings=NO_PROBE)
+    assert router.mode == "draft_model"
+    for i in range(60):
+        router.propose(history, 8)
+        router.observe(1, 0)
+        history.append(2000 + i % 7 if repeating else 3000 + i)
+    if repeating:
+        assert router.mode == "prompt_lookup"
+        assert "shadow drafts" in router.mode_switches[-1]
+    else:
+        # Rejected drafts do not send it to plain decoding, from which only prompt
+        # lookup could be reached: the drafter pauses and explores by itself.
+        assert router.mode == "draft_model" and not router.mode_switches
+
+
+def test_router_with_a_draft_model_probes_lookup_and_gives_the_draft_the_rounds_lookup_cannot_draft():
+    prompt = list(range(50)) * 8
+    draft = _StubDraft()
+    router = AutoRouter(prompt, flat_costs(1.5), PromptLookupDrafter(8), draft)
+    assert router.mode == "probe" and "the draft model drafts the rounds lookup has nothing for" in router.mode_reason
+    history = prompt + [700, 701]  # fresh tokens: lookup has nothing to draft
+    assert router.propose(history, 8) == [0]  # the draft model's round
+    router.observe(1, 0)
+    assert draft.acceptance.drafted == 1 and router.lookup_acceptance.drafted == 0  # its record, not lookup's
+    history += [702] + list(range(20))  # the text copies the prompt again: lookup drafts
+    drafts = router.propose(history, 8)
+    assert drafts == list(range(20, 28)) and router.mode == "probe"  # a strong match: long at once
+    router.observe(8, 8)
+    assert router.lookup_acceptance.drafted == 8 and draft.acceptance.drafted == 1
+
+
+def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadows_promised():
+    history = list(range(1000, 1100))
+    router = AutoRouter(history, flat_costs(1.5), PromptLookupDrafter(8), _StubDraft(), settings=NO_PROBE)
+
+    def run(rounds: int, drafted_accepted) -> None:
+        for _ in range(rounds):
+            drafts = router.propose(history, 8)
+            drafted, accepted = drafted_accepted(len(drafts))
+            router.observe(drafted, accepted)
+            for _ in range(accepted + 1):  # the output repeats a 7-token cycle
+                history.append(2000 + len(history) % 7)
+            if router.mode != start_mode:
+                return
+
+    start_mode = "draft_model"
+    run(60, lambda n: (2, 2))  # the draft model pays, and shadow lookup would pay more
+    assert router.mode == "prompt_lookup" and "shadow drafts" in router.mode_switches[-1]
+    start_mode = "prompt_lookup"
+    run(60, lambda n: (n, 2))  # but lookup's own rounds stop at the third draft
+    assert router.mode == "draft_model"
+    assert "no more switches to lookup" in router.mode_switches[-1]
+    run(60, lambda n: (2, 2))  # the shadow keeps promising, but is not followed again
+    assert router.mode == "draft_model"
+
+
+def test_router_shadow_drafts_use_lookup_memory():
+    """In plain decoding (here: a short prompt under a pre-filter) the router's
+    shadow drafts come from lookup memory too, so a conversation cached elsewhere
+    can move it to lookup."""
+    memory = [[50, 51, 52, 53, 54, 55, 56, 57, 58]]
+    router = AutoRouter(
+        [50, 51],
+        flat_costs(1.5),
+        PromptLookupDrafter(8, memory=memory),
+        settings=RouterSettings(min_prompt_tokens=256),
+    )
+    assert router.mode == "plain"
+    assert router.propose([50, 51, 52], 8) == []  # plain rounds draft nothing themselves
+    assert router.shadows.open == [(3, [53, 54, 55, 56, 57, 58], 0, False)]  # (position, drafts, scored, weak)
+
+
+def test_router_probe_drafts_from_lookup_memory():
+    """A short prompt is probed, and the probe drafts from lookup memory when the
+    request's own history has nothing to copy."""
+    memory = [[50, 51, 52, 53, 54, 55, 56, 57, 58]]
+    router = AutoRouter([50, 51], flat_costs(1.5), PromptLookupDrafter(8, memory=memory))
+    assert router.mode == "probe"
+    drafts = router.propose([50, 51, 52], 8)  # the probe's first draft: 4 tokens, or what the match pays for
+    assert len(drafts) >= 4 and drafts == list(range(53, 53 + len(drafts)))
+
+
+def test_router_without_a_draft_switches_to_lookup_within_a_few_rounds_of_copying():
+    """Shadow drafts count from their first decided token: a copy that starts in
+    the answer moves plain decoding to lookup after shadow_rounds rounds, not after
+    the shadows' full length."""
+    passage = list(range(500, 540))
+    history = list(range(1000, 1100)) + passage  # a short prompt, plain under a pre-filter
+    router = AutoRouter(
+        history, flat_costs(1.5), PromptLookupDrafter(32), settings=RouterSettings(min_prompt_tokens=256)
+    )
+    assert router.mode == "plain"
+    history += passage[:3]  # the answer starts copying the passage
+    rounds = 0
+    while router.mode == "plain":
+        assert router.propose(history, 32) == []
+        router.observe(0, 0)
+        history.append(passage[len(history) - 140])
+        rounds += 1
+    assert rounds <= router.s.shadow_rounds + 1 and router.mode == "prompt_lookup"
+    # Lookup then drafts beyond the old cap of 8 tokens, copying the passage.
+    drafts = router.propose(history, 32)
+    assert len(drafts) > 8 and drafts == passage[len(history) - 140 :][: len(drafts)]
+
+
+def _copying_router(history: list[int]) -> AutoRouter:
+    """A router in prompt lookup whose drafts on ``history`` grew by being accepted whole."""
+    router = AutoRouter(history, flat_costs(1.2), PromptLookupDrafter(32))
+    router._enter("prompt_lookup", "test")
+    for _ in range(3):
+        router.propose(history, 32)
+        router.observe(router.lookup_k, router.lookup_k)  # all accepted: drafts grow
+    assert router.lookup_k > 8
+    return router
+
+
+def test_router_lookup_length_shrinks_after_a_rejection():
+    history = list(range(50)) * 8
+    router = _copying_router(history)
+    router.observe(router.lookup_k, 1)  # one accepted, then a rejection
+    router.propose(history, 32)
+    assert router.lookup_k <= max(router.s.lookup_rejection_floor, 2 * 2 + 2) < 32
+
+
+def test_router_lookup_drafts_at_least_the_floor_after_a_rejection_at_the_first_draft():
+    # A quote deviates from its source every 5-8 tokens: a draft of 4 after a
+    # miss (2·1+2) split each copied span into two rounds.
+    history = list(range(50)) * 8
+    router = _copying_router(history)
+    router.observe(router.lookup_k, 0)  # the first draft rejected
+    assert len(router.propose(history, 32)) == router.s.lookup_rejection_floor == 8
+
+
+def test_router_plain_rounds_are_queued_ahead_and_still_make_shadow_drafts():
+    """In plain decoding the loop queues rounds ahead without calling propose
+    (plain_ahead); observe then makes the shadow drafts, so the switch to lookup
+    comes as it would with a propose per round."""
+    passage = list(range(500, 540))
+    history = list(range(1000, 1100)) + passage + passage[:3]
+    router = AutoRouter(
+        history,
+        flat_costs(1.5),
+        PromptLookupDrafter(32),
+        settings=RouterSettings(min_prompt_tokens=256),
+    )
+    assert router.plain_ahead(history)
+    assert router.propose(history, 32) == []  # the first round is launched normally
+    rounds = 0
+    while router.mode == "plain":
+        router.observe(0, 0)  # a round queued ahead: no propose before it
+        history.append(passage[len(history) - 140])
+        rounds += 1
+    assert rounds <= router.s.shadow_rounds + 2
+    assert router.mode == "prompt_lookup" and not router.plain_ahead(history)
+
+
+def test_router_probe_that_misses_ends_in_the_draft_model():
+    prompt = list(range(50)) * 8
+    router = AutoRouter(prompt, flat_costs(1.5), PromptLookupDrafter(8), _StubDraft())
+    assert router.mode == "probe"
+    for _ in range(4):
+        router.propose(prompt, 8)
+        router.observe(4, 0)  # lookup's drafts miss: the probe ends in the draft model
+    assert router.mode == "draft_model"
+
+
+def cpu_costs() -> CostModel:
+    """Verify costs shaped like this CPU's: a jump from one token to two, then a slope."""
+    return CostModel(tuple(0.01 * (1.0 if n == 1 else 1.27 + 0.07 * (n - 1)) for n in range(1, 18)))
+
+
+def test_router_skips_weak_lookup_matches_where_they_do_not_pay_and_drafts_strong_ones():
+    # A 50-token cycle that lookup copies; then a token seen once before, alone.
+    cycle = list(range(50))
+    history = cycle * 4 + [300, 7]
+    router = AutoRouter(cycle * 4, cpu_costs(), PromptLookupDrafter(32))
+    router._enter("prompt_lookup", "test")
+    router.lookup_acceptance = router.shadows.record  # good evidence: strong matches draft long
+    for _ in range(3):
+        router.lookup_acceptance.observe(16, 16)
+    assert router.propose(history, 32) == []  # [7] matched alone: weak, at 25% it does not pay here
+    router.observe(0, 0)
+    assert len(router.propose(cycle * 5, 32)) > 8  # a copied passage: strong
+    # Where verifying more tokens costs almost nothing, the same weak match drafts.
+    cheap = AutoRouter(cycle * 4, flat_costs(1.01), PromptLookupDrafter(32))
+    cheap._enter("prompt_lookup", "test")
+    assert cheap.propose(history, 32)[:1] == [8]
+    cheap.observe(cheap.lookup_k, 0)
+    assert cheap.weak.drafted == cheap.lookup_k > 0  # and the weak-match record learns from it
+
+
+def test_router_scores_weak_shadow_drafts_in_the_weak_record():
+    cycle = list(range(40))
+    router = AutoRouter([], cpu_costs(), PromptLookupDrafter(16))
+    router._enter("plain", "test")
+    history = cycle + [300, 7]  # [7] matches alone: a weak shadow
+    router.propose(history, 16)
+    history.append(99)  # it missed
+    router.propose(history, 16)
+    assert router.weak.drafted > 0 and router.weak.accepted == 0
+    assert router.shadows.positions == 0  # the shadow record did not count it
+
+
+def test_router_probe_skips_a_weak_match_that_does_not_pay():
+    cycle = list(range(50))
+    history = cycle * 4 + [300, 7]  # [7] matched alone
+    router = AutoRouter(cycle * 4, cpu_costs(), PromptLookupDrafter(32))
+    assert router.mode == "probe"
+    assert router.propose(history, 32) == []
+    strong = AutoRouter(cycle * 4, cpu_costs(), PromptLookupDrafter(32))
+    drafts = strong.propose(cycle * 5, 32)  # a copied passage: drafted long at once
+    assert len(drafts) > 4 and drafts == cycle[: len(drafts)]
+    cheap = AutoRouter(cycle * 4, flat_costs(1.01), PromptLookupDrafter(32))
+    assert cheap.propose(history, 32)[:4] == [8, 9, 10, 11]  # verifying is nearly free: the weak match is probed
+
+
+def test_router_probe_drafts_a_weak_match_whole_until_one_misses_then_what_weak_matches_pay_for():
+    # A copy often starts from a one-token match, so the probe drafts the first
+    # weak match at its whole length; once one has missed in this request, a weak
+    # match drafts only what the weak record pays for (fresh text's one-token
+    # matches keep missing).
+    cycle = list(range(50))
+    history = cycle * 4 + [300, 7]  # [7] matched alone
+    router = AutoRouter(cycle * 4, flat_costs(1.3), PromptLookupDrafter(32))
+    first = router.propose(history, 32)
+    assert first == [8, 9, 10, 11] and router._weak_length(32) < len(first)
+    router.observe(len(first), 0)
+    assert router.mode == "probe"
+    second = router.propose(history + [301, 9], 32)  # [9] matched alone again
+    assert second == [10, 11][: router._weak_length(32)] and 0 < len(second) < len(first)
