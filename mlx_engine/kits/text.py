@@ -88,10 +88,11 @@ class ModelKit:
     background_cost_measurement = True
 
     def __init__(self, model_path: str | Path, options: KitOptions = KitOptions()):
-        self._init_files(loading.resolve_model_path(model_path), options)
+        files = loading.model_files(loading.resolve_model_path(model_path))
+        self._init_files(files, options)
         if options.vocab_only:
             return
-        self.model, self.config = loading.load_weights(self.model_path, options.trust_remote_code)
+        self.model, self.config = files.weights(options.trust_remote_code)
         self.compute_dtype = loading.prepare_weights(self.model, options.compute_dtype)
         self.num_params = loading.float_param_count(self.model)
         loading.smoke_test(self.model, self.model_path)
@@ -179,14 +180,14 @@ class ModelKit:
         """Install a loaded draft model (or none); draft/loading.py checks and loads it."""
         self.draft = draft
 
-    def _init_files(self, path: Path, options: KitOptions) -> None:
+    def _init_files(self, files: loading.HFFiles | loading.GGUFFiles, options: KitOptions) -> None:
         """What every kit starts from: config, tokenizer and empty slots (one
-        initializer for text and vision kits)."""
-        self.model_path = path
-        self.config = loading.read_config(path)
+        initializer for text and vision kits; the format was chosen once, ``files``)."""
+        self.model_path = files.path
+        self.config = files.config()
         self.check_architecture()
         self.cache_options = options.cache
-        self.tokenizer = loading.load_tokenizer(path, options.trust_remote_code)
+        self.tokenizer = files.tokenizer(options.trust_remote_code)
         self.eos_token_ids = loading.eos_token_ids(self.tokenizer)
         self.vocab_only = options.vocab_only
         self.model: nn.Module | None = None

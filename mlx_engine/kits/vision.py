@@ -127,7 +127,7 @@ class VisionModelKit(ModelKit):
         self.max_image_pixels = (
             DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
         )
-        self._init_files(loading.resolve_model_dir(model_path), options)
+        self._init_files(loading.HFFiles(loading.resolve_model_dir(model_path)), options)
         self.eos_token_ids |= _config_eos_ids(self.config)
         self.vlm: nn.Module | None = None
         self.processor = None

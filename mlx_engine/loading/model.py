@@ -125,24 +125,6 @@ def _existing_path(model_path, what: str) -> Path:
     return path
 
 
-def read_config(path: Path) -> dict:
-    """The model's config.json, or for a GGUF file the equivalent built from its metadata."""
-    if gguf.is_gguf(path):
-        return gguf_models.config_from_header(gguf.read_header(path))
-    check_model_files(path)
-    try:
-        with open(path / "config.json", encoding="utf-8") as f:
-            config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"config.json in {str(path)!r} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"config.json in {str(path)!r} must hold a JSON object")
-    if "model_type" not in config:
-        raise ModelLoadError(f"config.json in {str(path)!r} has no 'model_type'")
-    check_config_fields(config, path)
-    return config
-
-
 def is_vision_config(config: dict) -> bool:
     return "vision_config" in config
 
@@ -158,46 +140,105 @@ def check_architecture(config: dict, path: Path) -> None:
         ) from exc
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
-    """The tokenizer, never running code from the folder unless trust_remote_code
-    (passed explicitly, so transformers never asks on stdin). A GGUF file's is
-    rebuilt from its metadata (gguf.py)."""
-    if gguf.is_gguf(path):
-        return gguf_tokenizer.load_tokenizer(gguf.read_header(path))
-    from mlx_lm.utils import _load_tokenizer, _tokenizer_defaults
+class HFFiles:
+    """A Hugging Face-layout directory: config.json, the tokenizer's files and
+    ``model*.safetensors``, read by mlx-lm (offline, never running the folder's
+    code unless trusted)."""
 
-    try:
-        with offline():
-            return _load_tokenizer(
-                path, {"trust_remote_code": bool(trust_remote_code)}, defaults=_tokenizer_defaults(path)
-            )
-    except Exception as exc:
-        raise ModelLoadError(f"could not load the tokenizer from {str(path)!r}: {exc}") from exc
+    def __init__(self, path: Path):
+        self.path = path
+
+    def config(self) -> dict:
+        """config.json, checked (valid JSON, an object, a ``model_type``, sane fields)."""
+        path = self.path
+        check_model_files(path)
+        try:
+            with open(path / "config.json", encoding="utf-8") as f:
+                config = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"config.json in {str(path)!r} is not valid JSON: {exc}") from exc
+        if not isinstance(config, dict):
+            raise ModelLoadError(f"config.json in {str(path)!r} must hold a JSON object")
+        if "model_type" not in config:
+            raise ModelLoadError(f"config.json in {str(path)!r} has no 'model_type'")
+        check_config_fields(config, path)
+        return config
+
+    def tokenizer(self, trust_remote_code: bool = False):
+        """The tokenizer, never running code from the folder unless trust_remote_code
+        (passed explicitly, so transformers never asks on stdin)."""
+        from mlx_lm.utils import _load_tokenizer, _tokenizer_defaults
+
+        try:
+            with offline():
+                return _load_tokenizer(
+                    self.path, {"trust_remote_code": bool(trust_remote_code)}, defaults=_tokenizer_defaults(self.path)
+                )
+        except Exception as exc:
+            raise ModelLoadError(f"could not load the tokenizer from {str(self.path)!r}: {exc}") from exc
+
+    def weights(self, trust_remote_code: bool, lazy: bool = False) -> tuple[nn.Module, dict]:
+        """The model and its config; ``lazy=True`` maps the safetensors without
+        reading them (a sharded rank reads only its shard)."""
+        from mlx_lm.utils import load_model as mlx_lm_load_model
+
+        path = self.path
+        files = sorted(glob.glob(str(path / "model*.safetensors")))
+        if not files:
+            raise ModelLoadError(f"no model*.safetensors weights in {str(path)!r}")
+        check_weights_match_config(self.config(), path, [Path(f) for f in files])
+        try:
+            with offline():
+                model, config = mlx_lm_load_model(path, lazy=lazy, trust_remote_code=trust_remote_code)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"could not load weights from {str(path)!r}: {type(exc).__name__}: {exc}") from exc
+        model.eval()
+        return model, config
 
 
-def load_weights(path: Path, trust_remote_code: bool, lazy: bool = False) -> tuple[nn.Module, dict]:
-    """The model and its config. ``lazy=True`` maps safetensors weights without
-    reading them (a sharded rank reads only its shard); a GGUF file is read whole."""
-    from mlx_lm.utils import load_model as mlx_lm_load_model
+class GGUFFiles:
+    """A GGUF file: config, tokenizer and weights all built from its header
+    (read once and cached, reader.py) by llama.cpp's own decoders (docs/gguf.md)."""
 
-    if gguf.is_gguf(path):
-        header = gguf.read_header(path)
+    def __init__(self, path: Path):
+        self.path = path
+
+    def config(self) -> dict:
+        """The config mlx-lm's class for the family expects, from the metadata."""
+        return gguf_models.config_from_header(gguf.read_header(self.path))
+
+    def tokenizer(self, trust_remote_code: bool = False):
+        """The tokenizer rebuilt from the metadata (no code runs: nothing to trust)."""
+        return gguf_tokenizer.load_tokenizer(gguf.read_header(self.path))
+
+    def weights(self, trust_remote_code: bool, lazy: bool = False) -> tuple[nn.Module, dict]:
+        """The model and its config; a GGUF file is read whole (``lazy`` does not apply)."""
+        header = gguf.read_header(self.path)
         config = gguf_models.config_from_header(header)
         return gguf_models.load_model(header, config), config
 
-    files = sorted(glob.glob(str(path / "model*.safetensors")))
-    if not files:
-        raise ModelLoadError(f"no model*.safetensors weights in {str(path)!r}")
-    check_weights_match_config(read_config(path), path, [Path(f) for f in files])
-    try:
-        with offline():
-            model, config = mlx_lm_load_model(path, lazy=lazy, trust_remote_code=trust_remote_code)
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"could not load weights from {str(path)!r}: {type(exc).__name__}: {exc}") from exc
-    model.eval()
-    return model, config
+
+def model_files(path: Path) -> HFFiles | GGUFFiles:
+    """The one place a model's format is chosen: a resolved path
+    (``resolve_model_path``) is a GGUF file or a Hugging Face directory."""
+    return GGUFFiles(path) if gguf.is_gguf(path) else HFFiles(path)
+
+
+def read_config(path: Path) -> dict:
+    """The model's config.json, or for a GGUF file the equivalent built from its metadata."""
+    return model_files(path).config()
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The model's tokenizer (``HFFiles.tokenizer``, ``GGUFFiles.tokenizer``)."""
+    return model_files(path).tokenizer(trust_remote_code)
+
+
+def load_weights(path: Path, trust_remote_code: bool, lazy: bool = False) -> tuple[nn.Module, dict]:
+    """The model and its config (``HFFiles.weights``, ``GGUFFiles.weights``)."""
+    return model_files(path).weights(trust_remote_code, lazy)
 
 
 def choose_compute_dtype(model: nn.Module, requested: str | None) -> mx.Dtype | None:
