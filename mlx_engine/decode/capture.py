@@ -68,11 +68,16 @@ def install(model: nn.Module, spec: HiddenSpec) -> Installed:
     for point in spec.points:
         module = inner if point == FINAL else inner.layers[point]
         cls = type(module)
-        if getattr(cls, "_capture_point", None) is not None:
+        if recording_point(module) is not None:
             continue  # already recording (a point named twice)
         module.__class__ = type(f"Captured{cls.__name__}", (cls,), {"_capture_point": point, "__call__": _call})
         done.append((module, cls))
     return Installed(done)
+
+
+def recording_point(module: nn.Module) -> int | None:
+    """The point ``module`` records (``install`` changed its class), or None."""
+    return getattr(type(module), "_capture_point", None)
 
 
 def _call(self, *args, **kwargs):

@@ -166,7 +166,13 @@ class AutoRouter:
         self._round_weak = False  # the round being observed drafted from a weak match
         self._copying = False  # this round's strongest possible match is a copy's (_post)
         self._reset_evidence()
-        facts = f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
+        self._enter_first_mode(
+            f"prompt {len(prompt)} tokens, density {self.density:.2f}, costs {verify_costs.summary()}"
+        )
+
+    def _enter_first_mode(self, facts: str) -> None:
+        """The request's first mode, from the prompt's facts and whether a draft model is loaded."""
+        draft_drafter = self.draft_drafter
         if self.lookup_allowed:
             # With a draft model, the probe's rounds that lookup has nothing to
             # draft for are the draft model's, so the probe costs a verify pass only

@@ -120,6 +120,6 @@ def build_block(model: nn.Module) -> tuple[nn.Module, int]:
     """A fresh copy of the target's last attention layer (weights replaced at load), and its index."""
     template = attention_template(model)
     block = copy.deepcopy(capture.text_model(model).layers[template])
-    if getattr(type(block), "_capture_point", None) is not None:  # copied from a recording layer
+    if capture.recording_point(block) is not None:  # copied from a recording layer
         block.__class__ = type(block).__mro__[1]
     return block, template

@@ -42,7 +42,7 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     try:
         draft_path = _draft_path(kit, path)
         head = heads.read_head_config(draft_path)
-    except (ValueError, OSError) as exc:  # ModelLoadError is a ValueError
+    except ValueError as exc:  # ModelLoadError is a ValueError
         return DraftCompatibility(False, [str(exc)])
     if head is not None:
         return heads.check_head(kit, draft_path, head, refusal=_head_refusal(kit))

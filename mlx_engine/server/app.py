@@ -151,13 +151,7 @@ def create_app(
     )
     service = _attach(host, kit, model_id, make_service, app_metrics)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        host.start()
-        yield
-        await host.stop()
-
-    app = FastAPI(title="mlx-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="mlx-engine", lifespan=_lifespan(host), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.host = host
     app.state.service = service  # a single kit's (None for several): what embedders of one kit used
     _install_errors(app)
@@ -168,6 +162,18 @@ def create_app(
     if ui:
         app.include_router(ui_router())
     return app
+
+
+def _lifespan(host: ModelHost):
+    """The app's lifespan: the host's timers start with the app and its models unload when it stops."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        host.start()
+        yield
+        await host.stop()
+
+    return lifespan
 
 
 def _include_routers(
