@@ -36,7 +36,7 @@ from .results import GenerationResult
 from .runtime import worker
 from .runtime.idle import WhenIdle
 from .runtime.scheduler import Scheduler
-from .runtime.streams import RequestStream, WorkerIterator
+from .runtime.streams import RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -282,8 +282,7 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
     validate_request_id(opts.request_id)
     thread = _worker_of(kit)
     generation = _admitted(kit, thread, prompt_tokens, opts)
-    if kit.max_parallel == 1:
-        return WorkerIterator(thread, generation.alone())
+    # One path for every kit: with max_parallel=1 the scheduler steps one row.
     return RequestStream(thread, _scheduler_of(kit, thread), generation, generation.request_id)
 
 
@@ -319,6 +318,6 @@ def _start(kit: ModelKit, prompt_tokens, options: GenerationOptions) -> Generati
 def _scheduler_of(kit: ModelKit, thread: worker.MLXWorker) -> Scheduler:
     """The kit's scheduler, stepped by its engine thread (scheduler.py)."""
     if kit.scheduler is None:
-        kit.attach_scheduler(Scheduler(kit))
+        kit.attach_scheduler(Scheduler(kit, thread.failure_of))
         thread.serve(kit.scheduler)
     return kit.scheduler

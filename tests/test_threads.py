@@ -195,39 +195,6 @@ def test_process_exit_after_threaded_work_does_not_abort(half_path):
         assert out.returncode == 0 and "done" in out.stdout, (out.returncode, out.stderr[-2000:])
 
 
-def test_an_interrupted_wait_does_not_lose_the_step():
-    """A KeyboardInterrupt while the host waits for a step (Ctrl-C) leaves the
-    step running; the next next() returns its result, none is lost."""
-    from mlx_engine.runtime import streams, worker
-
-    import _thread
-    import signal
-
-    started, release = threading.Event(), threading.Event()
-
-    def steps():
-        started.set()
-        release.wait(60)
-        yield "first"
-        yield "second"
-
-    # interrupt_main does nothing unless Python's own SIGINT handler is installed.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    thread = worker.acquire()
-    try:
-        it = streams.WorkerIterator(thread, steps())
-        interrupter = threading.Thread(target=lambda: (started.wait(60), _thread.interrupt_main()))
-        interrupter.start()
-        with pytest.raises(KeyboardInterrupt):
-            next(it)
-        interrupter.join()
-        release.set()
-        assert list(it) == ["first", "second"]
-    finally:
-        worker.release(thread)
-        signal.signal(signal.SIGINT, previous)
-
-
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no finalizer may fail
 @pytest.mark.parametrize("max_parallel", [1, 4])
 def test_ctrl_c_while_waiting_for_results_loses_none(llama_path, max_parallel):

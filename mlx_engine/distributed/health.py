@@ -69,7 +69,7 @@ class ShardWorker(worker.MLXWorker):
             releasing = self.release is not None and (
                 fn == self.release or (isinstance(fn, WhenIdle) and fn.action == self.release)
             )
-            closing = isinstance(fn, worker.CloseGenerator)
+            closing = isinstance(fn, worker.CloseGeneration)
             if releasing or closing:
                 # Unloading a dead kit or closing its generators touches no rank: run it here.
                 task = worker.Task(fn, args, kwargs)
@@ -86,10 +86,21 @@ class ShardWorker(worker.MLXWorker):
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:
-            if isinstance(exc, ShardedKitError) or (self.health.failure is None and "[ring]" not in str(exc)):
+            failure = self.failure_of(exc)
+            if failure is exc:
                 raise
-            self.on_ring_error(f"MLX reported: {exc}")
-            raise self.health.error() from exc
+            raise failure from exc
+
+    def failure_of(self, exc: BaseException) -> BaseException:
+        """A ring error (MLX's message: there is no typed one) or any error once
+        the job failed is the job's failure, reported once to ``on_ring_error``;
+        other errors are the call's own."""
+        if not isinstance(exc, RuntimeError) or isinstance(exc, ShardedKitError):
+            return exc
+        if self.health.failure is None and "[ring]" not in str(exc):
+            return exc
+        self.on_ring_error(f"MLX reported: {exc}")
+        return self.health.error()
 
     def abort_inflight(self) -> None:
         """Release the host from calls still blocked after a failure (their thread
@@ -100,6 +111,8 @@ class ShardWorker(worker.MLXWorker):
                 task.error = self.health.error()
                 task.done.set()
                 aborted = True
+        if self.job is not None and self.job.abandon(self.health.error()):
+            aborted = True  # streams waiting on the scheduler's steps
         if aborted and self.on_abort is not None:
             self.on_abort()
 

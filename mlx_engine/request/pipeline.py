@@ -1,8 +1,8 @@
 """The request pipeline after validation: prompt → the one loop → results.
 
 ``Generation`` is the request's driver, a generator conversation with the
-scheduler (scheduler.py) or, for a kit serving one generation at a time, with
-``Generation.alone()``, the public ``Iterator[GenerationResult]``. Running it: ``_prepare`` expands the prompt (images), brings the
+kit's scheduler (runtime/scheduler.py, one row for a kit serving one
+generation at a time). Running it: ``_prepare`` expands the prompt (images), brings the
 cache to its longest common prefix, checks that the cache can be rewound before
 any draft work and builds the drafter; ``_process_prompt`` prefills what the
 caches lack, in chunks, with progress and cancellation; ``decode``
@@ -24,7 +24,7 @@ import mlx.core as mx
 from ..caches.ragged import release_row
 from ..caches.sequence import SequenceCache
 from ..decode import capture
-from ..decode.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode, forward_alone
+from ..decode.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode
 from ..decode.sampling import Sampler, build_logits_processors, build_sampler
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.head import HeadDrafter
@@ -55,8 +55,7 @@ class Generation(Generator[Launch | Turn | GenerationResult, Round | None, None]
     """One request's run, the internal driver: results, ``TURN`` between prompt
     chunks and a ``Launch`` for each forward pass its loop needs, resumed with
     ``send(round)`` (scheduler.py runs the launches, batched with other
-    requests'). ``alone()`` is the public iterator of its results, running the
-    launches itself, for a kit that serves one generation at a time. The request id is known to the
+    requests'). The request id is known to the
     kit from creation until the run ends or is closed, started or not, so a
     generator that is dropped unstarted never leaves its id behind."""
 
@@ -80,10 +79,6 @@ class Generation(Generator[Launch | Turn | GenerationResult, Round | None, None]
         """Raise ``exc`` where the request waits for its forward pass (which failed)."""
         return self._gen.throw(exc, *args)
 
-    def alone(self) -> Iterator[GenerationResult]:
-        """The results, running each launch on the request's own cache."""
-        return _Alone(self)
-
     def close(self) -> None:
         self._gen.close()
         if not self._started:
@@ -97,31 +92,6 @@ class Generation(Generator[Launch | Turn | GenerationResult, Round | None, None]
         if not self._started:
             self._started = True
             self._kit.activity.end(self._request.request_id)
-
-
-class _Alone(Iterator[GenerationResult]):
-    """A generation driven by its consumer, one launch at a time (max_parallel=1)."""
-
-    def __init__(self, generation: Generation):
-        self._generation = generation
-
-    def __next__(self) -> GenerationResult:
-        gen = self._generation
-        item = next(gen)
-        while isinstance(item, Launch) or item is TURN:
-            if item is TURN:
-                item = next(gen)
-                continue
-            try:
-                rnd = forward_alone(item)
-            except BaseException as exc:
-                item = gen.throw(exc)  # the request's own cleanup runs; the error reaches the caller
-                continue
-            item = gen.send(rnd)
-        return item
-
-    def close(self) -> None:
-        self._generation.close()
 
 
 class _Prepared(NamedTuple):

@@ -97,10 +97,13 @@ class Scheduler:
     at a time, so a request fails only if its own pass fails; only a batch that
     cannot hand its rows back fails every request holding a row in it."""
 
-    def __init__(self, kit):
+    def __init__(self, kit, failure_of: Callable[[BaseException], BaseException] = lambda exc: exc):
+        """``failure_of``: the error a request reports for the one it failed with
+        (the engine thread's ``MLXWorker.failure_of``)."""
         # Weak: the worker holds its scheduler, and a kit must stay collectable
         # (its worker then returns to the pool).
         self._kit = weakref.ref(kit)
+        self._failure_of = failure_of
         self.live: list[LiveRequest] = []
 
     @property
@@ -168,8 +171,18 @@ class Scheduler:
     def _finish(self, live: LiveRequest, last) -> None:
         self.live.remove(live)
         if last is not END:
-            live.push(last)
+            live.push(self._failure_of(last))
         live.push(END)
+
+    def abandon(self, exc: BaseException) -> bool:
+        """The engine thread is stuck for good (a sharded job lost a rank): hand
+        every running request's stream ``exc`` and its end, from any thread
+        (their own clean-up cannot run). True when there was one."""
+        abandoned, self.live = self.live, []
+        for live in abandoned:
+            live.push(exc)
+            live.push(END)
+        return bool(abandoned)
 
     def _forward(self, launches: list[tuple[LiveRequest, Launch]]) -> None:
         """One forward pass for the batch's rows (joining rows that can), one
@@ -270,7 +283,7 @@ class Scheduler:
         try:
             live.gen.throw(exc)
         except BaseException as err:  # the request's error, after its cleanup
-            live.push(err)
+            live.push(self._failure_of(err))
         else:  # pragma: no cover - a request never swallows a failed pass
             live.gen.close()
             live.push(exc)

@@ -1,24 +1,22 @@
 """The host-side streams ``create_generator`` returns; each hands over one
 request's results, computed on the kit's engine thread (worker.py), to
-whichever thread consumes it. ``RequestStream``: a request among the scheduler's
-(scheduler.py); ``WorkerIterator``: any iterator whose steps run on a worker
-(a request that runs alone, such as a vision kit's). Both close their request on
-``close()`` or garbage collection, and neither loses a result to a
-``KeyboardInterrupt``."""
+whichever thread consumes it: ``RequestStream``, a request among the
+scheduler's (scheduler.py; a kit serving one generation at a time has a
+one-row scheduler). It closes its request on ``close()`` or garbage
+collection, and loses no result to a ``KeyboardInterrupt``."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Iterator, TypeVar
+from functools import partial
+from typing import Iterator
 
 from ..results import GenerationResult
 from .scheduler import END, LiveRequest, Scheduler
-from .worker import CloseGenerator, MLXWorker, ProcessExiting, Task, shutting_down
+from .worker import CloseGeneration, MLXWorker, ProcessExiting, shutting_down
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def _wake() -> None:
@@ -100,10 +98,7 @@ class RequestStream(Iterator[GenerationResult]):
             self._admission.done.wait()
             self._live = self._admission.result
         live, self._live = self._live, None
-        if live is None:
-            self._thread.call(self._generation.close)
-        else:
-            self._thread.call(self._scheduler.close, live)
+        self._thread.call(CloseGeneration(partial(_close_stream, self._scheduler, self._generation, live, None)))
 
     def __del__(self) -> None:
         """Close on the engine thread without waiting: a finalizer may run on
@@ -112,7 +107,8 @@ class RequestStream(Iterator[GenerationResult]):
             return
         self._done = True
         try:
-            self._thread.submit(_close_stream, self._scheduler, self._generation, self._live, self._admission)
+            close = partial(_close_stream, self._scheduler, self._generation, self._live, self._admission)
+            self._thread.submit(CloseGeneration(close))
         except Exception:  # pragma: no cover - best effort from a finalizer
             logger.exception("closing an abandoned generation failed")
 
@@ -126,65 +122,3 @@ def _close_stream(scheduler: Scheduler, generation, live: LiveRequest | None, ad
         generation.close()
     else:
         scheduler.close(live)
-
-
-class WorkerIterator(Iterator[T]):
-    """An iterator whose steps run on a worker. ``close()`` (also on garbage
-    collection) closes the underlying generator on the worker. A step
-    interrupted in the caller (e.g. KeyboardInterrupt while waiting) is not
-    lost: the next ``next()`` returns its result."""
-
-    def __init__(self, worker: MLXWorker, gen: Iterator[T]):
-        self._worker = worker
-        self._gen: Iterator[T] | None = gen
-        self._pending: Task | None = None
-
-    def __iter__(self) -> "WorkerIterator[T]":
-        return self
-
-    def __next__(self) -> T:
-        if self._gen is None:
-            raise StopIteration
-        if self._worker.is_current:
-            return next(self._gen)
-        if self._pending is None:
-            try:
-                self._pending = self._worker.submit(next, self._gen)
-            except ProcessExiting:
-                # Generations stop at process exit; a thread still iterating
-                # (a daemon) simply sees the end, not an error.
-                raise StopIteration from None
-        task = self._pending
-        task.done.wait()
-        # No call from here to the hand-over: Python runs signal handlers
-        # (KeyboardInterrupt) only at calls and loops, so a step taken is
-        # always returned, and one not yet taken is returned by the next call.
-        error, result = task.error, task.result
-        task.error = self._pending = None  # no cycle through the raised error's traceback
-        if error is not None:
-            raise error
-        return result
-
-    def close(self) -> None:
-        gen, self._gen = self._gen, None
-        if gen is None:
-            return
-        if self._pending is not None:
-            self._pending.done.wait()
-            self._pending = None
-        self._worker.call(CloseGenerator(gen))
-
-    def __del__(self) -> None:
-        """Close on the worker without waiting: a finalizer may run on any thread,
-        holding any lock. The worker runs calls in order, so the next call to the
-        kit finds the generation closed."""
-        gen, self._gen = self._gen, None
-        if gen is None or sys.is_finalizing() or shutting_down.is_set():
-            return
-        try:
-            if self._worker.is_current:
-                gen.close()
-            else:
-                self._worker.submit(CloseGenerator(gen))
-        except Exception:  # pragma: no cover - best effort from a finalizer
-            logger.exception("closing an abandoned generation failed")

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Generator, TypeVar
+from typing import Any, Callable, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Task:
     a ``threading.Condition`` (the lock hazard ``DoneFlag`` avoids) and keeps
     its exception, whose traceback then holds the task and the call's
     arguments in a cycle; here ``done`` is a ``DoneFlag`` and the outcome is
-    read as plain attributes (``streams.WorkerIterator`` hands a result over with no
+    read as plain attributes (``streams.RequestStream`` hands a result over with no
     call in between) and cleared when handed over."""
 
     __slots__ = ("fn", "args", "kwargs", "done", "result", "error")
@@ -117,18 +117,18 @@ class Task:
         return self.result
 
 
-class CloseGenerator:
-    """A call that closes a generator on the engine thread. A value, so a worker
+class CloseGeneration:
+    """A call that closes a generation on the engine thread. A value, so a worker
     can tell a close from other work (a sharded kit's worker runs closes inline
     once a rank has failed: they touch no other rank)."""
 
-    __slots__ = ("gen",)
+    __slots__ = ("close",)
 
-    def __init__(self, gen: Generator):
-        self.gen = gen
+    def __init__(self, close: Callable[[], None]):
+        self.close = close
 
     def __call__(self) -> None:
-        self.gen.close()
+        self.close()
 
 
 class MLXWorker:
@@ -159,6 +159,11 @@ class MLXWorker:
                 job.step()
             except BaseException:  # pragma: no cover - a step reports to its requests itself
                 logger.exception("a scheduler step failed")
+
+    def failure_of(self, exc: BaseException) -> BaseException:
+        """The error a request that failed with ``exc`` on this thread reports
+        (a sharded kit's worker turns a lost rank into ``ShardedKitError``)."""
+        return exc
 
     def serve(self, job) -> None:
         """Step ``job`` (a kit's scheduler: ``busy``, ``step()``) whenever it is
