@@ -117,6 +117,9 @@ class _StubDraft:
     def observe(self, drafted, accepted, seconds=None):
         self.acceptance.observe(drafted, accepted)
 
+    def time_undrafted(self, seconds):
+        self.round_costs.observe(0, seconds)
+
 
 @pytest.mark.parametrize("repeating", [True, False])
 def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(repeating):

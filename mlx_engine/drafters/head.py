@@ -64,6 +64,11 @@ class HeadDrafter:
     def round_costs(self) -> costs.RoundCosts | None:
         return self.policy.round_costs
 
+    def time_undrafted(self, seconds: float | None) -> None:
+        """An undrafted round another drafter (the router's lookup) ran: its time
+        teaches this drafter's round costs what an undrafted round costs."""
+        self.policy.time_undrafted(seconds)
+
     def take_hidden(self, at: int, rows: mx.array) -> None:
         """Hidden states recorded at target positions from ``at`` (a read round's, or a prompt chunk's)."""
         self.trail.add(at, rows)

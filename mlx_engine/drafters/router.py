@@ -35,7 +35,7 @@ from ..pricing.speedup import AcceptanceModel, best_draft_length
 from .draft_model import DraftModelDrafter
 from .policy import rejection_cap
 from .prompt_lookup import Match, PromptLookupDrafter, density_score
-from .shadow import ShadowLookup
+from .shadow import ShadowLookup, teach
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class RouterSettings:
     # decided): one shadow matching a short phrase must not look like copying.
     thin_evidence: float = 1.0
     probe_growth: int = 8  # a probe draft accepted whole makes the next one this many times longer
-    # A lookup match this weak or weaker (prompt_lookup.NGramIndex.strength: one
+    # A lookup match this weak or weaker (prompt_lookup.Match.strength: one
     # matching token, no agreeing context before it) gets its own acceptance
     # record, starting from weak_match_prior, because such matches are accepted far
     # less often than the request's others: where verifying costs as on a CPU, lookup
@@ -255,9 +255,9 @@ class AutoRouter:
         bound = self.lookup.next_strength_bound(history) if copying_possible else 0
         self._copying = bound >= COPYING
         if not self._copying:
-            b.board.forget(b.row)
+            b.withdraw()
             return
-        b.board.post(b.row, min(strength_acceptance(bound), self.lookup_acceptance.conditional()[0]))
+        b.post_acceptance(min(strength_acceptance(bound), self.lookup_acceptance.conditional()[0]))
 
     def propose(self, history: list[int], limit: int) -> Drafts:
         self._history, self._proposed, self._round_by = history, True, None
@@ -273,7 +273,6 @@ class AutoRouter:
                 drafts = drafts[: self._weak_probe_length(len(drafts))]
                 self._round_weak = bool(drafts)
             return self._draft_turn(history, limit) if not drafts and self.draft_drafter is not None else drafts
-        self.lookup.index.extend(history)  # keep the index current for a later probe
         self._shadow_lookup(history)
         if self.mode == Mode.DRAFT_MODEL:
             if drafts := self._lookup_instead(history, limit):
@@ -334,6 +333,7 @@ class AutoRouter:
         if not self._lookup_earns():
             return []
         max_k = rejection_cap(self._rejected_at, self.max_lookup, self.s.lookup_rejection_floor)
+        self.lookup.record(history)
         m = self.lookup.match(history, min(max_k, limit))
         if not m.drafts or self._is_weak(m):
             return []
@@ -368,6 +368,7 @@ class AutoRouter:
         token: leaving lookup is _watch_lookup's decision) or, for a weak match,
         from weak matches' acceptance (none when they do not pay)."""
         max_k = rejection_cap(self._rejected_at, self.max_lookup, self.s.lookup_rejection_floor)
+        self.lookup.record(history)
         m = self.lookup.match(history, min(max_k, limit))
         drafts = m.drafts
         self._round_weak = self._is_weak(m)
@@ -428,7 +429,7 @@ class AutoRouter:
             self.lookup_costs.observe(drafted, seconds)
             self._report_round(drafted + 1, seconds)
         if self.draft_drafter is not None and self.mode != Mode.DRAFT_MODEL and drafted == 0:
-            self.draft_drafter.round_costs.observe(0, seconds)
+            self.draft_drafter.time_undrafted(seconds)
         if drafted and lookups:
             # As for the draft model: the next draft is capped (policy.rejection_cap).
             self._rejected_at = accepted + 1 if accepted < drafted else None
@@ -488,13 +489,17 @@ class AutoRouter:
     def _shadow_lookup(self, history: list[int]) -> None:
         """Score earlier shadow drafts (shadow.py), then make one for this
         round (an index lookup: microseconds)."""
-        self.shadows.score(history, self.weak)
+        for weak in self.shadows.score(history):
+            teach(self.weak, weak)
         # What lookup would draft now, lookup memory included (the kit's other
         # conversations), so a short prompt whose answer was cached elsewhere
         # can still move the router to lookup. Not while an open shadow still
         # matches: lookup's own round would have drafted this position in that
         # shadow's round.
-        if not self.shadows.open and (m := self.lookup.match(history, self.max_lookup)).drafts:
+        if self.shadows.open:
+            return
+        self.lookup.record(history)
+        if (m := self.lookup.match(history, self.max_lookup)).drafts:
             self.shadows.add(len(history), m.drafts, self._is_weak(m))
 
     def _consider_lookup(self) -> None:
