@@ -16,7 +16,7 @@ from ..pricing.batch_pricing import BatchPricing
 class Match(NamedTuple):
     """A lookup's drafts and the strength of the match they come from (the
     matched n-gram's length plus how many tokens before it also agree;
-    0: none). The strength predicts acceptance (router.RouterSettings.weak_match)."""
+    0: none). The strength predicts acceptance (routing.RouterSettings.weak_match)."""
 
     drafts: list[int]
     strength: int

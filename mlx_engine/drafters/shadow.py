@@ -1,6 +1,6 @@
 """Shadow lookup drafts: what prompt lookup would have drafted while another
 mode runs, scored against the tokens that followed. Free evidence: the router
-(router.py) moves to lookup when this record promises clearly more than the
+(routing.decide) moves to lookup when this record promises clearly more than the
 running mode.
 
 Worked example: at position 3 lookup would draft ``[53, 54, 55]``; the output
