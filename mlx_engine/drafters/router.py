@@ -181,7 +181,7 @@ class AutoRouter:
         p = PROPOSERS[self.mode](r, history, limit)
         self.round_by, self._round_weak = p.by, p.weak
         if p.lookup_k is not None:
-            self.ledger.lookup_k = p.lookup_k
+            self.ledger.use_length(p.lookup_k)
         return p.drafts
 
     def _evidence(self, by: str | None = None, drafted: int = 0, accepted: int = 0) -> Evidence:

@@ -223,6 +223,10 @@ class Ledger:
         if self.mode == Mode.PROMPT_LOOKUP:
             self.lookup_own.observe(drafted, accepted)
 
+    def use_length(self, k: int) -> None:
+        """Lookup's draft length from here, as its proposer chose it this round."""
+        self.lookup_k = k
+
     def take(self, d: Decision) -> None:
         """Apply ``decide``'s decision (a switch through ``enter``)."""
         if d.why:
