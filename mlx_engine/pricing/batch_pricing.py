@@ -49,7 +49,7 @@ class DraftingRows:
 
 
 #: The share of first drafted tokens accepted after a lookup match of at least
-#: this strength (NGramIndex.strength), over every position of the chat and toy
+#: this strength (prompt_lookup.Match.strength), over every position of the chat and toy
 #: replay traces (docs/decoding.md, the auto router's weak-match rule).
 STRENGTH_ACCEPTANCE = ((16, 0.96), (8, 0.88), (4, 0.81), (2, 0.6), (0, 0.25))
 
