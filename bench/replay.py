@@ -325,6 +325,9 @@ class ReplayedDraft:
     acceptance = property(lambda self: self.policy.acceptance)
     round_costs = property(lambda self: self.policy.round_costs)
 
+    def time_undrafted(self, seconds: float | None) -> None:
+        self.policy.time_undrafted(seconds)
+
     def plain_ahead(self, history: list[int]) -> bool:
         return False
 

@@ -75,7 +75,7 @@ class Recorder:
         return getattr(self.drafter, name)
 
     def observe(self, drafted, accepted, seconds=None):
-        by = getattr(self.drafter, "_round_by", None)
+        by = getattr(self.drafter, "round_by", None)
         mode = getattr(self.drafter, "mode", "")
         self.log.append({"pos": self.t, "mode": str(mode), "by": by, "k": drafted, "acc": accepted, "s": seconds})
         self.t += accepted + 1

@@ -153,6 +153,9 @@ class _WrongDraft:
     def observe(self, drafted, accepted, seconds=None):
         self.policy.observe(drafted, accepted, None)
 
+    def time_undrafted(self, seconds):
+        self.policy.time_undrafted(seconds)
+
 
 def test_a_probe_whose_long_draft_overran_a_copy_still_commits_to_lookup_over_a_worse_draft():
     """Copied segments of 8 tokens, each after a fresh token: the probe's

@@ -16,9 +16,23 @@ WIDTH_COSTS = CostModel(tuple(0.01 * (1 + 0.1 * (n - 1)) for n in range(1, 34)))
 FLAT_COSTS = CostModel(tuple(0.01 * (1 + 0.001 * (n - 1)) for n in range(1, 34)))
 
 
+class Kit:
+    """A kit decoding ``rows()`` rows at ``costs`` (batch_pricing.BatchSource)."""
+
+    def __init__(self, costs: CostModel, rows):
+        self.costs, self.rows = costs, rows
+
+    @property
+    def open_generations(self) -> int:
+        return self.rows()
+
+    def forward_costs(self) -> CostModel:
+        return self.costs
+
+
 def alone_in(rows) -> BatchPricing:
     """A batch of ``rows()`` rows in which no other row drafts (no board)."""
-    return BatchPricing(lambda: WIDTH_COSTS, rows)
+    return BatchPricing(Kit(WIDTH_COSTS, rows))
 
 
 def test_batch_table_prices_rows_times_tokens():
@@ -44,12 +58,12 @@ def test_bigger_batches_choose_shorter_drafts_or_none():
 def test_fixed_lookup_cuts_its_drafts_to_what_pays_for_the_batch():
     history = list(range(40)) * 3  # a strong match: the cycle continues
     rows = [1]
-    drafter = PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: WIDTH_COSTS, lambda: rows[0]))
+    drafter = PromptLookupDrafter(8, batch_pricing=BatchPricing(Kit(WIDTH_COSTS, lambda: rows[0])))
     assert len(drafter.propose(history, 64)) == 8 and not drafter.plain_ahead(history)
     rows[0] = 8
     assert drafter.propose(history, 64) == []
     assert drafter.plain_ahead(history)  # nothing would pay: the loop queues plain rounds ahead
-    drafter = PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: FLAT_COSTS, lambda: rows[0]))
+    drafter = PromptLookupDrafter(8, batch_pricing=BatchPricing(Kit(FLAT_COSTS, lambda: rows[0])))
     assert len(drafter.propose(history, 64)) == 8
 
 
@@ -101,7 +115,7 @@ def test_fixed_lookup_rows_post_what_they_can_draft_and_draft_together():
     history = list(range(40)) * 3  # every row copies: its next round can match strongly
     drafters = []
     for row in range(8):
-        drafters.append(PromptLookupDrafter(8, batch_pricing=BatchPricing(lambda: WIDTH_COSTS, lambda: 8, board, row)))
+        drafters.append(PromptLookupDrafter(8, batch_pricing=BatchPricing(Kit(WIDTH_COSTS, lambda: 8), board, row)))
     # The only row posting: alone in 8 rows nothing pays, so its rounds are queued ahead.
     assert drafters[0].plain_ahead(history) and drafters[0].propose(history, 64) == []
     for d in drafters[1:]:
@@ -135,7 +149,6 @@ def test_next_strength_bound_holds_whatever_token_comes_next():
         for tok in range(vocab + 1):
             after = NGramIndex(idx.min_ngram, idx.max_ngram)
             after.extend(toks + [tok])
-            after.lookup(8, rng.choice([1, 4]))
-            assert after.strength <= bound
+            assert after.lookup(8, rng.choice([1, 4])).strength <= bound
             memory.record("me", toks + [tok])
             assert memory.query(toks + [tok], 8).match_length <= memory_bound

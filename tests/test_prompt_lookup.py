@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 def lookup(tokens, k=4, min_n=1, max_n=3, cands=4):
     idx = NGramIndex(min_n, max_n)
     idx.extend(tokens)
-    return idx.lookup(k, cands)
+    return idx.lookup(k, cands).drafts
 
 
 def test_finder_prefers_longest_suffix_match():
@@ -37,11 +37,9 @@ def test_lookup_docstring_example_holds():
     another text falls back to the unigram and the longest continuation."""
     idx = NGramIndex(min_ngram=1, max_ngram=2)
     idx.extend([10, 1, 2, 3, 4, 20, 1, 2, 5, 6, 20, 1, 2])
-    assert idx.lookup(2) == [5, 6]
-    assert idx.strength == 3
-    assert idx.lookup(8) == [5, 6, 20, 1, 2]
-    assert idx.lookup(3, suffix=[7, 4, 1]) == [2, 3, 4]
-    assert idx.strength == 1
+    assert idx.lookup(2) == ([5, 6], 3)
+    assert idx.lookup(8) == ([5, 6, 20, 1, 2], 3)
+    assert idx.lookup(3, suffix=[7, 4, 1]) == ([2, 3, 4], 1)
 
 
 def test_finder_is_incremental():
@@ -49,7 +47,7 @@ def test_finder_is_incremental():
     seq = [1, 2, 3, 4, 1, 2]
     for i in range(len(seq)):
         idx.extend(seq[: i + 1])
-    assert idx.lookup(2) == [3, 4]
+    assert idx.lookup(2).drafts == [3, 4]
 
 
 @settings(max_examples=200, deadline=None)
@@ -425,9 +423,8 @@ def test_auto_with_plain_rounds_queued_ahead_is_exact(kit):
 def test_finder_reports_the_strength_of_its_match():
     index = NGramIndex(1, 3)
     index.extend([6, 6, 8, 5, 1, 2, 0, 9, 9, 9, 4, 1])
-    assert index.lookup(2) == [2, 0] and index.strength == 1  # only the token 1 matches, nothing before it
+    assert index.lookup(2) == ([2, 0], 1)  # only the token 1 matches, nothing before it
     index.extend(index.tokens + [2, 0, 7, 6, 6, 8, 5, 1])
-    assert index.lookup(2) == [2, 0]
-    assert index.strength == 3 + 2  # the 3-gram [8, 5, 1] and the [6, 6] before it
+    assert index.lookup(2) == ([2, 0], 3 + 2)  # the 3-gram [8, 5, 1] and the [6, 6] before it
     index.extend(index.tokens + [77])
-    assert index.lookup(2) == [] and index.strength == 0
+    assert index.lookup(2) == ([], 0)

@@ -663,7 +663,7 @@ def test_fuzz_prompt_lookup_index_grows_like_it_was_built_at_once(tokens, cuts, 
     whole.extend(tokens)
     for cut in sorted(cuts) + [len(tokens)]:
         grown.extend(tokens[:cut])  # a growing history, as the decode loop passes it
-        draft = grown.lookup(k, cands)
+        draft = grown.lookup(k, cands).drafts
         assert len(draft) <= k
     assert grown.tokens == whole.tokens and grown.lookup(k, cands) == whole.lookup(k, cands)
 

@@ -1,8 +1,9 @@
-"""The automatic router (drafters/router.py): which drafter runs each round, and when it switches."""
+"""The automatic router (drafters/router.py; its rules are routing.decide, called directly below): which drafter runs each round, and when it switches."""
 
 import mlx_engine as me
 from mlx_engine.drafters.prompt_lookup import PromptLookupDrafter
-from mlx_engine.drafters.router import AutoRouter, RouterSettings
+from mlx_engine.drafters.router import AutoRouter, Decision, Mode, RouterSettings
+from mlx_engine.drafters.routing import Evidence, Ledger, decide, lookup_length
 from mlx_engine.pricing.costs import CostModel, RoundCosts
 from mlx_engine.pricing.speedup import AcceptanceModel
 
@@ -117,6 +118,9 @@ class _StubDraft:
     def observe(self, drafted, accepted, seconds=None):
         self.acceptance.observe(drafted, accepted)
 
+    def time_undrafted(self, seconds):
+        self.round_costs.observe(0, seconds)
+
 
 @pytest.mark.parametrize("repeating", [True, False])
 def test_router_shadow_drafts_move_draft_mode_to_lookup_only_when_text_repeats(repeating):
@@ -145,12 +149,12 @@ def test_router_with_a_draft_model_probes_lookup_and_gives_the_draft_the_rounds_
     history = prompt + [700, 701]  # fresh tokens: lookup has nothing to draft
     assert router.propose(history, 8) == [0]  # the draft model's round
     router.observe(1, 0)
-    assert draft.acceptance.drafted == 1 and router.lookup_acceptance.drafted == 0  # its record, not lookup's
+    assert draft.acceptance.drafted == 1 and router.ledger.lookup_acceptance.drafted == 0  # its record, not lookup's
     history += [702] + list(range(20))  # the text copies the prompt again: lookup drafts
     drafts = router.propose(history, 8)
     assert drafts == list(range(20, 28)) and router.mode == "probe"  # a strong match: long at once
     router.observe(8, 8)
-    assert router.lookup_acceptance.drafted == 8 and draft.acceptance.drafted == 1
+    assert router.ledger.lookup_acceptance.drafted == 8 and draft.acceptance.drafted == 1
 
 
 def test_router_returns_to_the_draft_model_when_lookup_delivers_less_than_shadows_promised():
@@ -191,7 +195,7 @@ def test_router_shadow_drafts_use_lookup_memory():
     )
     assert router.mode == "plain"
     assert router.propose([50, 51, 52], 8) == []  # plain rounds draft nothing themselves
-    assert router.shadows.open == [(3, [53, 54, 55, 56, 57, 58], 0, False)]  # (position, drafts, scored, weak)
+    assert router.ledger.shadows.open == [(3, [53, 54, 55, 56, 57, 58], 0, False)]  # (position, drafts, scored, weak)
 
 
 def test_router_probe_drafts_from_lookup_memory():
@@ -230,20 +234,20 @@ def test_router_without_a_draft_switches_to_lookup_within_a_few_rounds_of_copyin
 def _copying_router(history: list[int]) -> AutoRouter:
     """A router in prompt lookup whose drafts on ``history`` grew by being accepted whole."""
     router = AutoRouter(history, flat_costs(1.2), PromptLookupDrafter(32))
-    router._enter("prompt_lookup", "test")
+    router.apply(Decision(Mode.PROMPT_LOOKUP, "test"))
     for _ in range(3):
         router.propose(history, 32)
-        router.observe(router.lookup_k, router.lookup_k)  # all accepted: drafts grow
-    assert router.lookup_k > 8
+        router.observe(router.ledger.lookup_k, router.ledger.lookup_k)  # all accepted: drafts grow
+    assert router.ledger.lookup_k > 8
     return router
 
 
 def test_router_lookup_length_shrinks_after_a_rejection():
     history = list(range(50)) * 8
     router = _copying_router(history)
-    router.observe(router.lookup_k, 1)  # one accepted, then a rejection
+    router.observe(router.ledger.lookup_k, 1)  # one accepted, then a rejection
     router.propose(history, 32)
-    assert router.lookup_k <= max(router.s.lookup_rejection_floor, 2 * 2 + 2) < 32
+    assert router.ledger.lookup_k <= max(router.s.lookup_rejection_floor, 2 * 2 + 2) < 32
 
 
 def test_router_lookup_drafts_at_least_the_floor_after_a_rejection_at_the_first_draft():
@@ -251,7 +255,7 @@ def test_router_lookup_drafts_at_least_the_floor_after_a_rejection_at_the_first_
     # miss (2·1+2) split each copied span into two rounds.
     history = list(range(50)) * 8
     router = _copying_router(history)
-    router.observe(router.lookup_k, 0)  # the first draft rejected
+    router.observe(router.ledger.lookup_k, 0)  # the first draft rejected
     assert len(router.propose(history, 32)) == router.s.lookup_rejection_floor == 8
 
 
@@ -298,31 +302,31 @@ def test_router_skips_weak_lookup_matches_where_they_do_not_pay_and_drafts_stron
     cycle = list(range(50))
     history = cycle * 4 + [300, 7]
     router = AutoRouter(cycle * 4, cpu_costs(), PromptLookupDrafter(32))
-    router._enter("prompt_lookup", "test")
-    router.lookup_acceptance = router.shadows.record  # good evidence: strong matches draft long
+    good = AcceptanceModel(prior=0.5)  # good evidence: strong matches draft long
     for _ in range(3):
-        router.lookup_acceptance.observe(16, 16)
+        good.observe(16, 16)
+    router.apply(Decision(Mode.PROMPT_LOOKUP, "test", record=good))
     assert router.propose(history, 32) == []  # [7] matched alone: weak, at 25% it does not pay here
     router.observe(0, 0)
     assert len(router.propose(cycle * 5, 32)) > 8  # a copied passage: strong
     # Where verifying more tokens costs almost nothing, the same weak match drafts.
     cheap = AutoRouter(cycle * 4, flat_costs(1.01), PromptLookupDrafter(32))
-    cheap._enter("prompt_lookup", "test")
+    cheap.apply(Decision(Mode.PROMPT_LOOKUP, "test"))
     assert cheap.propose(history, 32)[:1] == [8]
-    cheap.observe(cheap.lookup_k, 0)
-    assert cheap.weak.drafted == cheap.lookup_k > 0  # and the weak-match record learns from it
+    cheap.observe(cheap.ledger.lookup_k, 0)
+    assert cheap.ledger.weak.drafted == cheap.ledger.lookup_k > 0  # and the weak-match record learns from it
 
 
 def test_router_scores_weak_shadow_drafts_in_the_weak_record():
     cycle = list(range(40))
     router = AutoRouter([], cpu_costs(), PromptLookupDrafter(16))
-    router._enter("plain", "test")
+    router.apply(Decision(Mode.PLAIN, "test"))
     history = cycle + [300, 7]  # [7] matches alone: a weak shadow
     router.propose(history, 16)
     history.append(99)  # it missed
     router.propose(history, 16)
-    assert router.weak.drafted > 0 and router.weak.accepted == 0
-    assert router.shadows.positions == 0  # the shadow record did not count it
+    assert router.ledger.weak.drafted > 0 and router.ledger.weak.accepted == 0
+    assert router.ledger.shadows.positions == 0  # the shadow record did not count it
 
 
 def test_router_probe_skips_a_weak_match_that_does_not_pay():
@@ -346,9 +350,122 @@ def test_router_probe_drafts_a_weak_match_whole_until_one_misses_then_what_weak_
     cycle = list(range(50))
     history = cycle * 4 + [300, 7]  # [7] matched alone
     router = AutoRouter(cycle * 4, flat_costs(1.3), PromptLookupDrafter(32))
+    alone = Evidence.alone(router.lookup_costs)
     first = router.propose(history, 32)
-    assert first == [8, 9, 10, 11] and router._weak_length(32) < len(first)
+    assert first == [8, 9, 10, 11] and lookup_length(router.ledger.weak, 32, alone)[0] < len(first)
     router.observe(len(first), 0)
     assert router.mode == "probe"
     second = router.propose(history + [301, 9], 32)  # [9] matched alone again
-    assert second == [10, 11][: router._weak_length(32)] and 0 < len(second) < len(first)
+    assert second == [10, 11][: lookup_length(router.ledger.weak, 32, alone)[0]] and 0 < len(second) < len(first)
+
+
+# -- the decision function (routing.decide): pure, over a ledger and a round's evidence
+
+ALONE = Evidence.alone(RoundCosts(flat_costs(1.5)))
+
+
+def _ledger_in(mode: Mode, max_lookup: int = 32, **carried) -> Ledger:
+    """A ledger that has just entered ``mode`` (through the table)."""
+    ledger = Ledger(max_lookup=max_lookup, lookup_k=4)
+    ledger.enter(Decision(Mode.PROBE if mode == Mode.PROMPT_LOOKUP else mode, "test"))
+    if mode == Mode.PROMPT_LOOKUP:
+        ledger.enter(Decision(mode, "test", **carried))
+    return ledger
+
+
+def test_decide_chooses_the_first_mode_from_the_prompt_and_whether_a_draft_model_is_loaded():
+    fresh = Ledger(max_lookup=8, lookup_k=4, facts="prompt 80 tokens")
+    assert decide(fresh, ALONE) == Decision(Mode.PROBE, "prompt 80 tokens: probing prompt lookup")
+    short = Ledger(max_lookup=8, lookup_k=4, lookup_allowed=False, facts="prompt 3 tokens")
+    assert decide(short, ALONE).mode == Mode.PLAIN
+    with_draft = decide(short, ALONE._replace(draft=_StubDraft()))
+    assert with_draft.mode == Mode.DRAFT_MODEL and "draft model loaded" in with_draft.why
+    assert fresh.mode is None and short.mode is None  # decide changes nothing
+
+
+def test_decide_ends_a_probe_after_four_misses_in_the_fallback_mode_with_the_probe_as_shadow_evidence():
+    ledger = _ledger_in(Mode.PROBE)
+    missed = ALONE._replace(drafted=4, accepted=0)
+    for _ in range(3):
+        ledger.count(None, 4, 0, weak=False)
+        assert decide(ledger, missed).mode == Mode.PROBE and not decide(ledger, missed).why
+    ledger.count(None, 4, 0, weak=False)
+    d = decide(ledger, missed)
+    assert d.mode == Mode.PLAIN and d.why.startswith("probe acceptance 0% over 16 drafted")
+    assert d.record is ledger.lookup_acceptance  # the probe's rounds: the shadow record's first evidence
+    assert decide(ledger, missed._replace(draft=_StubDraft())).mode == Mode.DRAFT_MODEL
+    assert ledger.mode == Mode.PROBE and ledger.misses == 4  # decide changed nothing
+    ledger.take(d)
+    assert ledger.mode == Mode.PLAIN and ledger.shadows.record is d.record and ledger.misses == 0
+
+
+def test_decide_commits_a_probe_accepted_whole_to_lookup_and_grows_its_drafts_meanwhile():
+    ledger = _ledger_in(Mode.PROBE)
+    whole = ALONE._replace(drafted=4, accepted=4)
+    ledger.count(None, 4, 4, weak=False)
+    assert decide(ledger, whole) == Decision(Mode.PROBE, lookup_k=32)  # x8, at most the lookup maximum
+    for _ in range(3):
+        ledger.count(None, 4, 4, weak=False)
+    d = decide(ledger, whole)
+    assert d.mode == Mode.PROMPT_LOOKUP and d.why.startswith("probe acceptance 100% over 16 drafted")
+    assert d.lookup_k > 0 and d.record is ledger.lookup_acceptance  # the probe's rounds are lookup's first evidence
+
+
+def test_decide_leaves_lookup_after_idle_rounds_and_when_no_length_pays():
+    idle = _ledger_in(Mode.PROMPT_LOOKUP)
+    for _ in range(RouterSettings().idle_lookup_rounds):
+        idle.count(None, 0, 0, weak=False)
+    d = decide(idle, ALONE)
+    assert d == Decision(Mode.PLAIN, "nothing drafted in 8 rounds", record=idle.lookup_own)
+    failing = _ledger_in(Mode.PROMPT_LOOKUP)
+    for _ in range(RouterSettings().watch_rounds):
+        failing.count(None, 8, 0, weak=False)
+    cpu = Evidence.alone(RoundCosts(cpu_costs()))  # a verify of two tokens costs 27% more than one
+    assert decide(failing, ALONE) == Decision(
+        Mode.PROMPT_LOOKUP, lookup_k=1
+    )  # where verifying is cheap, one still pays
+    d = decide(failing, cpu)
+    assert d.mode == Mode.PLAIN and "no draft length pays" in d.why and d.exit_counted
+    failing.take(d)
+    assert failing.lookup_exits == 1 and failing.mode == Mode.PLAIN
+
+
+def test_decide_returns_to_the_draft_model_when_lookup_delivers_less_than_it_replaced():
+    ev = ALONE._replace(draft=_StubDraft(), drafted=8, accepted=1)
+    for replaced, retires in ((2.0, False), (3.0, True)):  # lookup's own rounds deliver x1.95 here
+        ledger = _ledger_in(Mode.PROMPT_LOOKUP, replaced=replaced)
+        for _ in range(RouterSettings().watch_rounds):
+            ledger.count(None, 8, 1, weak=False)
+        d = decide(ledger, ev)
+        assert (d.mode == Mode.DRAFT_MODEL) == retires, d
+    assert d.mode == Mode.DRAFT_MODEL and d.retire and "no more switches to lookup" in d.why
+    ledger.take(d)
+    assert ledger.lookup_retired and ledger.replaced_draft_speedup is None
+    # Retired: shadows that promise more no longer move it.
+    for i in range(20):
+        ledger.shadows.add(i * 4, [1, 2, 3, 4], weak=False)
+    ledger.shadows.score([1, 2, 3, 4] * 20)
+    assert decide(ledger, ev) == Decision(Mode.DRAFT_MODEL)
+
+
+def test_decide_moves_plain_decoding_to_lookup_on_shadow_evidence_only_with_enough_of_it():
+    ledger = _ledger_in(Mode.PLAIN)
+    ledger.shadows.add(0, [1, 2], weak=False)
+    ledger.shadows.score([1, 2])
+    assert ledger.shadows.positions == 2 and decide(ledger, ALONE) == Decision(Mode.PLAIN)  # fewer than 3 positions
+    for i in range(1, 6):
+        ledger.shadows.add(i * 8, list(range(8)), weak=False)
+    ledger.shadows.score([1, 2] + [0] * 6 + list(range(8)) * 5)
+    d = decide(ledger, ALONE)
+    assert d.mode == Mode.PROMPT_LOOKUP and "shadow drafts" in d.why and d.record is ledger.shadows.record
+    assert d.lookup_k > 0 and d.replaced is None
+
+
+def test_decide_refuses_a_switch_outside_its_table():
+    ledger = _ledger_in(Mode.PROBE)
+    for _ in range(4):
+        ledger.count(None, 4, 0, weak=False)
+    with pytest.raises(AssertionError, match="no transition probe -> plain"):
+        decide(ledger, ALONE, table={})
+    with pytest.raises(AssertionError, match="no transition plain -> draft_model"):
+        _ledger_in(Mode.PLAIN).enter(Decision(Mode.DRAFT_MODEL, "test"))

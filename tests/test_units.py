@@ -260,18 +260,20 @@ def test_context_budget_caps_the_answer_by_the_room_the_prompt_leaves():
 
 def test_shadow_lookup_scores_positions_as_they_are_decided():
     """The worked example of drafters/shadow.py: a shadow counts its accepted
-    positions as the output decides them, then its miss; a weak one teaches the
-    weak record only."""
-    from mlx_engine.drafters.shadow import ShadowLookup
+    positions as the output decides them, then its miss; a weak one is returned
+    for its owner's weak record, which it teaches alone."""
+    from mlx_engine.drafters.shadow import ShadowLookup, teach
     from mlx_engine.pricing.speedup import AcceptanceModel
 
     shadows, weak = ShadowLookup(), AcceptanceModel(prior=0.5)
     shadows.add(3, [53, 54, 55], weak=False)
-    shadows.score([0, 1, 2, 53, 54], weak)
+    assert shadows.score([0, 1, 2, 53, 54]) == []
     assert (shadows.positions, shadows.scored, len(shadows.open)) == (2, 1, 1)
-    shadows.score([0, 1, 2, 53, 54, 9], weak)
+    assert shadows.score([0, 1, 2, 53, 54, 9]) == []
     assert (shadows.positions, shadows.scored, shadows.open) == (3, 1, [])
     assert (shadows.record.drafted, shadows.record.accepted) == (3, 2)
     shadows.add(6, [7, 8], weak=True)
-    shadows.score([0, 1, 2, 53, 54, 9, 7, 8], weak)
+    for scored in shadows.score([0, 1, 2, 53, 54, 9, 7, 8]):
+        teach(weak, scored)
     assert shadows.positions == 3 and (weak.drafted, weak.accepted) == (2, 2)
+    assert (shadows.record.drafted, shadows.record.accepted) == (3, 2)

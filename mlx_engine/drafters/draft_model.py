@@ -76,6 +76,11 @@ class DraftModelDrafter:
     def round_costs(self) -> costs.RoundCosts | None:
         return self.policy.round_costs
 
+    def time_undrafted(self, seconds: float | None) -> None:
+        """An undrafted round another drafter (the router's lookup) ran: its time
+        teaches this drafter's round costs what an undrafted round costs."""
+        self.policy.time_undrafted(seconds)
+
     def num_tokens(self, limit: int) -> int:
         """The next round's draft length (0: undrafted), decided by the policy."""
         self._proposed = True

@@ -64,6 +64,11 @@ class HeadDrafter:
     def round_costs(self) -> costs.RoundCosts | None:
         return self.policy.round_costs
 
+    def time_undrafted(self, seconds: float | None) -> None:
+        """An undrafted round another drafter (the router's lookup) ran: its time
+        teaches this drafter's round costs what an undrafted round costs."""
+        self.policy.time_undrafted(seconds)
+
     def take_hidden(self, at: int, rows: mx.array) -> None:
         """Hidden states recorded at target positions from ``at`` (a read round's, or a prompt chunk's)."""
         self.trail.add(at, rows)
@@ -123,7 +128,7 @@ class HeadDrafter:
         tokens = mx.array(history[lo + 1 : last + 2], dtype=mx.uint32)[None]
         out = self.head.forward(state.kv, tokens, rows[None], lo)
         self._catch_up = last + 1 - lo
-        state.next, state.last_out = last + 1, out[:, -1:]
+        state.fed(last + 1, out[:, -1:])
         self.trail.drop_before(last + 1)
         # Entry p predicts the token at p + 2. Only generated tokens are scored
         # (as the draft model is), the last MAX_SCORED at most: each scored
@@ -139,7 +144,7 @@ class HeadDrafter:
 
     def _step(self, token: mx.array, h: mx.array, position: int) -> mx.array:
         """One chained head step: the draft ``token`` at target ``position`` with the head's previous output."""
-        self.cache.chained += 1
+        self.cache.chain()
         return self.head.forward(self.cache.kv, token.reshape(1, 1), self.head.chained(h), position)
 
     def _chain(self, h: mx.array, k: int, pending: int) -> mx.array:

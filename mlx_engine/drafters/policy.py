@@ -291,6 +291,11 @@ class DraftLengthPolicy:
         if self.round_costs is not None:
             self.round_costs.observe(drafted, seconds)
 
+    def time_undrafted(self, seconds: float | None) -> None:
+        """An undrafted round's time, from a round this policy did not choose."""
+        if self.round_costs is not None:
+            self.round_costs.observe(0, seconds)
+
     def observe_scored(self, matches: list[bool]) -> None:
         """Acceptance evidence without a verify pass: whether the draft model's
         greedy prediction at each of a run of decoded positions was the token

@@ -13,6 +13,15 @@ from typing import NamedTuple
 from ..pricing.batch_pricing import BatchPricing
 
 
+class Match(NamedTuple):
+    """A lookup's drafts and the strength of the match they come from (the
+    matched n-gram's length plus how many tokens before it also agree;
+    0: none). The strength predicts acceptance (routing.RouterSettings.weak_match)."""
+
+    drafts: list[int]
+    strength: int
+
+
 class NGramIndex:
     """Incremental n-gram -> continuation-position index over a token history."""
 
@@ -23,10 +32,6 @@ class NGramIndex:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self._table: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        # The last lookup's match strength: the matched n-gram's length plus how
-        # many tokens before it also agree (0: no match). It predicts acceptance
-        # (router.RouterSettings.weak_match).
-        self.strength = 0
 
     def extend(self, tokens: list[int]) -> None:
         """Append tokens; ``tokens`` may also be the whole history so far, of
@@ -37,8 +42,9 @@ class NGramIndex:
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self._table[tuple(self.tokens[end - n : end])].append(end)
 
-    def lookup(self, num_tokens: int, num_candidates: int = 4, suffix: list[int] | None = None) -> list[int]:
-        """Draft up to ``num_tokens`` tokens continuing the indexed history: the
+    def lookup(self, num_tokens: int, num_candidates: int = 4, suffix: list[int] | None = None) -> Match:
+        """Draft up to ``num_tokens`` tokens continuing the indexed history (with
+        the match's strength; a query: the index is left as it was): the
         continuation of the longest suffix n-gram that occurred before. Among the
         ``num_candidates`` most recent matches, the one whose preceding context
         agrees longest with the history's suffix wins, then the longest
@@ -50,9 +56,8 @@ class NGramIndex:
 
             idx = NGramIndex(min_ngram=1, max_ngram=2)
             idx.extend([10, 1, 2, 3, 4, 20, 1, 2, 5, 6, 20, 1, 2])
-            idx.lookup(2)   # [5, 6]
-            idx.strength    # 3
-            idx.lookup(8)   # [5, 6, 20, 1, 2]
+            idx.lookup(2)   # Match(drafts=[5, 6], strength=3)
+            idx.lookup(8)   # Match(drafts=[5, 6, 20, 1, 2], strength=3)
 
         The history ends with the bigram ``1 2``, seen twice before: followed by
         ``3 4`` (after ``10``) and by ``5 6`` (after ``20``). The token before the
@@ -61,13 +66,12 @@ class NGramIndex:
         end, so ``lookup(8)`` copies the 5 tokens there are. With
         ``suffix=[7, 4, 1]`` the bigram ``4 1`` never occurred, so the unigram
         ``1`` matches (strength 1); no context agrees, and the longest
-        continuation wins: ``idx.lookup(3, suffix=[7, 4, 1])`` is ``[2, 3, 4]``."""
+        continuation wins: ``idx.lookup(3, suffix=[7, 4, 1])`` is ``Match([2, 3, 4], 1)``."""
         toks = self.tokens
         end = len(toks)
         query = toks if suffix is None else suffix
-        self.strength = 0
         if num_tokens <= 0 or end == 0 or not query:
-            return []
+            return Match([], 0)
         for n in range(min(self.max_ngram, len(query)), self.min_ngram - 1, -1):
             positions = self._table.get(tuple(query[len(query) - n :]))
             if not positions:
@@ -86,12 +90,11 @@ class NGramIndex:
                 if seen >= num_candidates:
                     break
             if best:
-                self.strength = n + best_key[0]
-                return best[:num_tokens]
-        return []
+                return Match(best[:num_tokens], n + best_key[0])
+        return Match([], 0)
 
     def next_strength_bound(self, scan: int = 256) -> int:
-        """The most ``strength`` a lookup can have once one more token, whichever
+        """The most strength a lookup can have once one more token, whichever
         it is, is appended: one more than the longest suffix of the history that
         also occurred earlier followed by a token (a match after the new token
         is that token plus an earlier repeat of what precedes it). Costs what a
@@ -161,14 +164,6 @@ def density_score(tokens: list[int], min_length: int = 256, ngram: int = 3, full
     return share * ramp
 
 
-class Match(NamedTuple):
-    """A lookup's drafts and the strength of the match they come from
-    (``NGramIndex.strength``; 0: none)."""
-
-    drafts: list[int]
-    strength: int
-
-
 class PromptLookupDrafter:
     """A drafter that copies continuations of the current suffix from the
     history, and, when the history has none, from ``memory``: other token
@@ -235,9 +230,15 @@ class PromptLookupDrafter:
     def propose(self, history: list[int], limit: int) -> list[int]:
         return self.propose_match(history, limit).drafts
 
+    def record(self, history: list[int]) -> None:
+        """The explicit observe step before a round's queries: index ``history``
+        (what is not indexed yet). A subclass may keep it elsewhere too (suffix.py)."""
+        self.index.extend(history)
+
     def propose_match(self, history: list[int], limit: int) -> Match:
-        """This round's drafts, cut to what the match may propose
-        (``match_length_cap``) and, in a batch, to what pays; with the match's strength."""
+        """This round's drafts (``history`` recorded first), cut to what the match may
+        propose (``match_length_cap``) and, in a batch, to what pays; with the match's strength."""
+        self.record(history)
         m = self.match(history, min(self.num_tokens, limit))
         drafts = m.drafts[: self.match_length_cap(m.strength)]
         if self.batch_pricing is not None:
@@ -248,20 +249,17 @@ class PromptLookupDrafter:
         """The most drafts a match of ``strength`` may propose (None: all N)."""
         return None
 
-    def peek(self, history: list[int], n: int) -> list[int]:
-        """Up to ``n`` tokens lookup would draft after ``history``."""
-        return self.match(history, n).drafts
-
     def match(self, history: list[int], n: int) -> Match:
         """Up to ``n`` tokens lookup would draft after ``history``, and the
         strength of the match they come from (the router's shadow drafts and
-        weak-match rule use it with their own lengths)."""
+        weak-match rule use it with their own lengths). A query: it records
+        nothing (``record`` does); the request's own index is brought up to
+        ``history`` as a cache, which changes no answer."""
         self.index.extend(history)
-        drafts = self.index.lookup(n, self.num_candidates)
-        if drafts or self.memory is None:
-            return Match(drafts, self.index.strength)
-        drafts = self.memory.lookup(n, self.num_candidates, suffix=history[-self.index.max_ngram :])
-        return Match(drafts, self.memory.strength)
+        own = self.index.lookup(n, self.num_candidates)
+        if own.drafts or self.memory is None:
+            return own
+        return self.memory.lookup(n, self.num_candidates, suffix=history[-self.index.max_ngram :])
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         pass  # a fixed length; the router adapts lookup lengths

@@ -272,7 +272,7 @@ class SuffixDrafter(PromptLookupDrafter):
     the request's own history first (as prompt lookup), the memory's match
     instead when it is longer (an earlier answer to this very prompt matches the
     whole prompt and answer so far). The running history is recorded into the
-    memory under ``name`` as it grows, so concurrent and later requests draft
+    memory under ``name`` as it grows (``record``, before a round's queries), so concurrent and later requests draft
     from it. A match's ``strength`` is the match length of the source used (the
     router's weak-match rule uses it)."""
 
@@ -291,7 +291,6 @@ class SuffixDrafter(PromptLookupDrafter):
         super().__init__(num_tokens, min_ngram, max_ngram, num_candidates, batch_pricing=batch_pricing)
         self.suffix_memory = memory
         self.request_name = request_name
-        self.last_match = NO_MATCH  # the memory's answer to the last peek
 
     def match_length_cap(self, strength: int) -> int:
         """SuffixDecoding's adaptive length for every match: at most one draft
@@ -304,12 +303,17 @@ class SuffixDrafter(PromptLookupDrafter):
         """As prompt lookup's, the suffix memory's matches included."""
         return max(super().next_strength_bound(history), self.suffix_memory.next_match_bound(history))
 
-    def match(self, history: list[int], n: int) -> Match:
-        """The longer of the request's own lookup match and the suffix memory's."""
-        own = super().match(history, n)
+    def record(self, history: list[int]) -> None:
+        """Index ``history`` and record it into the kit's suffix memory under this
+        request's name (the explicit observe step: ``match`` only queries)."""
+        super().record(history)
         self.suffix_memory.record(self.request_name, history)
+
+    def match(self, history: list[int], n: int) -> Match:
+        """The longer of the request's own lookup match and the suffix memory's
+        (``record(history)`` first, for the memory to hold this request's tokens)."""
+        own = super().match(history, n)
         found = self.suffix_memory.query(history, n) if n > 0 else NO_MATCH
-        self.last_match = found
         if found.drafts and (not own.drafts or found.match_length > own.strength):
             return Match(found.drafts, found.match_length)
         return own

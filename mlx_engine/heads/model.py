@@ -101,6 +101,15 @@ class HeadState:
         self.chained = 0
         self.last_out: mx.array | None = None  # the head's output at position next - 1
 
+    def fed(self, next_position: int, last_out: mx.array) -> None:
+        """Entries now reach ``next_position`` (exclusive); ``last_out`` is the
+        head's output at the last of them."""
+        self.next, self.last_out = next_position, last_out
+
+    def chain(self) -> None:
+        """Count one speculative entry (a chained draft step), dropped by ``drop_chained``."""
+        self.chained += 1
+
     def drop_chained(self) -> None:
         if self.chained:
             for layer in self.kv:

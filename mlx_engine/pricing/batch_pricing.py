@@ -15,8 +15,8 @@ and prices its drafts with the other rows' posts.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable
-from typing import NamedTuple
+from collections.abc import Hashable
+from typing import NamedTuple, Protocol
 
 from . import costs, speedup
 
@@ -49,7 +49,7 @@ class DraftingRows:
 
 
 #: The share of first drafted tokens accepted after a lookup match of at least
-#: this strength (NGramIndex.strength), over every position of the chat and toy
+#: this strength (prompt_lookup.Match.strength), over every position of the chat and toy
 #: replay traces (docs/decoding.md, the auto router's weak-match rule).
 STRENGTH_ACCEPTANCE = ((16, 0.96), (8, 0.88), (4, 0.81), (2, 0.6), (0, 0.25))
 
@@ -65,28 +65,54 @@ def strength_acceptance(strength: int) -> float:
     return next(p for least, p in STRENGTH_ACCEPTANCE if strength >= least)
 
 
+class BatchSource(Protocol):
+    """What batch pricing reads, each time it prices, from the kit a request
+    decodes on (a ModelKit): its verify costs (measured when first needed) and
+    how many generations are open on it (the batch's rows now)."""
+
+    @property
+    def open_generations(self) -> int: ...
+
+    def forward_costs(self) -> costs.CostModel: ...
+
+
 class BatchPricing(NamedTuple):
-    """What a fixed-length lookup needs to shorten its drafts in a batch: the
-    kit's verify costs (a callable: measured when first needed), the rows of
-    the batch now, and the board where the batch's lookup rows post what they
+    """What a lookup needs to price its drafts in a batch: the kit it decodes
+    on (``source``), and the board where the batch's lookup rows post what they
     can draft (this request's row on it: ``row``)."""
 
-    verify_costs: Callable[[], costs.CostModel]
-    rows: Callable[[], int]
+    source: BatchSource
     board: DraftingRows | None = None
     row: Hashable = None
+
+    def rows(self) -> int:
+        """The rows of the batch now."""
+        return self.source.open_generations
+
+    def verify_costs(self) -> costs.CostModel:
+        """The kit's verify costs."""
+        return self.source.forward_costs()
+
+    def post_acceptance(self, acceptance: float) -> None:
+        """Tell the batch's other rows this row's next round can be accepted at
+        about ``acceptance`` per token (nothing without a board)."""
+        if self.board is not None:
+            self.board.post(self.row, acceptance)
+
+    def withdraw(self) -> None:
+        """This row's next round drafts nothing the other rows can draft beside."""
+        if self.board is not None:
+            self.board.forget(self.row)
 
     def post(self, strength: int) -> None:
         """Tell the batch's other rows what this row's next round can reach:
         the acceptance of a match of ``strength`` if it is a copy's (``COPYING``
         or stronger), else nothing: weaker matches are priced alone
         (docs/decoding.md, "Tuning history")."""
-        if self.board is None:
-            return
         if strength >= COPYING:
-            self.board.post(self.row, strength_acceptance(strength))
+            self.post_acceptance(strength_acceptance(strength))
         else:
-            self.board.forget(self.row)
+            self.withdraw()
 
     def beside(self, rows: int) -> list[float]:
         """What the batch's other copying rows posted (DraftingRows.beside)."""

@@ -58,6 +58,12 @@ class AcceptanceModel:
             self.tries[i] += 1
             self.hits[i] += i < first + hits
 
+    def count(self, drafted: int, accepted: int) -> None:
+        """Count a decided draft's tokens in the totals (its positions observed
+        a few at a time by ``observe_positions``)."""
+        self.drafted += drafted
+        self.accepted += accepted
+
     @property
     def rate(self) -> float:
         """Accepted / drafted over everything observed (the prior when nothing is)."""

@@ -44,7 +44,7 @@ def build_drafter(
     name = request_id if request_id is not None else object()
     batch = None
     if kit.max_parallel > 1:
-        batch = BatchPricing(kit.forward_costs, lambda: kit.open_generations, kit.drafting_rows, name)
+        batch = BatchPricing(kit, kit.drafting_rows, name)
     # A fixed-length lookup request cuts its drafts to what pays in the batch; the router prices its own.
     fixed = batch if plan.kind == "prompt_lookup" else None
     if kit.suffix_memory is not None:
