@@ -83,6 +83,20 @@ def test_a_tied_output_is_the_embedding(tmp_path, family):
     assert _rel(_logits(kit.model, ids), _logits(model, ids)) <= 1e-4
 
 
+def test_falcon_h1_without_the_ssm_norm_takes_any_group_count(tmp_path, monkeypatch):
+    """Without ``ssm_norm`` (``mamba_rms_norm`` false) the groups only share B
+    and C, which mlx-lm's scan does per group as llama.cpp's: 2 groups load
+    and give the source's logits (with the norm they are refused: mlx-lm
+    normalizes all groups at once)."""
+    arch, config, tok = FAMILIES["falcon-h1"]
+    monkeypatch.setitem(FAMILIES, "falcon-h1", (arch, dict(config, mamba_rms_norm=False, mamba_n_groups=2), tok))
+    path, model = _changed_file(tmp_path, "falcon-h1", keep_model=True)
+    kit = me.load_model(path)
+    assert kit.config["mamba_n_groups"] == 2 and not kit.config["mamba_rms_norm"]
+    ids = me.tokenize(kit, PROMPT)
+    assert _rel(_logits(kit.model, ids), _logits(model, ids)) <= 1e-4
+
+
 @pytest.mark.parametrize("family", list(CLASSES))
 def test_hybrid_speculates_exactly_and_the_next_turn_reuses_the_cache(family_files, family):
     """On a Q8_0 file: prompt lookup speculates (no fallback) and gives plain
