@@ -172,6 +172,7 @@ _NH, _FH = "nemotron_h", "falcon-h1"
         (_FH, dict(metadata={"falcon-h1.ssm.group_count": 2}), r"falcon-h1 with 2 groups is not supported"),
         (_FH, dict(metadata={"falcon-h1.ssm.inner_size": 512}), r"'blk\.0\.ssm_in\.weight' of shape"),
         (_FH, dict(metadata={"falcon-h1.attention.scale": 0.5}), r"'falcon-h1\.attention\.scale'"),
+        (_FH, dict(metadata={"falcon-h1.attention.value_length": 64}), r"value_length.*one head size"),
         (_FH, dict(tensors={"blk.0.ssm_dt.weight": np.zeros((256, 4), np.float32)}), r"'blk\.0\.ssm_dt\.weight'"),
     ],
 )  # fmt: skip

@@ -95,10 +95,7 @@ def _nemotron_config(h: GGUFHeader) -> dict:
     pattern, kv, ff = _nemotron_pattern(h, n_layers)
     heads = meta_int(h, f"{arch}.attention.head_count")
     head_dim = meta_int(h, f"{arch}.attention.key_length", hidden // heads)
-    if meta_int(h, f"{arch}.attention.value_length", head_dim) != head_dim:
-        raise bad_field(h, f"{arch}.attention.value_length", h.metadata[f"{arch}.attention.value_length"],
-                        f"the key length ({head_dim}); mlx-lm's class has one head size")  # fmt: skip
-    _default_scale(h, head_dim)
+    _one_head_size(h, head_dim)
     ssm = ssm_sizes(h, grouped_norm=True)
     eps_key = f"{arch}.attention.layer_norm_rms_epsilon"  # llama.cpp: else the layer_norm_epsilon field
     if eps_key not in h.metadata:
@@ -120,9 +117,13 @@ def _has(h: GGUFHeader, suffix: str) -> bool:
     return any(name.startswith("blk.") and name.endswith(f".{suffix}") for name in h.tensors)
 
 
-def _default_scale(h: GGUFHeader, head_dim: int) -> None:
-    """mlx-lm's classes scale attention by 1/sqrt(head_dim), llama.cpp by
-    ``attention.scale`` when the file has one."""
+def _one_head_size(h: GGUFHeader, head_dim: int) -> None:
+    """mlx-lm's classes have one head size for keys and values, and scale
+    attention by 1/sqrt(head_dim); llama.cpp by ``attention.scale`` when the
+    file has one."""
+    key = f"{h.architecture}.attention.value_length"
+    if meta_int(h, key, head_dim) != head_dim:
+        raise bad_field(h, key, h.metadata[key], f"the key length ({head_dim}); mlx-lm's class has one head size")
     key = f"{h.architecture}.attention.scale"
     if key in h.metadata and not np.isclose(meta_float(h, key, 1.0), head_dim**-0.5, rtol=1e-5):
         raise bad_field(h, key, h.metadata[key], f"1/sqrt(head_dim) ({head_dim**-0.5:g}); mlx-lm's class has no other")
@@ -191,7 +192,7 @@ def _falcon_h1(h: GGUFHeader, config: dict) -> None:
     the SSM norm present in every layer or in none."""
     path, hidden, n = str(h.path), config["hidden_size"], config["num_hidden_layers"]
     config.setdefault("head_dim", hidden // config["num_attention_heads"])
-    _default_scale(h, config["head_dim"])
+    _one_head_size(h, config["head_dim"])
     normed = [f"blk.{i}.ssm_norm.weight" in h.tensors for i in range(n)]
     if any(normed) and not all(normed):
         raise ModelLoadError(
