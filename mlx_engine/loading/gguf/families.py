@@ -12,8 +12,9 @@ Per family, what the converter does and what the mapping does about it:
 - ``gemma2``, ``gemma3``: every ``*norm.weight`` stored as ``1 + w``; mlx-lm's
   Gemma RMSNorm adds the 1 itself, so 1 is subtracted back.
 
-The families with recurrent layers (``lfm2``, ``mamba2``, ``granitehybrid``) are
-mapped in recurrent.py; what every family shares (``Family``) is in family.py.
+The families with recurrent layers are mapped in recurrent.py (``lfm2``, ``mamba2``,
+``granitehybrid``) and mamba_hybrids.py (``nemotron_h``, ``falcon-h1``); what
+every family shares (``Family``) is in family.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 
 from ...errors import ModelLoadError
 from .family import ATTENTION, MLP, Family, kv_heads_per_layer, no_head_dim
+from .mamba_hybrids import MAMBA_HYBRID_FAMILIES
 from .moe import MOE_FAMILIES, is_expert_tensor
 from .qwen35 import QWEN35_FAMILIES, MTPHead, mtp_name
 from .reader import (
@@ -116,6 +118,7 @@ FAMILIES = {
     "gemma3": Family("gemma3_text", {**_GEMMA_BLOCK, **_QK_NORM}, _gemma3, norm_shift=1.0),
     "phi3": Family("phi3", _PHI3_BLOCK, _phi3),
     **RECURRENT_FAMILIES,
+    **MAMBA_HYBRID_FAMILIES,
     **MOE_FAMILIES,
     **QWEN35_FAMILIES,
 }

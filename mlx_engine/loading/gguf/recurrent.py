@@ -107,15 +107,18 @@ _MAMBA2_BLOCK = {
 _MAMBA2_BARE = {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D"}
 
 
-def _ssm_sizes(h: GGUFHeader) -> dict:
+def ssm_sizes(h: GGUFHeader, grouped_norm: bool = False) -> dict:
     """A Mamba-2 mixer's sizes from ``<arch>.ssm.*``: inner size, heads (llama.cpp's
-    ``time_step_rank``), state, groups (only 1) and conv kernel length."""
+    ``time_step_rank``), state, groups and conv kernel length. Groups: only 1,
+    unless the class's gated norm is per group as llama.cpp's (``grouped_norm``)."""
     arch = h.architecture
     d_inner, heads = meta_int(h, f"{arch}.ssm.inner_size"), meta_int(h, f"{arch}.ssm.time_step_rank")
     groups = meta_int(h, f"{arch}.ssm.group_count")
     if d_inner % heads:
         raise bad_field(h, f"{arch}.ssm.time_step_rank", heads, f"a divisor of '{arch}.ssm.inner_size' ({d_inner})")
-    if groups != 1:  # mlx-lm's gated RMSNorm normalizes all of d_inner at once, not per group
+    if d_inner % groups:
+        raise bad_field(h, f"{arch}.ssm.group_count", groups, f"a divisor of '{arch}.ssm.inner_size' ({d_inner})")
+    if groups != 1 and not grouped_norm:  # mlx-lm's gated RMSNorm normalizes all of d_inner at once, not per group
         raise ModelLoadError(
             f"GGUF file {str(h.path)!r}: {arch} with {groups} groups is not supported (mlx-lm normalizes "
             "the gated output over all groups at once; llama.cpp per group)"
@@ -129,7 +132,7 @@ def _ssm_sizes(h: GGUFHeader) -> dict:
 def _mamba2_config(h: GGUFHeader) -> dict:
     """Mamba-2 from its ``mamba2.ssm.*`` fields (llama.cpp writes no attention
     or feed-forward sizes for it)."""
-    ssm = _ssm_sizes(h)
+    ssm = ssm_sizes(h)
     eps = meta_float(h, "mamba2.attention.layer_norm_rms_epsilon", 1e-5)
     if eps != 1e-5:  # mlx-lm's ResidualBlock norm always uses 1e-5
         logger.info("GGUF %s: mamba2's layer norms use eps 1e-5 in mlx-lm, the file says %g", h.path.name, eps)
@@ -144,19 +147,19 @@ def _mamba2_config(h: GGUFHeader) -> dict:
     )  # fmt: skip
 
 
-_SSM_TENSORS = [*(f"{t}.weight" for t in ("ssm_in", "ssm_conv1d", "ssm_norm", "ssm_out")), "ssm_dt.bias", *_MAMBA2_BARE]
+SSM_TENSORS = [*(f"{t}.weight" for t in ("ssm_in", "ssm_conv1d", "ssm_norm", "ssm_out")), "ssm_dt.bias", *_MAMBA2_BARE]
 
 
 def _mamba2(h: GGUFHeader, config: dict) -> None:
     """Every block's tensors present, with the widths the SSM sizes give."""
     require_tensors(h, ["output_norm.weight"], "the final norm")
     for i in range(config["num_hidden_layers"]):
-        names = [f"blk.{i}.{t}" for t in ["attn_norm.weight", "ssm_conv1d.bias", *_SSM_TENSORS]]
+        names = [f"blk.{i}.{t}" for t in ["attn_norm.weight", "ssm_conv1d.bias", *SSM_TENSORS]]
         require_tensors(h, names, f"Mamba-2 block {i}")
-    _check_ssm_shapes(h, 0, config["hidden_size"], _ssm_sizes(h))
+    check_ssm_shapes(h, 0, config["hidden_size"], ssm_sizes(h))
 
 
-def _check_ssm_shapes(h: GGUFHeader, block: int, hidden: int, ssm: dict) -> None:
+def check_ssm_shapes(h: GGUFHeader, block: int, hidden: int, ssm: dict) -> None:
     """The input projection's width (gate, x, B, C and one time step per head)
     and the conv kernel's shape, against the ``ssm.*`` sizes."""
     conv_dim = ssm["d_inner"] + 2 * ssm["groups"] * ssm["state"]
@@ -222,7 +225,7 @@ def _granitehybrid(h: GGUFHeader, config: dict) -> None:
             f"GGUF file {path!r}: granitehybrid with RoPE (Bamba) is not mapped; Granite 4.0-H has none"
         )
     no_head_dim(h, config)
-    ssm = _ssm_sizes(h)
+    ssm = ssm_sizes(h)
     config.update(
         layer_types=kinds, position_embedding_type="nope", attention_bias=False, mlp_bias=False,
         embedding_multiplier=meta_float(h, f"{arch}.embedding_scale", 1.0),
@@ -243,13 +246,13 @@ def _granitehybrid(h: GGUFHeader, config: dict) -> None:
             shared_intermediate_size=meta_int(h, f"{arch}.expert_shared_feed_forward_length"),
         )  # fmt: skip
     for i, kind in enumerate(kinds):
-        own = [f"{t}.weight" for t in ATTENTION] if kind == "attention" else _SSM_TENSORS
+        own = [f"{t}.weight" for t in ATTENTION] if kind == "attention" else SSM_TENSORS
         require_tensors(h, [f"blk.{i}.{t}" for t in [*(f"{s}.weight" for s in shared), *own]], f"layer {i}, {kind}")
     if "mamba" in kinds:
-        _check_ssm_shapes(h, kinds.index("mamba"), hidden, ssm)
+        check_ssm_shapes(h, kinds.index("mamba"), hidden, ssm)
 
 
-def _mamba2_reshape(h: GGUFHeader, key: str, value):
+def mamba2_reshape(h: GGUFHeader, key: str, value):
     """``A = -exp(A_log)`` back to ``A_log``; ``[1, heads]`` vectors and the
     per-group norm flat; the conv kernel to ``(channels, K, 1)``."""
     if key.endswith("A_log"):
@@ -280,7 +283,7 @@ RECURRENT_FAMILIES = {
         _mamba2,
         global_names=_MAMBA2_GLOBAL,
         recurrent_layers=True,
-        reshape=_mamba2_reshape,
+        reshape=mamba2_reshape,
         layer_prefix="backbone.layers",
         bare_names=_MAMBA2_BARE,
         own_config=_mamba2_config,
@@ -290,7 +293,7 @@ RECURRENT_FAMILIES = {
         _GRANITE_HYBRID_BLOCK,
         _granitehybrid,
         recurrent_layers=True,
-        reshape=_mamba2_reshape,
+        reshape=mamba2_reshape,
         bare_names=_GRANITE_HYBRID_BARE,
         combine=_fuse_shared_input,
     ),
