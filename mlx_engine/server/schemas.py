@@ -8,6 +8,8 @@ clients send fields a server may not know.
 
 from __future__ import annotations
 
+import mlx_engine as me
+
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -84,7 +86,7 @@ class ResponseFormat(_Body):
     json_schema: JSONSchemaFormat | None = None
 
 
-Decoding = Literal["auto", "plain", "prompt_lookup", "draft"]
+Decoding = me.Decoding  # the engine's decoding choices
 
 
 class EngineOptions(_Body):
