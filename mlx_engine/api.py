@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -279,7 +280,7 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
     require_model(kit)
     if isinstance(prompt_tokens, mx.array):
         prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
-    checked(opts.handling)  # request_id and admission_timeout, before any wait
+    opts = replace(opts, handling=checked(opts.handling))  # request_id and admission_timeout, before any wait
     thread = _worker_of(kit)
     generation = _admitted(kit, thread, prompt_tokens, opts)
     if kit.max_parallel == 1:
@@ -299,7 +300,7 @@ create_generator.__signature__ = inspect.signature(create_generator).replace(
 def _admitted(kit: ModelKit, thread: worker.MLXWorker, prompt_tokens, opts: RequestOptions) -> Generation:
     """The validated generation, waiting up to ``admission_timeout`` for a free
     slot on the kit's own registry (woken when a request ends, not polled)."""
-    wait = checked(opts.handling).admission_timeout
+    wait = opts.handling.admission_timeout
     deadline = time.monotonic() + (wait or 0.0)
     while True:
         try:
