@@ -110,7 +110,9 @@ def tool_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict:
     takes them. An empty ``tools`` list is no tools (some clients always send one)."""
     if not isinstance(req, ChatCompletionRequest):
         return {}
-    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    parallel = req.parallel_tool_calls
+    if parallel is None:
+        parallel = me.GenerationOptions.parallel_tool_calls
     return {"tools": req.tools or None, "tool_choice": req.tool_choice, "parallel_tool_calls": parallel}
 
 
