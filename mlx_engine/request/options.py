@@ -20,9 +20,10 @@ from typing import Any, Callable, Literal, get_args
 
 from ..declare import boolean, count, keyword_parameters, one_of, option, strict_int
 from ..decode.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, argument
 from ..pricing import costs
 from ..results import GenerationStats
+from .stop_strings import StopStringMatcher
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PROMPT_LOOKUP_TOKENS = 8  # decoding="prompt_lookup" without a length
@@ -46,6 +47,11 @@ def _max_tokens(name: str, value, **_) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidArgument(f"max_tokens must be a positive integer, got {value!r}", name)
     return value
+
+
+def _stop_strings(name: str, value, **_) -> list[str]:
+    with argument(name):
+        return StopStringMatcher.validate(value)
 
 
 def _top_logprobs(name: str, value, **_) -> int | None:
@@ -147,7 +153,7 @@ class OutputOptions:
     """How much is generated and what comes back."""
 
     max_tokens: int = option(DEFAULT_MAX_TOKENS, "most tokens generated", _max_tokens)
-    stop_strings: list[str] | None = option(None, "non-empty strings that end the text (never emitted)")
+    stop_strings: list[str] | None = option(None, "non-empty strings that end the text (never emitted)", _stop_strings)
     top_logprobs: int | None = option(None, f"alternatives per token, 0-{MAX_TOP_LOGPROBS} (0: none)", _top_logprobs)
     stats_callback: StatsCallback | None = option(None, "called once at the end with the stats", _callable)
 

@@ -27,7 +27,6 @@ from ..structured import check_grammar, compile_constraint
 from ..tools import ToolSpec, tool_constraint
 from .options import DEFAULT_MAX_TOKENS, ProgressCallback, RequestOptions, StatsCallback
 from .plan import DecodingPlan, choose_plan
-from .stop_strings import StopStringMatcher
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,6 @@ def validate_request(kit: ModelKit, prompt_tokens, o: RequestOptions, request_id
         images = kit.decode_images(prompt, handling.images_b64)
     output = checked(o.output)
     params = o.sampling.validated(kit.vocab_size)
-    with argument("stop_strings"):
-        stops = StopStringMatcher.validate(output.stop_strings)
     c = checked(o.constraints)
     constraint = compile_constraint(c.json_schema, c.regex, c.grammar)
     tools, constraint = tool_constraint(kit, c.tools, c.tool_choice, c.parallel_tool_calls, constraint)
@@ -74,7 +71,7 @@ def validate_request(kit: ModelKit, prompt_tokens, o: RequestOptions, request_id
         images,
         max_tokens,
         params,
-        stops,
+        output.stop_strings,
         handling.prompt_progress_callback,
         output.stats_callback,
         plan,
