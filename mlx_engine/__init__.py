@@ -18,6 +18,7 @@ from .api import (  # noqa: E402
     unload,
     unload_draft_model,
 )  # noqa: E402
+from .decode.sampling import SamplingParams  # noqa: E402  (the sampling option group)
 from .distributed import Follower, ShardedModelKit, load_sharded_model  # noqa: E402
 from .draft.loading import DraftCompatibility  # noqa: E402
 from .embeddings import (  # noqa: E402
@@ -45,7 +46,17 @@ from .loading import catalog  # noqa: E402  (models known by name: lookup, draft
 from .loading.catalog import CATALOG, DEFAULT_MODEL  # noqa: E402
 from .loading.gguf.reader import find_gguf, is_gguf  # noqa: E402  (model discovery: GGUF files)
 from .loading.memory import physical_memory  # noqa: E402  (the machine's memory, for a host's budget)
-from .request.validate import GenerationOptions, context_budget  # noqa: E402  (create_generator's arguments and defaults)
+from .request.options import (  # noqa: E402  (create_generator's options, by group; its arguments and defaults)
+    DECODING_CHOICES,
+    ConstraintOptions,
+    Decoding,
+    DecodingOptions,
+    GenerationOptions,
+    HandlingOptions,
+    OutputOptions,
+    RequestOptions,
+)
+from .request.validate import context_budget  # noqa: E402
 from .results import (  # noqa: E402
     GenerationResult,
     GenerationStats,
@@ -71,6 +82,14 @@ __all__ = [
     "check_tools",
     "context_budget",
     "GenerationOptions",
+    "RequestOptions",
+    "SamplingParams",
+    "DecodingOptions",
+    "ConstraintOptions",
+    "OutputOptions",
+    "HandlingOptions",
+    "DECODING_CHOICES",
+    "Decoding",
     "BlasStatus",
     "CallbackError",
     "ChatTemplateLimitError",

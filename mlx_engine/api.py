@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -15,6 +16,7 @@ import mlx.core as mx
 from . import tools as tools_module
 from .caches.prompt import PromptCacheOptions
 from .caches.sequence import CacheOptions
+from .declare import checked, keyword_parameters
 from .decode.sampling import validate_seed
 from .embeddings import EmbeddingKit, is_embedding_model, load_embedding_kit
 from .errors import ChatTemplateLimitError, GenerationInProgressError
@@ -24,14 +26,9 @@ from .kits.text import KitOptions, ModelKit, validate_max_parallel, validate_suf
 from .kits.vision import VisionModelKit
 from .loading import model as loading
 from .loading.chat_template import check_render
+from .request.options import GROUPS, RequestOptions
 from .request.pipeline import Generation
-from .request.validate import (
-    GenerationOptions,
-    require_model,
-    validate_admission_timeout,
-    validate_request,
-    validate_request_id,
-)
+from .request.validate import require_model, validate_request
 from .results import GenerationResult
 from .runtime import worker
 from .runtime.idle import WhenIdle
@@ -270,35 +267,39 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
     ``logit_bias`` ({token id: number}) is added to the logits;
     ``presence_penalty`` / ``frequency_penalty`` subtract (once / per occurrence)
     for tokens among the last ``repetition_context_size`` of the sequence.
+    ``decoding`` (``"plain"``, ``"draft"``, ``"prompt_lookup"`` or ``"auto"``)
+    picks the decoding mode; ``auto_speculative``, ``prompt_lookup_num_tokens``
+    alone and ``speculative_decoding_toggle`` are its documented aliases.
     The generation runs on the kit's engine thread; callbacks are called there.
-    The keyword arguments are ``GenerationOptions``' fields (request/validate.py), the
-    one place their names and defaults are declared; an unknown one raises
+    The keyword arguments are the fields of the option groups (request/options.py:
+    sampling, decoding, constraints, output, handling), the one place their
+    names, defaults and checks are declared; an unknown one raises
     ``ValueError`` naming it.
     """
-    opts = GenerationOptions.from_kwargs(options)
+    opts = RequestOptions.from_kwargs(options)
     require_model(kit)
     if isinstance(prompt_tokens, mx.array):
         prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
-    validate_request_id(opts.request_id)
+    opts = replace(opts, handling=checked(opts.handling))  # request_id and admission_timeout, before any wait
     thread = _worker_of(kit)
     generation = _admitted(kit, thread, prompt_tokens, opts)
     # One path for every kit: with max_parallel=1 the scheduler steps one row.
     return RequestStream(thread, _scheduler_of(kit, thread), generation, generation.request_id)
 
 
-# The keyword arguments, introspectable (help(), IDEs) though declared once, in GenerationOptions.
+# The keyword arguments, introspectable (help(), IDEs) though declared once, in the option groups.
 create_generator.__signature__ = inspect.signature(create_generator).replace(
     parameters=[
         *list(inspect.signature(create_generator).parameters.values())[:2],
-        *GenerationOptions.keyword_parameters(),
+        *keyword_parameters(*GROUPS.values()),
     ]
 )
 
 
-def _admitted(kit: ModelKit, thread: worker.MLXWorker, prompt_tokens, opts: GenerationOptions) -> Generation:
+def _admitted(kit: ModelKit, thread: worker.MLXWorker, prompt_tokens, opts: RequestOptions) -> Generation:
     """The validated generation, waiting up to ``admission_timeout`` for a free
     slot on the kit's own registry (woken when a request ends, not polled)."""
-    wait = validate_admission_timeout(opts.admission_timeout)
+    wait = opts.handling.admission_timeout
     deadline = time.monotonic() + (wait or 0.0)
     while True:
         try:
@@ -309,9 +310,9 @@ def _admitted(kit: ModelKit, thread: worker.MLXWorker, prompt_tokens, opts: Gene
                 raise
 
 
-def _start(kit: ModelKit, prompt_tokens, options: GenerationOptions) -> Generation:
+def _start(kit: ModelKit, prompt_tokens, options: RequestOptions) -> Generation:
     """Validate (on the kit's engine thread) and create the generation."""
-    request = validate_request(kit, prompt_tokens, options, options.request_id or uuid.uuid4().hex)
+    request = validate_request(kit, prompt_tokens, options, options.handling.request_id or uuid.uuid4().hex)
     return Generation(kit, request)
 
 

@@ -13,6 +13,7 @@ PACKAGE = Path(mlx_engine.__file__).parent
 # Bottom to top; a folder (or top-level module) imports only those before it.
 LAYERS = [
     "errors",
+    "declare",
     "results",
     "loading",
     "structured",

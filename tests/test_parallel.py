@@ -515,9 +515,9 @@ class _StepLog:
 
     def start(self, sched, name: str, prompt, **kw):
         from mlx_engine.api import _start
-        from mlx_engine.request.validate import GenerationOptions
+        from mlx_engine.request.options import RequestOptions
 
-        return sched.admit(_start(self.kit, prompt, GenerationOptions.from_kwargs(dict(kw, request_id=name))), name)
+        return sched.admit(_start(self.kit, prompt, RequestOptions.from_kwargs(dict(kw, request_id=name))), name)
 
     def step(self, sched, lives) -> dict:
         """One step: per row name, the token ids it produced; "prefills": the chunks."""

@@ -5,6 +5,7 @@ import mlx_engine as me
 from mlx_engine.caches.sequence import UNKNOWN, CacheOptions, SequenceCache, common_prefix_length
 from mlx_engine.decode.loop import decode
 from mlx_engine.decode.sampling import SamplingParams, build_sampler
+from mlx_engine.request.options import DecodingOptions
 from mlx_engine.request.plan import DecodingPlan, choose_plan
 from mlx_engine.request.stop_strings import StopStringMatcher
 
@@ -180,14 +181,14 @@ def test_held_text_is_released_when_it_cannot_start_a_stop_string():
 
 # -- plans and request bookkeeping -------------------------------------------------------------
 def test_plans_are_typed_and_checked(kit, draft_path):
-    plan = choose_plan(kit, num_draft_tokens=None, toggle=None, lookup_tokens=5, ngrams=(1, 3, 4), auto=False)
+    plan = choose_plan(kit, DecodingOptions(prompt_lookup_num_tokens=5))
     assert plan == DecodingPlan(
         "prompt_lookup", lookup_k=5, ngrams=(1, 3, 4), reason="requested: prompt_lookup_num_tokens=5"
     )
     with pytest.raises(ValueError, match="prompt_lookup_min_ngram"):
-        choose_plan(kit, num_draft_tokens=None, toggle=None, lookup_tokens=5, ngrams=(4, 3, 4), auto=False)
+        choose_plan(kit, DecodingOptions(prompt_lookup_num_tokens=5, prompt_lookup_min_ngram=4))
     me.load_draft_model(kit, draft_path)
-    plan = choose_plan(kit, num_draft_tokens=3, toggle=None, lookup_tokens=None, ngrams=(1, 3, 4), auto=True)
+    plan = choose_plan(kit, DecodingOptions(num_draft_tokens=3, auto_speculative=True))
     assert plan.kind == "auto" and plan.use_draft and plan.draft_k == 3
 
 
@@ -220,7 +221,7 @@ def test_create_generator_options_are_declared_once_and_unknown_names_are_refuse
     """The keyword arguments come from GenerationOptions (signature included);
     an unknown one is a ValueError naming it, raised before anything runs."""
     import mlx_engine as me
-    from mlx_engine.request.validate import GenerationOptions
+    from mlx_engine.request.options import GenerationOptions
 
     import dataclasses
     import inspect

@@ -9,8 +9,6 @@ and however the rounds were cut (docs/decoding.md#seeds).
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -18,6 +16,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from ..declare import checked, count, in_range, invalid, number, option
 from ..errors import InvalidArgument
 
 MAX_TOP_LOGPROBS = 20
@@ -32,121 +31,14 @@ absolute sequence positions the rows are sampled for; returns (n,) token ids."""
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temp: float = 0.0
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens_to_keep: int | None = None
-    repetition_penalty: float | None = None
-    repetition_context_size: int = 20
-    seed: int | None = None
-    top_logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, added logit) pairs
-
-    @property
-    def greedy(self) -> bool:
-        return self.temp == 0.0
-
-
-def _invalid(name: str, message: str) -> InvalidArgument:
-    """``message`` about ``name`` (``logit_bias key``, ``logit_bias[5]``: an item of the argument)."""
-    return InvalidArgument(message, name.split(" ")[0].split("[")[0])
-
-
-def _number(name: str, value, *, integer: bool = False):
-    """``value`` as a Python int or float; ``ValueError`` naming ``name`` unless it
-    is a (finite) real number. numpy scalars are accepted; bools are not."""
-    ok_types = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, ok_types):
-        kind = "an integer" if integer else "a number"
-        raise _invalid(name, f"{name} must be {kind}, got {value!r}")
-    if integer:
-        return int(value)
-    value = float(value) if not isinstance(value, numbers.Integral) else int(value)
-    if not math.isfinite(value):
-        raise _invalid(name, f"{name} must be a finite number, got {value!r}")
-    return value
-
-
 def validate_seed(seed, name: str = "seed") -> int | None:
     """A seed MLX accepts: None or an integer in [0, 2**64 - 1]."""
     if seed is None:
         return None
-    seed = _number(name, seed, integer=True)
+    seed = number(name, seed, integer=True)
     if not 0 <= seed <= MAX_SEED:
-        raise _invalid(name, f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")
+        raise invalid(name, f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")
     return seed
-
-
-def _optional_number(name: str, value) -> float | None:
-    """A finite number, or None for None and 0 (off)."""
-    return None if value is None else (_number(name, value) or None)
-
-
-def _checked(name: str, value, ok: Callable[[float], bool], allowed: str, integer: bool = False):
-    """``value`` as a finite number (None stays None); ``ValueError`` saying
-    "``name`` must be ``allowed``" unless ``ok`` holds for it."""
-    if value is None:
-        return None
-    if not ok(number := _number(name, value, integer=integer)):
-        raise _invalid(name, f"{name} must be {allowed}, got {number}")
-    return number
-
-
-def _count(name: str, value, lo: int, hi: int, allowed: str) -> int | None:
-    """``value`` as an integer in [lo, hi] (None stays None), else ``ValueError``."""
-    return _checked(name, value, lambda x: lo <= x <= hi, allowed, integer=True)
-
-
-def validate_sampling(
-    *,
-    temp: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    min_p: float | None,
-    min_tokens_to_keep: int | None,
-    repetition_penalty: float | None,
-    repetition_context_size: int,
-    seed: int | None,
-    top_logprobs: int | None,
-    vocab_size: int,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    logit_bias: dict | None = None,
-) -> SamplingParams:
-    """Check every sampling argument and return them normalised (NaN and
-    infinities are refused for every float). ``vocab_size`` bounds ``top_k`` and
-    ``min_tokens_to_keep``."""
-    temp = _checked("temp", temp, lambda x: x >= 0, ">= 0 (0 or None is greedy)")
-    top_p = _checked("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]")
-    top_k = _count("top_k", top_k, 0, vocab_size - 1, f"from 0 (off) to {vocab_size - 1} (below the vocabulary size)")
-    min_p = _checked("min_p", min_p, lambda x: 0 <= x <= 1, "in [0, 1]")
-    min_tokens_to_keep = _count(
-        "min_tokens_to_keep", min_tokens_to_keep, 1, vocab_size, f"from 1 to {vocab_size} (the vocabulary size)"
-    )
-    repetition_penalty = _checked("repetition_penalty", repetition_penalty, lambda x: x > 0, "> 0")
-    context = _number("repetition_context_size", repetition_context_size, integer=True)  # required
-    context = _count("repetition_context_size", context, 1, MAX_REPETITION_CONTEXT, "from 1 to 2**31 - 1 (tokens)")
-    seed = validate_seed(seed)
-    top_logprobs = _count("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS, f"between 0 and {MAX_TOP_LOGPROBS}")
-    return SamplingParams(
-        temp=float(temp or 0.0),
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        min_tokens_to_keep=min_tokens_to_keep,
-        repetition_penalty=repetition_penalty,
-        repetition_context_size=context,
-        seed=seed,
-        top_logprobs=top_logprobs or None,
-        presence_penalty=_optional_number("presence_penalty", presence_penalty),
-        frequency_penalty=_optional_number("frequency_penalty", frequency_penalty),
-        logit_bias=validate_logit_bias(logit_bias, vocab_size),
-    )
 
 
 def validate_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...] | None:
@@ -154,17 +46,86 @@ def validate_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float],
     ``ValueError`` naming the bad key or value."""
     if logit_bias is None:
         return None
+    if isinstance(logit_bias, tuple):  # already checked pairs
+        logit_bias = dict(logit_bias)
     if not isinstance(logit_bias, Mapping):
         raise InvalidArgument(
             f"logit_bias must be a dict of token id -> number, got {type(logit_bias).__name__}", "logit_bias"
         )
     pairs = []
     for key, value in logit_bias.items():
-        tid = _number("logit_bias key", key, integer=True)
+        tid = number("logit_bias key", key, integer=True)
         if not 0 <= tid < vocab_size:
             raise InvalidArgument(f"logit_bias key {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-        pairs.append((tid, float(_number(f"logit_bias[{tid}]", value))))
+        pairs.append((tid, float(number(f"logit_bias[{tid}]", value))))
     return tuple(sorted(pairs)) or None
+
+
+def _temp(name, value, **_) -> float:
+    return float(in_range(name, value, lambda x: x >= 0, ">= 0 (0 or None is greedy)") or 0.0)
+
+
+def _top_k(name, value, *, vocab_size: int, **_):
+    return count(name, value, 0, vocab_size - 1, f"from 0 (off) to {vocab_size - 1} (below the vocabulary size)")
+
+
+def _keep(name, value, *, vocab_size: int, **_):
+    return count(name, value, 1, vocab_size, f"from 1 to {vocab_size} (the vocabulary size)")
+
+
+def _context_size(name, value, **_) -> int:
+    value = number(name, value, integer=True)  # required
+    return count(name, value, 1, MAX_REPETITION_CONTEXT, "from 1 to 2**31 - 1 (tokens)")
+
+
+def _penalty(name, value, **_) -> float | None:
+    """A finite number, or None for None and 0 (off)."""
+    return None if value is None else (number(name, value) or None)
+
+
+def _bias(name, value, *, vocab_size: int, **_):
+    return validate_logit_bias(value, vocab_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """The sampling options: ``create_generator``'s sampling group, declared once
+    (docs/api.md, "Generating"). ``validated(vocab_size)`` checks and normalises
+    them (NaN and infinities are refused for every float)."""
+
+    temp: float | None = option(None, "temperature; 0 or None is greedy", _temp)
+    top_p: float | None = option(
+        None, "nucleus sampling, in (0, 1]", lambda n, v, **_: in_range(n, v, lambda x: 0 < x <= 1, "in (0, 1]")
+    )
+    top_k: int | None = option(None, "keep the k most likely tokens, 0 (off) to the vocabulary size - 1", _top_k)
+    min_p: float | None = option(
+        None, "min-p sampling, in [0, 1]", lambda n, v, **_: in_range(n, v, lambda x: 0 <= x <= 1, "in [0, 1]")
+    )
+    min_tokens_to_keep: int | None = option(None, "min-p keeps at least this many tokens", _keep)
+    repetition_penalty: float | None = option(
+        None,
+        "> 0; over the last repetition_context_size tokens",
+        lambda n, v, **_: in_range(n, v, lambda x: x > 0, "> 0"),
+    )
+    repetition_context_size: int = option(20, "tokens the penalties look back over, 1 to 2**31 - 1", _context_size)
+    seed: int | None = option(
+        None, "0 to 2**64 - 1: the same text in every decoding mode", lambda n, v, **_: validate_seed(v, n)
+    )
+    presence_penalty: float | None = option(None, "subtracted once from each recent token's logit", _penalty)
+    frequency_penalty: float | None = option(None, "subtracted per occurrence of each recent token", _penalty)
+    # Given as {token id: number}; validated, as sorted (token id, added logit) pairs.
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = option(
+        None, "{token id: number} added to the logits", _bias
+    )
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temp
+
+    def validated(self, vocab_size: int) -> SamplingParams:
+        """Every field checked (``ValueError`` naming the first bad one) and
+        normalised; ``vocab_size`` bounds ``top_k`` and ``min_tokens_to_keep``."""
+        return checked(self, vocab_size=vocab_size)
 
 
 _MASK64 = 2**64 - 1

@@ -248,7 +248,7 @@ class _Output:
             reason = "stop_string" if tail.stop_string else "eos_token"
             return self.finish(tail.text, [], None, GenerationStopCondition(reason, tail.stop_string, [tok])), True
         token = Token(tok, kit.tokenizer.decode([tok]), step.logprob, step.from_draft)
-        tops = [_top_logprobs(kit, step.logprobs, req.params.top_logprobs)] if req.params.top_logprobs else None
+        tops = [_top_logprobs(kit, step.logprobs, req.top_logprobs)] if req.top_logprobs else None
         last = step.at_limit  # the loop counts max_tokens; this stage only ends the text there
         event = self.stream.push(tok, final=last or step.completes_grammar)
         if event.stop_string is not None:

@@ -1,7 +1,8 @@
 """Planning a request's decoding: which drafter, with which limits, and why.
 
-``choose_plan`` turns the decoding arguments into a frozen ``DecodingPlan``
-(the rules are in docs/decoding.md); ``DecodingPlan.for_cache`` falls back to
+``choose_plan`` turns the decoding options (options.py: the explicit
+``decoding`` choice, its aliases mapped by ``DecodingOptions.choice``) into a
+frozen ``DecodingPlan`` (the rules are in docs/decoding.md); ``DecodingPlan.for_cache`` falls back to
 plain decoding when the kit's cache cannot be rewound, before any draft work
 (a draft model's prompt would otherwise be prefilled for nothing). A pure
 decision: nothing here builds a drafter or touches a cache (``drafters.py`` does).
@@ -10,18 +11,15 @@ decision: nothing here builds a drafter or touches a cache (``drafters.py`` does
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
+from ..declare import checked
 from ..errors import InvalidArgument
 from ..kits.text import ModelKit
+from .options import DECODING_CHOICES, DEFAULT_PROMPT_LOOKUP_TOKENS, MAX_LOOKUP_TOKENS, DecodingOptions
 
 if TYPE_CHECKING:
     from ..caches.sequence import SequenceCache
-from ..pricing import costs
-
-DEFAULT_PROMPT_LOOKUP_TOKENS = 8
-MAX_DRAFT_TOKENS = costs.MAX_MODEL_DRAFT
-MAX_LOOKUP_TOKENS = costs.MAX_DRAFT
 
 Kind = Literal["plain", "draft_model", "prompt_lookup", "auto"]
 
@@ -57,64 +55,76 @@ class DecodingPlan:
         return DecodingPlan("plain", reason=f"fell back to plain decoding: {why}", requested=self.kind)
 
 
-def _check_lengths(num_draft_tokens, lookup_tokens, ngrams) -> None:
-    for name, value, most in (
-        ("num_draft_tokens", num_draft_tokens, MAX_DRAFT_TOKENS),
-        ("prompt_lookup_num_tokens", lookup_tokens, MAX_LOOKUP_TOKENS),
-    ):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
-            raise InvalidArgument(f"{name} must be an integer from 1 to {most} or None, got {value!r}", name)
-    names = ("prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "prompt_lookup_num_candidates")
-    for name, value in zip(names, ngrams):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", name)
-    if ngrams[0] > ngrams[1]:
-        raise InvalidArgument(
-            f"prompt_lookup_min_ngram ({ngrams[0]}) must not exceed prompt_lookup_max_ngram ({ngrams[1]})",
-            "prompt_lookup_min_ngram",
-        )
-
-
-def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngrams, auto) -> DecodingPlan:
-    """The request's plan from its decoding arguments (rules in docs/decoding.md);
+def choose_plan(kit: ModelKit, options: DecodingOptions) -> DecodingPlan:
+    """The request's plan from its decoding options (rules in docs/decoding.md);
     ``ValueError`` naming the argument for any bad or conflicting one."""
-    if toggle not in (None, True, False):
-        raise InvalidArgument(
-            f"speculative_decoding_toggle must be True, False or None, got {toggle!r}", "speculative_decoding_toggle"
-        )
-    if not isinstance(auto, bool):
-        raise InvalidArgument(f"auto_speculative must be a bool, got {auto!r}", "auto_speculative")
-    _check_lengths(num_draft_tokens, lookup_tokens, ngrams)
+    d = checked(options)
+    choice = d.choice()
     has_draft = kit.draft is not None
+    _check_draft(d, choice, has_draft)
+    if choice is None:
+        choice = "draft" if has_draft and d.speculative_decoding_toggle is not False else "plain"
+    return PLANNERS[choice](d, has_draft)
+
+
+def _check_draft(d: DecodingOptions, choice: str | None, has_draft: bool) -> None:
+    """The draft model's arguments against the kit and the choice."""
+    toggle, k = d.speculative_decoding_toggle, d.num_draft_tokens
     if toggle is True and not has_draft:
         raise InvalidArgument(
             "speculative_decoding_toggle=True requires a draft model; call load_draft_model first",
             "speculative_decoding_toggle",
         )
-    if num_draft_tokens is not None and (not has_draft or toggle is False):
+    if d.decoding == "draft" and not has_draft:
+        raise InvalidArgument("decoding='draft' needs a draft model; call load_draft_model first", "decoding")
+    if k is not None and (not has_draft or toggle is False):
         raise InvalidArgument("num_draft_tokens needs a loaded draft model that this request uses", "num_draft_tokens")
-    use_draft = has_draft and toggle is not False
-    if auto:
-        # The router's lookup length adapts each round, up to the longest draft.
-        return DecodingPlan("auto", use_draft, num_draft_tokens, lookup_tokens or MAX_LOOKUP_TOKENS, ngrams)
-    if lookup_tokens is not None:
-        if toggle is True or num_draft_tokens is not None:
-            raise InvalidArgument(
-                "prompt_lookup_num_tokens and the draft model (speculative_decoding_toggle=True or num_draft_tokens) "
-                "are both requested; pick one, or pass auto_speculative=True to let the engine choose",
-                "prompt_lookup_num_tokens",
-            )
-        return DecodingPlan(
-            "prompt_lookup",
-            lookup_k=lookup_tokens,
-            ngrams=ngrams,
-            reason=f"requested: prompt_lookup_num_tokens={lookup_tokens}",
+    # Only by the alias: an explicit decoding="prompt_lookup" refuses these in choice().
+    if choice == "prompt_lookup" and (toggle is True or k is not None):
+        raise InvalidArgument(
+            "prompt_lookup_num_tokens and the draft model (speculative_decoding_toggle=True or num_draft_tokens) "
+            "are both requested; pick one, or pass auto_speculative=True to let the engine choose",
+            "prompt_lookup_num_tokens",
         )
-    if use_draft:
-        length = (
-            "draft length adapts to acceptance and round times"
-            if num_draft_tokens is None
-            else f"num_draft_tokens={num_draft_tokens}"
-        )
-        return DecodingPlan("draft_model", True, num_draft_tokens, reason=f"draft model loaded; {length}")
+
+
+def _ngrams(d: DecodingOptions) -> tuple[int, int, int]:
+    return (d.prompt_lookup_min_ngram, d.prompt_lookup_max_ngram, d.prompt_lookup_num_candidates)
+
+
+def _plain(d: DecodingOptions, has_draft: bool) -> DecodingPlan:
     return DecodingPlan("plain")
+
+
+def _draft(d: DecodingOptions, has_draft: bool) -> DecodingPlan:
+    k = d.num_draft_tokens
+    length = "draft length adapts to acceptance and round times" if k is None else f"num_draft_tokens={k}"
+    return DecodingPlan("draft_model", True, k, reason=f"draft model loaded; {length}")
+
+
+def _prompt_lookup(d: DecodingOptions, has_draft: bool) -> DecodingPlan:
+    k = d.prompt_lookup_num_tokens
+    reason = (
+        f"requested: prompt_lookup_num_tokens={k}"
+        if k is not None
+        else f"requested: decoding='prompt_lookup' (up to {DEFAULT_PROMPT_LOOKUP_TOKENS} tokens)"
+    )
+    return DecodingPlan("prompt_lookup", lookup_k=k or DEFAULT_PROMPT_LOOKUP_TOKENS, ngrams=_ngrams(d), reason=reason)
+
+
+def _auto(d: DecodingOptions, has_draft: bool) -> DecodingPlan:
+    # The router's lookup length adapts each round, up to the longest draft.
+    use_draft = has_draft and d.speculative_decoding_toggle is not False
+    lookup_k = d.prompt_lookup_num_tokens or MAX_LOOKUP_TOKENS
+    return DecodingPlan("auto", use_draft, d.num_draft_tokens, lookup_k, _ngrams(d))
+
+
+# One planner per decoding choice (options.DECODING_CHOICES): a new drafter kind
+# is a choice there, a planner here and its drafter in drafters.py.
+PLANNERS: dict[str, Callable[[DecodingOptions, bool], DecodingPlan]] = {
+    "plain": _plain,
+    "draft": _draft,
+    "prompt_lookup": _prompt_lookup,
+    "auto": _auto,
+}
+assert tuple(sorted(PLANNERS)) == tuple(sorted(DECODING_CHOICES)), "a decoding choice without a planner"

@@ -190,7 +190,7 @@ def _decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decoding",
         default="auto",
-        choices=["auto", "plain", "prompt_lookup", "draft"],
+        choices=me.DECODING_CHOICES,
         help="decoding mode when a request names none (default: %(default)s; draft needs --draft)",
     )
     p.add_argument(

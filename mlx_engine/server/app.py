@@ -276,8 +276,8 @@ def _check_arguments(kit, max_parallel, queue_size, decoding) -> None:
         raise ValueError(f"max_parallel must be a positive integer or None, got {max_parallel!r}")
     if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
         raise ValueError(f"queue_size must be a non-negative integer, got {queue_size!r}")
-    if decoding not in ("auto", "plain", "prompt_lookup", "draft"):
-        raise ValueError(f"decoding must be auto, plain, prompt_lookup or draft, got {decoding!r}")
+    if decoding not in me.DECODING_CHOICES:
+        raise ValueError(f"decoding must be one of {', '.join(me.DECODING_CHOICES)}, got {decoding!r}")
 
 
 def _auth_dependency(api_key: str | None):

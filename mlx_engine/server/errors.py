@@ -18,6 +18,7 @@ _ENGINE_FIELDS = {
     "temp": "temperature",
     "stop_strings": "stop",
     "json_schema": "response_format",
+    "decoding": "mlx_engine.decoding",  # before the aliases that become mlx_engine.decoding
     "speculative_decoding_toggle": "mlx_engine.decoding",
     "auto_speculative": "mlx_engine.decoding",
     "num_draft_tokens": "mlx_engine.num_draft_tokens",

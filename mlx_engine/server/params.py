@@ -1,5 +1,7 @@
 """From a request body to what the SDK takes: the prompt's token ids (and
-images) and ``create_generator``'s keyword arguments, one set per choice.
+images) and ``create_generator``'s keyword arguments, one set per choice, built
+as the engine's option groups (so a misspelt field fails here, and the server
+keeps no engine default of its own).
 
 Runs off the event loop (chat templates and tokenizers are CPU work). Bad
 input raises ``APIError`` (400) naming the request field; what only the engine
@@ -12,13 +14,12 @@ from __future__ import annotations
 import mlx_engine as me
 from mlx_engine import MAX_JSON_DEPTH, json_depth
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from weakref import WeakKeyDictionary
 
 from .errors import bad_request, from_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
 
-DEFAULT_LOOKUP_TOKENS = 8
 # JSON nesting in tool schemas and call arguments is limited by the engine's one
 # MAX_JSON_DEPTH, so the server and the SDK refuse the same requests.
 
@@ -109,7 +110,9 @@ def tool_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict:
     takes them. An empty ``tools`` list is no tools (some clients always send one)."""
     if not isinstance(req, ChatCompletionRequest):
         return {}
-    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    parallel = req.parallel_tool_calls
+    if parallel is None:
+        parallel = me.GenerationOptions.parallel_tool_calls
     return {"tools": req.tools or None, "tool_choice": req.tool_choice, "parallel_tool_calls": parallel}
 
 
@@ -167,29 +170,28 @@ def token_budget(kit: me.ModelKit, prompt_len: int, asked: int | None) -> int:
         ) from None
 
 
-def decoding_kwargs(opts: EngineOptions, default_mode: str) -> dict:
-    """The ``mlx_engine`` extension as ``create_generator``'s decoding arguments."""
+def decoding_options(opts: EngineOptions, default_mode: str) -> me.DecodingOptions:
+    """The ``mlx_engine`` extension as the engine's decoding group: the mode as
+    chosen, each length only where that mode uses it (the engine holds the
+    defaults: prompt lookup's 8 tokens, auto's ceiling)."""
     mode = opts.decoding or default_mode
+    lookup = mode in ("prompt_lookup", "auto")
     ngrams = {
         "prompt_lookup_min_ngram": opts.prompt_lookup_min_ngram,
         "prompt_lookup_max_ngram": opts.prompt_lookup_max_ngram,
     }
-    if mode == "plain":
-        return {"speculative_decoding_toggle": False}
-    if mode == "draft":
-        return {"speculative_decoding_toggle": True, "num_draft_tokens": opts.num_draft_tokens}
-    if mode == "prompt_lookup":
-        return {
-            "speculative_decoding_toggle": False,
-            **ngrams,
-            "prompt_lookup_num_tokens": opts.prompt_lookup_num_tokens or DEFAULT_LOOKUP_TOKENS,
-        }
-    return {
-        "auto_speculative": True,
-        "num_draft_tokens": opts.num_draft_tokens,
-        "prompt_lookup_num_tokens": opts.prompt_lookup_num_tokens,
-        **ngrams,
-    }
+    return me.DecodingOptions(
+        decoding=mode,
+        num_draft_tokens=opts.num_draft_tokens if mode in ("draft", "auto") else None,
+        prompt_lookup_num_tokens=opts.prompt_lookup_num_tokens if lookup else None,
+        **(ngrams if lookup else {}),
+    )
+
+
+def constraint_options(req: ChatCompletionRequest | CompletionRequest) -> me.ConstraintOptions:
+    """``response_format``, the extension's regex/grammar and the tools as the
+    engine's constraint group."""
+    return me.ConstraintOptions(**structured_kwargs(req), **tool_kwargs(req))
 
 
 def structured_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict:
@@ -211,8 +213,9 @@ def structured_kwargs(req: ChatCompletionRequest | CompletionRequest) -> dict:
 def generator_kwargs(
     kit: me.ModelKit, req: ChatCompletionRequest | CompletionRequest, prompt: Prompt, default_mode: str
 ) -> list[dict]:
-    """``create_generator``'s keyword arguments for each of the ``n`` choices
-    (choice i samples with ``seed + i``, so seeded choices differ and repeat)."""
+    """``create_generator``'s keyword arguments for each of the ``n`` choices:
+    the request's fields mapped into the engine's option groups (mlx_engine's
+    ``RequestOptions``), then flattened."""
     if (req.mlx_engine.decoding or default_mode) == "draft" and kit.draft is None:
         raise bad_request(
             "mlx_engine.decoding: 'draft' needs a draft model and none is loaded; load one with "
@@ -220,26 +223,31 @@ def generator_kwargs(
             "mlx_engine.decoding",
         )
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    top = _top_logprobs(req)
-    base = {
-        "max_tokens": token_budget(kit, len(prompt.tokens), asked),
-        "temp": req.temperature if req.temperature is not None else 1.0,
-        "top_p": req.top_p,
-        "top_k": req.top_k or None,
-        "min_p": req.min_p,
-        "stop_strings": [req.stop] if isinstance(req.stop, str) else (req.stop or None),
-        "presence_penalty": req.presence_penalty,
-        "frequency_penalty": req.frequency_penalty,
-        "logit_bias": _logit_bias(req.logit_bias),
-        "repetition_penalty": req.mlx_engine.repetition_penalty,
-        "repetition_context_size": req.mlx_engine.repetition_context_size,
-        "top_logprobs": top or None,
-        "images_b64": prompt.images or None,
-        **decoding_kwargs(req.mlx_engine, default_mode),
-        **structured_kwargs(req),
-        **tool_kwargs(req),
-    }
-    return [{**base, "seed": None if req.seed is None else (req.seed + i) % 2**64} for i in range(req.n)]
+    sampling = me.SamplingParams(
+        temp=req.temperature if req.temperature is not None else 1.0,
+        top_p=req.top_p,
+        top_k=req.top_k or None,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        repetition_penalty=req.mlx_engine.repetition_penalty,
+        repetition_context_size=req.mlx_engine.repetition_context_size,
+    )
+    base = me.RequestOptions(
+        output=me.OutputOptions(
+            max_tokens=token_budget(kit, len(prompt.tokens), asked),
+            stop_strings=[req.stop] if isinstance(req.stop, str) else (req.stop or None),
+            top_logprobs=_top_logprobs(req) or None,
+        ),
+        sampling=sampling,
+        decoding=decoding_options(req.mlx_engine, default_mode),
+        constraints=constraint_options(req),
+        handling=me.HandlingOptions(images_b64=prompt.images or None),
+    )
+    # Choice i samples with seed + i, so seeded choices differ and repeat.
+    seeds = [None if req.seed is None else (req.seed + i) % 2**64 for i in range(req.n)]
+    return [replace(base, sampling=replace(sampling, seed=seed)).kwargs() for seed in seeds]
 
 
 def _top_logprobs(req) -> int | None:

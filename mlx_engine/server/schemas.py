@@ -8,6 +8,8 @@ clients send fields a server may not know.
 
 from __future__ import annotations
 
+import mlx_engine as me
+
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -84,7 +86,7 @@ class ResponseFormat(_Body):
     json_schema: JSONSchemaFormat | None = None
 
 
-Decoding = Literal["auto", "plain", "prompt_lookup", "draft"]
+Decoding = me.Decoding  # the engine's decoding choices
 
 
 class EngineOptions(_Body):
@@ -93,11 +95,12 @@ class EngineOptions(_Body):
     decoding: Decoding | None = None  # None: the server's default (--decoding)
     num_draft_tokens: int | None = Field(None, ge=1)
     prompt_lookup_num_tokens: int | None = Field(None, ge=1)
-    prompt_lookup_min_ngram: int = Field(1, ge=1)
-    prompt_lookup_max_ngram: int = Field(3, ge=1)
+    # The defaults are the engine's own (its option groups), not copies.
+    prompt_lookup_min_ngram: int = Field(me.GenerationOptions.prompt_lookup_min_ngram, ge=1)
+    prompt_lookup_max_ngram: int = Field(me.GenerationOptions.prompt_lookup_max_ngram, ge=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    repetition_context_size: int = Field(20, ge=1)
-    structured_drafting: bool = True
+    repetition_context_size: int = Field(me.GenerationOptions.repetition_context_size, ge=1)
+    structured_drafting: bool = me.GenerationOptions.structured_drafting
     regex: str | None = None
     grammar: str | None = None  # Lark, llguidance's dialect
 
