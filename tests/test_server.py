@@ -1040,7 +1040,7 @@ def test_a_generation_failing_on_its_argument_is_a_400_naming_the_field():
     while any other failure of a running generation stays a 500."""
     from mlx_engine.server.errors import from_failure
 
-    err = from_failure(me.InvalidArgument("regex cannot be used: too many expressions", "regex"))
+    err = from_failure(me.InvalidArgument("{param} cannot be used: {detail}", "regex", detail="too many expressions"))
     assert (err.status, err.param, err.type) == (400, "mlx_engine.regex", "invalid_request_error")
     assert "mlx_engine.regex cannot be used" in err.message
     assert from_failure(RuntimeError("boom")).status == 500

@@ -52,23 +52,24 @@ class SamplingParams:
         return self.temp == 0.0
 
 
-def _invalid(name: str, message: str) -> InvalidArgument:
-    """``message`` about ``name`` (``logit_bias key``, ``logit_bias[5]``: an item of the argument)."""
-    return InvalidArgument(message, name.split(" ")[0].split("[")[0])
+def _invalid(name: str, part: str, template: str, **values: object) -> InvalidArgument:
+    """``template`` about the argument ``name``, or ``part`` of it (``logit_bias``'s
+    `` key``, ``[5]``), said right after the argument."""
+    return InvalidArgument("{param}{part}" + template, name, part=part, **values)
 
 
-def _number(name: str, value, *, integer: bool = False):
-    """``value`` as a Python int or float; ``ValueError`` naming ``name`` unless it
-    is a (finite) real number. numpy scalars are accepted; bools are not."""
+def _number(name: str, value, *, integer: bool = False, part: str = ""):
+    """``value`` as a Python int or float; ``ValueError`` naming ``name`` (and
+    ``part``) unless it is a (finite) real number. numpy scalars are accepted; bools are not."""
     ok_types = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, ok_types):
         kind = "an integer" if integer else "a number"
-        raise _invalid(name, f"{name} must be {kind}, got {value!r}")
+        raise _invalid(name, part, " must be {kind}, got {got}", kind=kind, got=repr(value))
     if integer:
         return int(value)
     value = float(value) if not isinstance(value, numbers.Integral) else int(value)
     if not math.isfinite(value):
-        raise _invalid(name, f"{name} must be a finite number, got {value!r}")
+        raise _invalid(name, part, " must be a finite number, got {got}", got=repr(value))
     return value
 
 
@@ -78,7 +79,7 @@ def validate_seed(seed, name: str = "seed") -> int | None:
         return None
     seed = _number(name, seed, integer=True)
     if not 0 <= seed <= MAX_SEED:
-        raise _invalid(name, f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")
+        raise _invalid(name, "", " must be an integer from 0 to 2**64 - 1, got {got}", got=seed)
     return seed
 
 
@@ -93,7 +94,7 @@ def _checked(name: str, value, ok: Callable[[float], bool], allowed: str, intege
     if value is None:
         return None
     if not ok(number := _number(name, value, integer=integer)):
-        raise _invalid(name, f"{name} must be {allowed}, got {number}")
+        raise _invalid(name, "", " must be {allowed}, got {got}", allowed=allowed, got=number)
     return number
 
 
@@ -156,14 +157,16 @@ def validate_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float],
         return None
     if not isinstance(logit_bias, Mapping):
         raise InvalidArgument(
-            f"logit_bias must be a dict of token id -> number, got {type(logit_bias).__name__}", "logit_bias"
+            "{param} must be a dict of token id -> number, got {kind}", "logit_bias", kind=type(logit_bias).__name__
         )
     pairs = []
     for key, value in logit_bias.items():
-        tid = _number("logit_bias key", key, integer=True)
+        tid = _number("logit_bias", key, integer=True, part=" key")
         if not 0 <= tid < vocab_size:
-            raise InvalidArgument(f"logit_bias key {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-        pairs.append((tid, float(_number(f"logit_bias[{tid}]", value))))
+            raise InvalidArgument(
+                "{param} key {tid} is outside the vocabulary [0, {vocab})", "logit_bias", tid=tid, vocab=vocab_size
+            )
+        pairs.append((tid, float(_number("logit_bias", value, part=f"[{tid}]"))))
     return tuple(sorted(pairs)) or None
 
 

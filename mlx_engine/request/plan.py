@@ -63,15 +63,19 @@ def _check_lengths(num_draft_tokens, lookup_tokens, ngrams) -> None:
         ("prompt_lookup_num_tokens", lookup_tokens, MAX_LOOKUP_TOKENS),
     ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
-            raise InvalidArgument(f"{name} must be an integer from 1 to {most} or None, got {value!r}", name)
+            raise InvalidArgument(
+                "{param} must be an integer from 1 to {most} or None, got {got}", name, most=most, got=repr(value)
+            )
     names = ("prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "prompt_lookup_num_candidates")
     for name, value in zip(names, ngrams):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgument(f"{name} must be a positive integer, got {value!r}", name)
+            raise InvalidArgument("{param} must be a positive integer, got {got}", name, got=repr(value))
     if ngrams[0] > ngrams[1]:
         raise InvalidArgument(
-            f"prompt_lookup_min_ngram ({ngrams[0]}) must not exceed prompt_lookup_max_ngram ({ngrams[1]})",
+            "{param} ({low}) must not exceed {prompt_lookup_max_ngram} ({high})",
             "prompt_lookup_min_ngram",
+            low=ngrams[0],
+            high=ngrams[1],
         )
 
 
@@ -80,19 +84,19 @@ def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngram
     ``ValueError`` naming the argument for any bad or conflicting one."""
     if toggle not in (None, True, False):
         raise InvalidArgument(
-            f"speculative_decoding_toggle must be True, False or None, got {toggle!r}", "speculative_decoding_toggle"
+            "{param} must be True, False or None, got {got}", "speculative_decoding_toggle", got=repr(toggle)
         )
     if not isinstance(auto, bool):
-        raise InvalidArgument(f"auto_speculative must be a bool, got {auto!r}", "auto_speculative")
+        raise InvalidArgument("{param} must be a bool, got {got}", "auto_speculative", got=repr(auto))
     _check_lengths(num_draft_tokens, lookup_tokens, ngrams)
     has_draft = kit.draft is not None
     if toggle is True and not has_draft:
         raise InvalidArgument(
-            "speculative_decoding_toggle=True requires a draft model; call load_draft_model first",
+            "{param}=True requires a draft model; call load_draft_model first",
             "speculative_decoding_toggle",
         )
     if num_draft_tokens is not None and (not has_draft or toggle is False):
-        raise InvalidArgument("num_draft_tokens needs a loaded draft model that this request uses", "num_draft_tokens")
+        raise InvalidArgument("{param} needs a loaded draft model that this request uses", "num_draft_tokens")
     use_draft = has_draft and toggle is not False
     if auto:
         # The router's lookup length adapts each round, up to the longest draft.
@@ -100,8 +104,8 @@ def choose_plan(kit: ModelKit, *, num_draft_tokens, toggle, lookup_tokens, ngram
     if lookup_tokens is not None:
         if toggle is True or num_draft_tokens is not None:
             raise InvalidArgument(
-                "prompt_lookup_num_tokens and the draft model (speculative_decoding_toggle=True or num_draft_tokens) "
-                "are both requested; pick one, or pass auto_speculative=True to let the engine choose",
+                "{param} and the draft model ({speculative_decoding_toggle}=True or {num_draft_tokens}) "
+                "are both requested; pick one, or pass {auto_speculative}=True to let the engine choose",
                 "prompt_lookup_num_tokens",
             )
         return DecodingPlan(

@@ -87,7 +87,11 @@ class GenerationOptions:
                 close = difflib.get_close_matches(name, names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise InvalidArgument(
-                    f"create_generator got an unknown argument {name!r}{hint}; it takes: {', '.join(names)}", name
+                    "create_generator got an unknown argument {name}{hint}; it takes: {names}",
+                    name,
+                    name=repr(name),
+                    hint=hint,
+                    names=", ".join(names),
                 )
         return cls(**kwargs)
 
@@ -131,7 +135,7 @@ def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request
     with argument("images_b64"):
         images = kit.decode_images(prompt, o.images_b64)
     if isinstance(o.max_tokens, bool) or not isinstance(o.max_tokens, int) or o.max_tokens <= 0:
-        raise InvalidArgument(f"max_tokens must be a positive integer, got {o.max_tokens!r}", "max_tokens")
+        raise InvalidArgument("{param} must be a positive integer, got {got}", "max_tokens", got=repr(o.max_tokens))
     params = validate_sampling(
         temp=o.temp,
         top_p=o.top_p,
@@ -151,14 +155,14 @@ def validate_request(kit: ModelKit, prompt_tokens, o: GenerationOptions, request
         stops = StopStringMatcher.validate(o.stop_strings)
     for name, cb in (("prompt_progress_callback", o.prompt_progress_callback), ("stats_callback", o.stats_callback)):
         if cb is not None and not callable(cb):
-            raise InvalidArgument(f"{name} must be callable or None", name)
+            raise InvalidArgument("{param} must be callable or None", name)
     constraint = compile_constraint(o.json_schema, o.regex, o.grammar)
     tools, constraint = tool_constraint(kit, o.tools, o.tool_choice, o.parallel_tool_calls, constraint)
     if constraint is not None:
         check_grammar(kit, *constraint)
     if not isinstance(o.structured_drafting, bool):
         raise InvalidArgument(
-            f"structured_drafting must be True or False, got {o.structured_drafting!r}", "structured_drafting"
+            "{param} must be True or False, got {got}", "structured_drafting", got=repr(o.structured_drafting)
         )
     plan = choose_plan(
         kit,
@@ -200,9 +204,10 @@ def context_budget(kit: ModelKit, prompt_len: int, max_tokens: int | None = None
     room = context - prompt_len
     if room <= 0:
         raise InvalidArgument(
-            f"prompt_tokens: {prompt_len} tokens leave no room in this kit's context of {context} tokens; "
-            "shorten the prompt",
+            "{param}: {length} tokens leave no room in this kit's context of {context} tokens; shorten the prompt",
             "prompt_tokens",
+            length=prompt_len,
+            context=context,
         )
     return min(max_tokens, room) if max_tokens else room
 
@@ -217,7 +222,7 @@ def _fit_to_context(kit: ModelKit, prompt: list[int], max_tokens: int) -> int:
 
 def validate_request_id(request_id) -> None:
     if request_id is not None and not isinstance(request_id, str):
-        raise InvalidArgument(f"request_id must be a string or None, got {request_id!r}", "request_id")
+        raise InvalidArgument("{param} must be a string or None, got {got}", "request_id", got=repr(request_id))
 
 
 def validate_admission_timeout(timeout) -> float | None:
@@ -226,7 +231,7 @@ def validate_admission_timeout(timeout) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout < float("inf"):
         raise InvalidArgument(
-            f"admission_timeout must be None or a finite number of seconds >= 0, got {timeout!r}", "admission_timeout"
+            "{param} must be None or a finite number of seconds >= 0, got {got}", "admission_timeout", got=repr(timeout)
         )
     return float(timeout)
 
@@ -253,29 +258,35 @@ def validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
 
 def _prompt_ids(kit: ModelKit, prompt_tokens) -> list[int]:
     if isinstance(prompt_tokens, (str, bytes)):
-        raise ValueError("prompt_tokens must be a list of token ids; use tokenize(kit, text) for text")
+        raise _bad_prompt("{param} must be a list of token ids; use tokenize(kit, text) for text")
     if isinstance(prompt_tokens, (Mapping, Set)):
-        raise ValueError(f"prompt_tokens must be a sequence of token ids, got a {type(prompt_tokens).__name__}")
+        raise _bad_prompt("{param} must be a sequence of token ids, got a {kind}", kind=type(prompt_tokens).__name__)
     if getattr(prompt_tokens, "ndim", 1) != 1:
-        raise ValueError(f"prompt_tokens must be one-dimensional, got shape {tuple(prompt_tokens.shape)}")
+        raise _bad_prompt("{param} must be one-dimensional, got shape {shape}", shape=tuple(prompt_tokens.shape))
     if isinstance(prompt_tokens, mx.array):
         prompt_tokens = prompt_tokens.tolist()
     try:
         prompt = list(prompt_tokens)
     except TypeError:
-        raise ValueError(f"prompt_tokens must be a list of token ids, got {type(prompt_tokens).__name__}") from None
+        raise _bad_prompt(
+            "{param} must be a list of token ids, got {kind}", kind=type(prompt_tokens).__name__
+        ) from None
     if not prompt:
-        raise ValueError("prompt_tokens must not be empty")
+        raise _bad_prompt("{param} must not be empty")
     vocab = kit.vocab_size
     ids = []
     for i, t in enumerate(prompt):
         t = _token_id(t)
         if t is None:
-            raise ValueError(f"prompt_tokens must be integers; item {i} is {prompt[i]!r}")
+            raise _bad_prompt("{param} must be integers; item {i} is {got}", i=i, got=repr(prompt[i]))
         if not 0 <= t < vocab:
-            raise ValueError(f"prompt_tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
+            raise _bad_prompt("{param}[{i}] = {t} is outside the vocabulary [0, {vocab})", i=i, t=t, vocab=vocab)
         ids.append(t)
     return ids
+
+
+def _bad_prompt(template: str, **values: object) -> InvalidArgument:
+    return InvalidArgument(template, "prompt_tokens", **values)
 
 
 def _token_id(t) -> int | None:

@@ -21,7 +21,6 @@ import mlx_engine as me
 import hmac
 import json
 import logging
-import re
 import uuid
 from typing import Any, AsyncIterator
 
@@ -31,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .chat_objects import Choice, engine_stats
 from .core import admit, collect, count_prompt, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
-from .errors import AnthropicError, APIError, bad_request, clipped, from_failure, from_validation
+from .errors import AnthropicError, APIError, bad_request, clipped, from_failure, from_validation, tool_renamed
 from .runs import RequestRun
 from .schemas import EngineOptions
 
@@ -276,16 +275,9 @@ def internal(body: CountTokensRequest, keep_billing_header: bool) -> tuple[dict,
 
 def _edge(err: APIError, sources: list[int]) -> AnthropicError:
     """An error of the internal request, its tool indices and fields as this request named them."""
-
-    def tool(m: re.Match) -> str:
-        k = int(m.group(1) or m.group(2))
-        field = {"parameters": "input_schema"}.get(m.group(3), m.group(3))
-        return f"tools.{sources[k] if k < len(sources) else k}.{field}"
-
     if err.status != 400:
         return AnthropicError.of(err)
-    # The engine writes ``tools[0].function.name``, the server's errors ``tools.0.function.name``.
-    return AnthropicError(400, re.sub(r"tools(?:\[(\d+)\]|\.(\d+))\.function\.(\w+)", tool, err.message))
+    return AnthropicError(400, tool_renamed(err, sources, {"parameters": "input_schema"}).message)
 
 
 def _too_long(prompt_len: int, context: int) -> APIError:

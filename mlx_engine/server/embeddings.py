@@ -14,7 +14,6 @@ from __future__ import annotations
 import mlx_engine as me
 
 import base64
-import re
 import time
 from typing import Any, Literal
 
@@ -24,9 +23,11 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from .core import take_rows
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, engine_error
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+# ``embed``'s argument names, as the request says them.
+_EMBED_FIELDS = {"texts": "input", "truncate=True": '"mlx_engine": {"truncate": true}'}
 
 
 class _Body(BaseModel):
@@ -93,14 +94,9 @@ def _json_type(v: Any) -> str:
 def from_embed_error(exc: ValueError, single: bool) -> APIError:
     """``embed``'s ``InvalidArgument`` as a 400 naming the request field
     (``texts[3]`` -> ``input.3``, or ``input`` for a single input)."""
-    param = getattr(exc, "param", None) or "input"
-
-    def field(m: re.Match) -> str:
-        return "input" if single else f"input.{m[1]}"
-
-    param = re.sub(r"^texts\[(\d+)\]$", field, param).replace("texts", "input")
-    message = re.sub(r"texts\[(\d+)\]", field, str(exc)).replace("truncate=True", '"mlx_engine": {"truncate": true}')
-    return bad_request(message, param)
+    if not isinstance(exc, me.InvalidArgument):
+        return bad_request(str(exc), "input")
+    return engine_error(exc, _EMBED_FIELDS, items=not single)
 
 
 def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:

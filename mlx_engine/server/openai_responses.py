@@ -16,7 +16,6 @@ import mlx_engine as me
 import json
 import logging
 import math
-import re
 import time
 import uuid
 from collections import OrderedDict
@@ -29,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .chat_objects import Choice, engine_stats
 from .core import Counts, admit, collect, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
-from .errors import APIError, bad_request, clipped, from_failure
+from .errors import APIError, bad_request, clipped, from_failure, tool_renamed
 from .runs import RequestRun
 from .schemas import EngineOptions
 
@@ -340,11 +339,9 @@ def response_format(text: TextConfig | None) -> dict | None:
 
 def _edge(err: APIError, tool_sources: list[int]) -> APIError:
     """An error of the internal request, naming the Responses field."""
+    err = tool_renamed(err, tool_sources)
     param = err.param or ""
-    match = re.match(r"tools\.(\d+)\.function(\..*)?$", param)
-    if match and int(match.group(1)) < len(tool_sources):
-        err.param = f"tools.{tool_sources[int(match.group(1))]}{match.group(2) or ''}"
-    elif param.startswith("messages"):
+    if param.startswith("messages"):
         err.param = "input"
     elif param.startswith("response_format"):
         err.param = "text.format"
