@@ -20,6 +20,7 @@ from ..caches.ragged import RaggedBatch, can_batch
 from ..caches.sequence import CacheOptions, SequenceCache
 from ..draft.model import DraftModel
 from ..drafters.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
+from ..errors import InvalidArgument
 from ..loading import model as loading
 from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
 from ..pricing import cost_store, costs
@@ -337,8 +338,10 @@ class ModelKit:
     def decode_images(self, prompt: list[int], images_b64) -> list:
         if images_b64 is None or (isinstance(images_b64, (list, tuple)) and not images_b64):
             return []
-        raise ValueError(
-            "images_b64: this is a text-only model and cannot take images; load a vision model (its config.json has vision_config)"
+        raise InvalidArgument(
+            "{param}: this is a text-only model and cannot take images; load a vision model (its config.json has "
+            "vision_config)",
+            "images_b64",
         )
 
     def remember_sequence(self, name, tokens: list[int]) -> None:
