@@ -1,10 +1,12 @@
-"""Anthropic's Messages API on the server (mlx_engine/server/anthropic_messages.py,
+"""Anthropic's Messages API on the server (mlx_engine/server/apis/anthropic_messages.py,
 docs/server.md), talked to as clients do: the official ``anthropic`` client's
 ``messages.create`` / ``messages.stream`` / ``messages.count_tokens`` and raw
 HTTP, over 127.0.0.1; and the same greedy request through all three APIs."""
 
 import mlx_engine as me
-from mlx_engine.server import anthropic_messages, core, create_app
+from mlx_engine.server import create_app
+from mlx_engine.server.apis import anthropic_messages
+from mlx_engine.server.core import turns as core
 
 import asyncio
 import json

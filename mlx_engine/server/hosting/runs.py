@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 import anyio
 
-from .queue import AdmissionQueue
+from .admission import AdmissionQueue
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ as a wire format of the core.
 ``system`` and ``messages`` (text, base64 images, ``tool_use``, ``tool_result``)
 become chat messages, ``tools`` (``input_schema``) and ``tool_choice`` the chat
 request's tools, ``stop_sequences`` its stop strings; the core renders, admits
-and generates (core.py); the answer comes back as a Messages object or
+and generates (core/turns.py); the answer comes back as a Messages object or
 Anthropic's event stream, errors as ``{"type": "error", "error": {...}}`` with
 Anthropic's status codes. Keys come as ``x-api-key`` or a bearer token.
 
@@ -28,11 +28,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .chat_objects import Choice, engine_stats
-from .core import admit, collect, count_prompt, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
-from .errors import AnthropicError, APIError, bad_request, clipped, from_failure, from_validation, tool_renamed
-from .runs import RequestRun
-from .schemas import EngineOptions
+from ..core.chat_objects import Choice, engine_stats
+from ..core.schemas import EngineOptions
+from ..core.turns import (
+    admit,
+    collect,
+    count_prompt,
+    counts,
+    internal_request,
+    prepare,
+    sse,
+    with_heartbeat,
+    with_truncated,
+)
+from ..hosting.runs import RequestRun
+from ..web.errors import AnthropicError, APIError, bad_request, clipped, from_failure, from_validation, tool_renamed
 
 logger = logging.getLogger(__name__)
 
@@ -450,7 +460,7 @@ def _check_key(expected: str | None, request: Request) -> None:
 
 def messages_router(host, api_key: str | None, *, keep_billing_header: bool = False) -> APIRouter:
     """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``; the model's
-    service comes from the host (host.py: loaded when needed)."""
+    service comes from the host (hosting/host.py: loaded when needed)."""
     router = APIRouter()
 
     async def translated(request: Request, model: type[_Body]):

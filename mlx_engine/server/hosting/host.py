@@ -30,8 +30,8 @@ from typing import AsyncIterator, Callable
 import anyio
 import mlx.core as mx
 
-from .errors import APIError
-from .metrics import label_request
+from ..web.errors import APIError
+from ..web.metrics import label_request
 from .model_state import LOADED, LOADING, NOT_LOADED, UNLOADING, ModelState, check_transition
 from .templates import give_template, template_note
 
@@ -265,7 +265,7 @@ class ModelEntry:
     last_error: str | None = None
 
     def __setattr__(self, name: str, value) -> None:
-        # Every state change goes through the transitions table (model_state.py).
+        # Every state change goes through the transitions table (hosting/model_state.py).
         if name == "state" and "state" in self.__dict__:
             value = check_transition(self.state, value)
         super().__setattr__(name, value)

@@ -3,7 +3,7 @@
 A request's ``instructions``, stored history (``previous_response_id``) and
 ``input`` items become chat messages, its function tools and ``text.format``
 the chat request's ``tools`` and ``response_format``; the core renders,
-admits and generates (core.py), and the results come back as Responses
+admits and generates (core/turns.py), and the results come back as Responses
 output items: whole, or as the Responses event stream. Tool types other than
 ``function`` (``web_search``, ``namespace``, ...) are skipped with a log line:
 this server runs no hosted tools.
@@ -26,11 +26,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chat_objects import Choice, engine_stats
-from .core import Counts, admit, collect, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
-from .errors import APIError, bad_request, clipped, from_failure, tool_renamed
-from .runs import RequestRun
-from .schemas import EngineOptions
+from ..core.chat_objects import Choice, engine_stats
+from ..core.schemas import EngineOptions
+from ..core.turns import Counts, admit, collect, counts, internal_request, prepare, sse, with_heartbeat, with_truncated
+from ..hosting.runs import RequestRun
+from ..web.errors import APIError, bad_request, clipped, from_failure, tool_renamed
 
 logger = logging.getLogger(__name__)
 
@@ -565,7 +565,7 @@ class EventWriter:
 # -- the endpoints -----------------------------------------------------------------------------------
 def responses_router(host, auth, store_size: int = DEFAULT_STORE_SIZE) -> APIRouter:
     """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``; the
-    model's service comes from the host (host.py: loaded when needed)."""
+    model's service comes from the host (hosting/host.py: loaded when needed)."""
     router = APIRouter(dependencies=[Depends(auth)])
     store = ResponseStore(store_size)
 

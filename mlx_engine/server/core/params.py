@@ -15,7 +15,7 @@ from mlx_engine import MAX_JSON_DEPTH, json_depth
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
-from .errors import bad_request, from_engine
+from ..web.errors import bad_request, from_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
 
 DEFAULT_LOOKUP_TOKENS = 8

@@ -4,9 +4,9 @@
 such lists; ``encoding_format`` is ``float`` or ``base64`` (little-endian
 float32, as OpenAI's clients decode it); ``dimensions`` shortens the vectors
 of a model trained for it (Matryoshka) and is a 400 on another. The model is
-the host's, loaded on demand like a chat model (host.py, ``kit_for(...,
+the host's, loaded on demand like a chat model (hosting/host.py, ``kit_for(...,
 embedding=True)``); a request waits for the model's one row in its admission
-queue (queue.py) and embeds on the kit's engine thread.
+queue (hosting/admission.py) and embeds on the kit's engine thread.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .core import take_rows
-from .errors import APIError, bad_request, engine_error
+from ..core.turns import take_rows
+from ..web.errors import APIError, bad_request, engine_error
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 # ``embed``'s argument names, as the request says them.
@@ -33,7 +33,7 @@ _EMBED_FIELDS = {"texts": "input", "truncate=True": '"mlx_engine": {"truncate": 
 class _Body(BaseModel):
     model_config = ConfigDict(
         strict=True, extra="ignore"
-    )  # as schemas.py's bodies: strict types, unknown fields ignored
+    )  # as core/schemas.py's bodies: strict types, unknown fields ignored
 
 
 class EmbeddingOptions(_Body):
