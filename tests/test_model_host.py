@@ -7,7 +7,9 @@ Tiny random models over a real socket (uvicorn in a thread)."""
 
 import mlx_engine as me
 from mlx_engine.server import create_app
-from mlx_engine.server.hosting.host import HostLimits, KnownModel, LoadOptions, ModelHost, scan_models_dir
+from mlx_engine.server.hosting.discovery import KnownModel, scan_models_dir
+from mlx_engine.server.hosting.host import ModelHost
+from mlx_engine.server.hosting.options import HostLimits, LoadOptions
 
 import gc
 import json
@@ -611,7 +613,7 @@ def test_dangling_links_in_models_dir_are_skipped_with_a_log_line(tmp_path, llam
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "config.json").write_text("{}")
     (tmp_path / "shards" / "model.safetensors").symlink_to(tmp_path / "nowhere.safetensors")
-    with caplog.at_level("WARNING", logger="mlx_engine.server.hosting.host"):
+    with caplog.at_level("WARNING", logger="mlx_engine.server.hosting.discovery"):
         assert [m.id for m in scan_models_dir(tmp_path)] == ["alpha"]
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "'gone.gguf' skipped" in logged and "'half' skipped" in logged and "'shards' skipped" in logged
@@ -769,8 +771,7 @@ def test_unknown_model_names_rescan_the_folders_at_most_once_a_second(tmp_path, 
 def test_model_entry_moves_only_by_the_transitions_table():
     """The host's state moves are the table's; any other is a StateError, and the
     state shows as its plain value."""
-    from mlx_engine.server.hosting.host import ModelEntry
-    from mlx_engine.server.hosting.model_state import TRANSITIONS, ModelState, StateError
+    from mlx_engine.server.hosting.model_state import TRANSITIONS, ModelEntry, ModelState, StateError
 
     assert set(TRANSITIONS) == set(ModelState)
     for old, allowed in TRANSITIONS.items():

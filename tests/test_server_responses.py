@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on the server (mlx_engine/server/apis/openai_responses.py,
+"""OpenAI's Responses API on the server (mlx_engine/server/apis/openai_responses/,
 docs/server.md), talked to as clients do: the official ``openai`` client's
 ``responses.create`` / ``responses.stream`` and raw HTTP, over 127.0.0.1."""
 

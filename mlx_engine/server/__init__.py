@@ -10,7 +10,8 @@ models and their generations), ``core`` (what the wire formats share), ``apis``
 """
 
 from .app import create_app
-from .hosting.host import HostLimits, LoadOptions, ModelHost
+from .hosting.host import ModelHost
+from .hosting.options import HostLimits, LoadOptions
 from .web.connections import connection_limits
 
 __all__ = ["create_app", "HostLimits", "LoadOptions", "ModelHost", "connection_limits"]

@@ -31,7 +31,8 @@ import uvicorn  # noqa: E402
 
 from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE, create_app  # noqa: E402
 from .core.overflow import POLICIES  # noqa: E402
-from .hosting.host import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions, ModelHost  # noqa: E402
+from .hosting.host import ModelHost  # noqa: E402
+from .hosting.options import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions  # noqa: E402
 from .hosting.templates import give_template, read_template  # noqa: E402
 from .web.connections import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connection_limits  # noqa: E402
 from .web.host_check import LOOPBACK_NAMES  # noqa: E402

@@ -1,5 +1,5 @@
 """The ASGI app: OpenAI's chat and completions endpoints over one kit or several,
-and the Responses (apis/openai_responses.py) and Messages (apis/anthropic_messages.py) APIs on
+and the Responses (apis/openai_responses/) and Messages (apis/anthropic_messages/) APIs on
 the same core (core/turns.py).
 
 ``create_app(kit, ...)`` builds it from a kit the host already holds, from

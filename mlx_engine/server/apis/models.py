@@ -13,7 +13,8 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..hosting.drafts import resolve_draft
-from ..hosting.host import PAIRED, ModelHost, replace_options
+from ..hosting.host import ModelHost
+from ..hosting.options import PAIRED, replace_options
 from ..web.errors import APIError, from_engine
 
 

@@ -1,7 +1,7 @@
 """The one core the three wire formats share.
 
-Chat completions, the Responses API (apis/openai_responses.py) and the Messages API
-(apis/anthropic_messages.py) all become the same internal request, a
+Chat completions, the Responses API (apis/openai_responses/) and the Messages API
+(apis/anthropic_messages/) all become the same internal request, a
 ``ChatCompletionRequest``: messages as the chat template takes them, tools,
 constraints, sampling and decoding. From there the prompt, ``create_generator``'s
 arguments (core/params.py), admission (hosting/admission.py) and the generations (hosting/runs.py) are
