@@ -190,8 +190,11 @@ def test_two_models_served_by_one_server(host_dir, llama_path, qwen_path):
             answers["lab/delta"].json()["choices"][0]["message"]["content"]
             == answers["alpha"].json()["choices"][0]["message"]["content"]
         )
+        entry = host.entries["lab/delta"]
+        before = dict(vars(entry))
         one = httpx.get(f"{url}/v1/models/lab/delta", headers=AUTH).json()
         assert one["state"] == "loaded" and one["mlx_engine"]["memory_bytes"] > 0
+        assert vars(entry) == before  # a listing reads the entry, never writes it
         assert state(url, "gamma") == "not_loaded"
         missing = httpx.get(f"{url}/v1/models/nope", headers=AUTH)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

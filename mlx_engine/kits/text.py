@@ -177,9 +177,11 @@ class ModelKit:
                 cache.reset()
         self._batch = None
 
-    def set_draft(self, draft: DraftModel | None) -> None:
-        """Install a loaded draft model (or none); draft/loading.py checks and loads it."""
+    def set_draft(self, draft: DraftModel | None, name: str | None = None) -> None:
+        """Install a loaded draft model (or none) under ``name``, what its loader
+        called it; draft/loading.py checks and loads it."""
         self.draft = draft
+        self.draft_name = name if draft is not None else None
 
     def _init_files(self, files: loading.HFFiles | loading.GGUFFiles, options: KitOptions) -> None:
         """What every kit starts from: config, tokenizer and empty slots (one
@@ -196,6 +198,7 @@ class ModelKit:
         self.context_length: int | None = None  # tokens a request may hold (see _fit_context)
         self._prompt_cache_options = options.prompt_cache
         self.draft: DraftModel | None = None
+        self.draft_name: str | None = None  # what load_draft_model was given for it (api.draft_name)
         self.compute_dtype: mx.Dtype | None = None
         self.cost_model: costs.CostModel | None = None  # see forward_costs
         self.cost_source: str | None = None  # where cost_model came from: stored, estimate, measured

@@ -395,7 +395,7 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit | None, sock: socket.socke
     if kit is not None:
         # Loaded on purpose: no idle TTL (as LM Studio's explicit loads) unless --ttl names one.
         options = replace(host.defaults, draft=args.draft, ttl=args.ttl or math.inf)
-        host.add_kit(args.model_id or _default_id(args.model), kit, managed=True, options=options, draft=args.draft)
+        host.add_kit(args.model_id or _default_id(args.model), kit, managed=True, options=options)
     config = uvicorn.Config(
         app,
         log_level=args.log_level,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx_engine as me
 
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -35,7 +36,7 @@ def draft_router(host, models_dir: Path | None, auth) -> APIRouter:
 
     def state(service) -> dict:
         loaded = service.kit.draft is not None
-        return {"loaded": loaded, "model": service.draft_name if loaded else None}
+        return {"loaded": loaded, "model": me.draft_name(service.kit)}
 
     @router.get("")
     async def get_draft():
@@ -54,14 +55,13 @@ def draft_router(host, models_dir: Path | None, auth) -> APIRouter:
         target = resolve_draft(body.model, models_dir)
         async with primary() as service:
             try:
-                await anyio.to_thread.run_sync(me.load_draft_model, service.kit, target)
+                await anyio.to_thread.run_sync(partial(me.load_draft_model, service.kit, target, name=body.model))
             except me.IncompatibleDraftModelError as exc:
                 raise APIError(400, f"model: {exc}", param="model", code="incompatible_draft_model") from exc
             except me.GenerationInProgressError as exc:
                 raise _busy(exc) from exc
             except ValueError as exc:  # ModelLoadError included
                 raise bad_request(f"model: {exc}", "model") from exc
-            service.draft_name = body.model
             return state(service)
 
     @router.delete("")
@@ -71,7 +71,6 @@ def draft_router(host, models_dir: Path | None, auth) -> APIRouter:
                 await anyio.to_thread.run_sync(me.unload_draft_model, service.kit)
             except me.GenerationInProgressError as exc:
                 raise _busy(exc) from exc
-            service.draft_name = None
             return state(service)
 
     return router

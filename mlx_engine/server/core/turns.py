@@ -177,7 +177,7 @@ async def admit(
     """Wait for rows (429 when the line is full, 503 when stopping), then start."""
     await take_rows(service, request, len(kwargs))
     observer = service.metrics.observer(service.model_id) if service.metrics is not None else None
-    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes, observer)
+    run = RequestRun(service.kit, service.queue, service.outcomes, observer)
     try:
         await run.start(prompt.tokens, kwargs)
     except ValueError as exc:

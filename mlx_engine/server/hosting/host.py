@@ -28,7 +28,7 @@ import anyio
 from ..web.errors import APIError
 from ..web.metrics import label_request
 from .discovery import KnownModel, catalog_models, scan_models_dir
-from .kit_loading import check_draft, draft_of, free_kit, load_kit, model_too_large, scrubbed
+from .kit_loading import check_draft, free_kit, load_kit, model_too_large, scrubbed
 from .model_state import LOADED, LOADING, NOT_LOADED, UNLOADING, ModelEntry
 from .options import HostLimits, LoadOptions, check_ttl
 from .reaper import IdleUnloads
@@ -66,8 +66,8 @@ class ModelHost:
         self.primary: str | None = None  # the model named at start: /health's and the draft endpoints'
         self.closed = False
         self.outcomes: Counter = Counter()  # generations completed / cancelled / failed, all models
-        # Set by create_app: (kit, model id, draft name) -> the app's Service for one model.
-        self.make_service: Callable[[me.ModelKit, str, str | None], object] | None = None
+        # Set by create_app: (kit, model id) -> the app's Service for one model.
+        self.make_service: Callable[[me.ModelKit, str], object] | None = None
         self.events: Callable[..., None] = lambda *a, **k: None  # metrics hook: (event, model_id, **values)
         self._reaper = IdleUnloads(self)
         self._warned: set[str] = set()  # --models-dir entries already logged as unreadable
@@ -76,7 +76,7 @@ class ModelHost:
 
     def attach(self, make_service: Callable, events: Callable[..., None] | None = None) -> None:
         """Called by ``create_app``: how a loaded kit becomes the app's
-        ``Service`` (kit, model id, draft name), and where load and unload events go."""
+        ``Service`` (kit, model id), and where load and unload events go."""
         self.make_service = make_service
         if events is not None:
             self.events = events
@@ -103,19 +103,18 @@ class ModelHost:
         *,
         managed: bool = False,
         options: LoadOptions | None = None,
-        draft: str | None = None,
     ):
         """Serve ``kit`` as ``model_id``, loaded; returns its ``Service``.
         ``managed=False`` (a host's own kit): never unloaded here.
         ``managed=True``: the host's to unload, as if it had loaded it with
-        ``options``. ``draft``: the name of the draft model the kit holds."""
+        ``options``. Its draft, if any, is named as the kit says (``draft_name``)."""
         if self.make_service is None:
             raise RuntimeError("add_kit needs the app: call create_app with this host first")
         source = str(Path(kit.model_path).resolve())
         for other in [e for e in self.entries.values() if e.model.path == source and e.state == NOT_LOADED]:
             del self.entries[other.model.id]  # the same model found by a scan: one entry, this id
         entry = ModelEntry(KnownModel(model_id, source, "kit"), options or self.defaults, managed=managed)
-        entry.service, entry.state = self.make_service(kit, model_id, draft), LOADED
+        entry.service, entry.state = self.make_service(kit, model_id), LOADED
         entry.memory_bytes = me.memory_in_use(kit)
         # Models given by the host (the command line's --model) are listed first, in the order
         # given: clients that take the first listed model talk to the one the user named.
@@ -150,8 +149,8 @@ class ModelHost:
     def describe(self, entry: ModelEntry) -> dict:
         """One model as ``GET /v1/models`` and ``/v1/mlx_engine/models`` show it."""
         queue = getattr(entry.service, "queue", None)
-        if entry.state == LOADED and entry.service is not None:
-            entry.memory_bytes = me.memory_in_use(entry.service.kit)
+        loaded = entry.state == LOADED and entry.service is not None
+        memory = me.memory_in_use(entry.service.kit) if loaded else 0  # measured now; nothing written
         ttl = self.ttl_of(entry)
         return {
             "id": entry.model.id,
@@ -163,14 +162,14 @@ class ModelHost:
                 "type": "embeddings" if self.embeds(entry) else "llm",  # as LM Studio's model list says it
                 "source": entry.model.kind,
                 "managed": entry.managed,
-                "memory_bytes": entry.memory_bytes if entry.state == LOADED else 0,
+                "memory_bytes": memory,
                 "disk_bytes": entry.model.size_bytes,
                 "ttl": ttl if entry.managed and ttl != math.inf else None,
                 "idle_s": round(time.monotonic() - entry.last_used, 3) if entry.state == LOADED else None,
                 "running": queue.running if queue else 0,
                 "waiting": queue.waiting if queue else 0,
                 "max_parallel": queue.rows if queue else entry.options.max_parallel,
-                "draft": getattr(entry.service, "draft_name", None),
+                "draft": me.draft_name(entry.service.kit) if loaded else None,
                 "chat_template": template_note(getattr(entry.service, "kit", None)),
                 "last_error": entry.last_error,
             },
@@ -302,8 +301,7 @@ class ModelHost:
             self.events("load", entry.model.id, ok=False)
             logger.warning("loading %s failed: %s", entry.model.id, exc)
             raise
-        draft = draft_of(entry.model, options) if kit.draft is not None else None
-        entry.service = self.make_service(kit, entry.model.id, draft)
+        entry.service = self.make_service(kit, entry.model.id)
         entry.state, entry.last_error, entry.last_used = LOADED, None, time.monotonic()
         entry.memory_bytes = me.memory_in_use(kit)
         seconds = time.monotonic() - started
@@ -318,6 +316,8 @@ class ModelHost:
         """Unload least recently used idle models until ``entry`` (``incoming``
         more bytes) fits the budget and the count; 503 when only busy ones are left."""
         budget = self.limits.budget
+        for other in self.loaded():  # what each holds now (its prompt cache grows with use)
+            other.memory_bytes = me.memory_in_use(other.service.kit)
         alone = entry.memory_bytes + incoming
         if entry.state != LOADED and alone > budget:
             raise model_too_large(entry.model.id, alone, budget)
@@ -372,7 +372,7 @@ class ModelHost:
             service.drain()
             await anyio.to_thread.run_sync(free_kit, service.kit)
         except me.GenerationInProgressError:  # a generation still ending: keep the kit, with open admission
-            entry.service, entry.state = self.make_service(service.kit, entry.model.id, service.draft_name), LOADED
+            entry.service, entry.state = self.make_service(service.kit, entry.model.id), LOADED
             raise APIError(409, f"model {entry.model.id!r} is generating", code="busy") from None
         entry.service, entry.state, entry.memory_bytes = None, NOT_LOADED, 0
         self.events("unload", entry.model.id, reason=reason)

@@ -81,7 +81,7 @@ def load_kit(model: KnownModel, options: LoadOptions, draft_source: Callable[[st
     draft = draft_of(model, options)
     try:
         if draft is not None:
-            me.load_draft_model(kit, draft_source(draft))
+            me.load_draft_model(kit, draft_source(draft), name=draft)
     except Exception as exc:
         if options.draft == PAIRED:  # the pairing is a bonus: serve without it
             logger.warning("model %s: its paired draft %s did not load", model.id, draft, exc_info=True)

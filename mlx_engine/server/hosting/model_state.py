@@ -79,5 +79,4 @@ class ModelEntry:
     def busy(self) -> bool:
         """A request is in ``kit_for``, or generations run or wait for rows."""
         queue = getattr(self.service, "queue", None)
-        runs = getattr(self.service, "runs", None)
-        return self.active > 0 or bool(queue and (queue.running or queue.waiting)) or bool(runs)
+        return self.active > 0 or bool(queue and queue.busy)

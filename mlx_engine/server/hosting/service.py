@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Service:
-    """What the handlers share: the kit, its rows and the running requests."""
+    """What the handlers share: the kit and its admission queue (rows taken, requests waiting and running)."""
 
     kit: me.ModelKit
     model_id: str
@@ -30,9 +30,7 @@ class Service:
     api_key: str | None = None
     models_dir: Path | None = None
     decoding: str = "auto"
-    draft_name: str | None = None
     context_overflow: str = "error"  # or "truncate-middle" (core/overflow.py)
-    runs: set = field(default_factory=set)  # RequestRun objects with a generation still open
     outcomes: Counter = field(default_factory=Counter)  # generations completed / cancelled / failed
     metrics: Metrics | None = None  # counts each generation's results (GET /metrics)
 
@@ -45,20 +43,21 @@ class Service:
         self.drain()
         self.cut_running()
         with anyio.move_on_after(wait_s):
-            while self.runs:
+            while self.queue.admitted:
                 await asyncio.sleep(0.02)
 
     def cut_running(self) -> None:
         """Cancel every running request because the server stops: each ends with
         its final chunk (and an error event saying it was cut), not a dropped connection."""
-        for run in list(self.runs):
+        for run in list(self.queue.admitted):
             run.cancel(shutting_down=True)
 
     async def cut_after(self, grace_s: float) -> None:
         """Let running requests finish for ``grace_s`` seconds, then cut the rest."""
         await asyncio.sleep(grace_s)
-        if self.runs:
-            logger.warning("shutdown grace period over: cancelling %d running request(s)", len(self.runs))
+        if self.queue.admitted:
+            count = len(self.queue.admitted)
+            logger.warning("shutdown grace period over: cancelling %d running request(s)", count)
         self.cut_running()
 
 
@@ -75,7 +74,7 @@ class ServiceFactory:
     outcomes: Counter
     metrics: Metrics | None
 
-    def __call__(self, k: me.ModelKit, mid: str, draft: str | None) -> Service:
+    def __call__(self, k: me.ModelKit, mid: str) -> Service:
         rows = k.max_parallel if self.max_parallel is None else min(self.max_parallel, k.max_parallel)
         return Service(
             k,
@@ -84,7 +83,6 @@ class ServiceFactory:
             self.api_key,
             self.models_dir,
             self.decoding,
-            draft,
             context_overflow=self.context_overflow,
             outcomes=self.outcomes,
             metrics=self.metrics,
