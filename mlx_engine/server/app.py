@@ -1,14 +1,16 @@
-"""The ASGI app: OpenAI's chat and completions endpoints over one kit or several,
-and the Responses (apis/openai_responses/) and Messages (apis/anthropic_messages/) APIs on
-the same core (core/turns.py).
+"""The ASGI app: the wire formats (apis/: OpenAI's chat and completions,
+Responses, embeddings, Anthropic's Messages, the model and draft endpoints) over
+one kit or several, on the same core (core/turns.py), wired with the HTTP
+concerns (web/) and the hosted models (hosting/).
 
 ``create_app(kit, ...)`` builds it from a kit the host already holds, from
 several (``{id: kit}``), or from a ``ModelHost`` that loads and unloads models
 by name itself (hosting/host.py; the command line, ``python -m mlx_engine.server``,
 builds one). Each handler reads: get the model's service from the host
 (``host.kit_for``, loading it when needed), build the prompt and arguments off
-the loop (core/params.py), wait for rows (hosting/admission.py), start the generations on
-threads (hosting/runs.py), then answer whole or as server-sent events (core/chat_objects.py).
+the loop (core/params.py), wait for rows (hosting/admission.py), start the
+generations on threads (hosting/runs.py), then answer whole or as server-sent
+events (core/chat_objects.py).
 """
 
 from __future__ import annotations
