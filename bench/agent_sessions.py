@@ -34,10 +34,11 @@ token, its ratio to the cold session's same turn, and decode tokens/s. Writes
 from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
-from mlx_engine.server import create_app, params  # noqa: E402
-from mlx_engine.server.anthropic_messages import MessagesRequest, internal  # noqa: E402
-from mlx_engine.server.core import internal_request  # noqa: E402
-from mlx_engine.server.openai_responses import chat_tools, input_messages  # noqa: E402
+from mlx_engine.server import create_app  # noqa: E402
+from mlx_engine.server.apis.anthropic_messages import MessagesRequest, internal  # noqa: E402
+from mlx_engine.server.apis.openai_responses import chat_tools, input_messages  # noqa: E402
+from mlx_engine.server.core import params  # noqa: E402
+from mlx_engine.server.core.turns import internal_request  # noqa: E402
 
 import json  # noqa: E402
 import socket  # noqa: E402

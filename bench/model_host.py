@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 from mlx_engine.loading import catalog  # noqa: E402
-from mlx_engine.server import create_app  # noqa: E402
-from mlx_engine.server.host import HostLimits, LoadOptions, ModelHost  # noqa: E402
+from mlx_engine.server import (  # noqa: E402
+    HostLimits,
+    LoadOptions,
+    ModelHost,
+    create_app,  # noqa: E402
+)
 
 import argparse  # noqa: E402
 import json  # noqa: E402

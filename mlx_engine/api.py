@@ -194,12 +194,19 @@ def unload(kit: ModelKit) -> None:
     _worker_of(kit).call(WhenIdle(kit, kit.unload))
 
 
-def load_draft_model(kit: ModelKit, path: str | Path) -> None:
+def load_draft_model(kit: ModelKit, path: str | Path, name: str | None = None) -> None:
     """Load a draft model for speculative decoding; raises
     ``IncompatibleDraftModelError`` with every reason when it cannot serve the kit.
-    All or nothing: when loading fails, the previous draft model stays loaded."""
+    All or nothing: when loading fails, the previous draft model stays loaded.
+    ``name``: what ``draft_name`` says of it (``path`` as given by default)."""
     require_model(kit)
-    _worker_of(kit).call(WhenIdle(kit, load_draft, kit, path))
+    _worker_of(kit).call(WhenIdle(kit, load_draft, kit, path, name))
+
+
+def draft_name(kit: ModelKit) -> str | None:
+    """The loaded draft's name (``load_draft_model``'s ``name``, or the path or
+    catalog name it was given); None when the kit has no draft."""
+    return getattr(kit, "draft_name", None) if getattr(kit, "draft", None) is not None else None
 
 
 def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:

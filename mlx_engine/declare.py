@@ -57,9 +57,12 @@ def doc_of(group: type, name: str) -> str:
     return next(f.metadata.get("doc", "") for f in fields(group) if f.name == name)
 
 
-def invalid(name: str, message: str) -> InvalidArgument:
-    """``message`` about ``name`` (``logit_bias key``, ``logit_bias[5]``: an item of the argument)."""
-    return InvalidArgument(message, name.split(" ")[0].split("[")[0])
+def invalid(name: str, template: str, **values: object) -> InvalidArgument:
+    """``template`` said right after ``name``, the argument or a part of it
+    (``logit_bias key``, ``logit_bias[5]``); ``values``: the caller's data."""
+    field = name.split(" ")[0].split("[")[0]
+    part = name[len(field) :].replace("{", "{{").replace("}", "}}")
+    return InvalidArgument("{param}" + part + template, field, **values)
 
 
 def number(name: str, value, *, integer: bool = False):
@@ -68,12 +71,12 @@ def number(name: str, value, *, integer: bool = False):
     ok_types = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, ok_types):
         kind = "an integer" if integer else "a number"
-        raise invalid(name, f"{name} must be {kind}, got {value!r}")
+        raise invalid(name, " must be {kind}, got {got}", kind=kind, got=repr(value))
     if integer:
         return int(value)
     value = float(value) if not isinstance(value, numbers.Integral) else int(value)
     if not math.isfinite(value):
-        raise invalid(name, f"{name} must be a finite number, got {value!r}")
+        raise invalid(name, " must be a finite number, got {got}", got=repr(value))
     return value
 
 
@@ -83,7 +86,7 @@ def in_range(name: str, value, ok: Callable[[float], bool], allowed: str, intege
     if value is None:
         return None
     if not ok(num := number(name, value, integer=integer)):
-        raise invalid(name, f"{name} must be {allowed}, got {num}")
+        raise invalid(name, " must be {allowed}, got {got}", allowed=allowed, got=num)
     return num
 
 
@@ -102,7 +105,7 @@ def strict_int(lo: int, hi: int | None = None, *, optional: bool = False) -> Che
         ok = not isinstance(value, bool) and isinstance(value, int) and value >= lo and (hi is None or value <= hi)
         if not ok:
             allowed = f"an integer from {lo} to {hi} or None" if hi is not None else "a positive integer"
-            raise InvalidArgument(f"{name} must be {allowed}, got {value!r}", name)
+            raise InvalidArgument("{param} must be {allowed}, got {got}", name, allowed=allowed, got=repr(value))
         return value
 
     return check
@@ -114,7 +117,7 @@ def one_of(*allowed, message: str) -> Check:
 
     def check(name: str, value, **_):
         if value not in allowed:
-            raise InvalidArgument(f"{name} must be {message}, got {value!r}", name)
+            raise InvalidArgument("{param} must be {allowed}, got {got}", name, allowed=message, got=repr(value))
         return value
 
     return check
@@ -125,7 +128,7 @@ def boolean(message: str = "True or False") -> Check:
 
     def check(name: str, value, **_):
         if not isinstance(value, bool):
-            raise InvalidArgument(f"{name} must be {message}, got {value!r}", name)
+            raise InvalidArgument("{param} must be {allowed}, got {got}", name, allowed=message, got=repr(value))
         return value
 
     return check

@@ -36,10 +36,9 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
 
     given = [(n, v) for n, v in zip(CONSTRAINT_ARGS, (json_schema, regex, grammar)) if v is not None]
     if len(given) > 1:
-        raise InvalidArgument(
-            f"{' and '.join(n for n, _ in given)} were both given; pass at most one of {', '.join(CONSTRAINT_ARGS)}",
-            given[0][0],
-        )
+        both = " and ".join("{%s}" % n for n, _ in given)
+        every = ", ".join("{%s}" % n for n in CONSTRAINT_ARGS)
+        raise InvalidArgument(f"{both} were both given; pass at most one of {every}", given[0][0])
     if not given:
         return None
     name, value = given[0]
@@ -59,7 +58,7 @@ def compile_constraint(json_schema: Any = None, regex: Any = None, grammar: Any 
             return name, llguidance.LLMatcher.grammar_from_regex(value)
         return name, llguidance.LLMatcher.grammar_from_lark(value)
     except (ValueError, TypeError, RuntimeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{name} is not valid: {exc}", name) from exc
+        raise InvalidArgument("{param} is not valid: {detail}", name, detail=exc) from exc
 
 
 def validate_constraint(json_schema: Any = None, regex: Any = None, grammar: Any = None) -> None:
@@ -74,7 +73,7 @@ def validate_constraint(json_schema: Any = None, regex: Any = None, grammar: Any
     name, text = compiled
     error = llguidance.LLMatcher.validate_grammar(text, None)
     if error:
-        raise InvalidArgument(f"{name} cannot be used: {_describe(error)}", name)
+        raise InvalidArgument("{param} cannot be used: {detail}", name, detail=_describe(error))
 
 
 # llguidance's view of each kit's tokenizer, kept here (weakly, so it goes with
@@ -131,7 +130,7 @@ def check_grammar(kit, name: str, grammar: str) -> None:
     except BaseException as exc:  # llguidance reports Rust panics as pyo3's PanicException (a BaseException)
         error = f"{type(exc).__name__}: {exc}"
     if error:
-        raise InvalidArgument(f"{name} cannot be used: {_describe(error)}", name)
+        raise InvalidArgument("{param} cannot be used: {detail}", name, detail=_describe(error))
 
 
 def _probe_path(matcher, eos_ids: set[int]) -> None:
@@ -190,7 +189,7 @@ class GrammarConstraint:
         request's argument is at fault, not the engine: ``InvalidArgument``."""
         if self.matcher.is_error():
             error = _describe(self.matcher.get_error())
-            raise InvalidArgument(f"{self.source} cannot be used: {error}", self.source)
+            raise InvalidArgument("{param} cannot be used: {detail}", self.source, detail=error)
 
     @property
     def complete(self) -> bool:

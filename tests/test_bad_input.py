@@ -357,3 +357,21 @@ def test_nan_weights_are_refused_at_load(tmp_path, llama_path, draft_path):
     mx.save_safetensors(str(d / "model.safetensors"), weights)
     with pytest.raises(ModelLoadError, match="NaN or infinite logits"):
         me.load_model(d)
+
+
+def test_invalid_arguments_carry_their_parts(kit):
+    """The argument, its item and the keys inside, and a message template a host
+    says in its own names (the server's wire fields) without reading the text."""
+    bad = {"type": "function", "function": {"name": "bad name"}}
+    with pytest.raises(me.InvalidArgument) as err:
+        me.create_generator(kit, me.tokenize(kit, "hello"), tools=[TOOL, bad])
+    exc = err.value
+    assert (exc.field, exc.index, exc.keys) == ("tools", 1, ("function", "name"))
+    assert str(exc) == exc.render() and str(exc).startswith("tools[1].function.name must be")
+    assert exc.render(param="tools.1.name").startswith("tools.1.name must be")
+    with pytest.raises(me.InvalidArgument) as err:
+        me.create_generator(kit, me.tokenize(kit, "hello"), tools=[TOOL], regex="a+")
+    said = err.value.render({"regex": "mlx_engine.regex", "tool_choice": "toolChoice"})
+    assert said.startswith("tools and mlx_engine.regex were both given") and "(or toolChoice='none')" in said
+    # The caller's data is a value, never part of the template: its braces stay text.
+    assert str(me.InvalidArgument("{param} got {got}", "x", got="{param}")) == "x got {param}"

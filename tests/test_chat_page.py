@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx_engine as me
 from mlx_engine.server import create_app
 from mlx_engine.server.__main__ import parse_args
-from mlx_engine.server.ui import CONTENT_SECURITY_POLICY
+from mlx_engine.server.web.ui import CONTENT_SECURITY_POLICY
 
 import base64
 import json

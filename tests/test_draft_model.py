@@ -654,3 +654,16 @@ def test_unloading_a_draft_gives_back_all_of_its_memory(llama_path, draft_path):
         assert abs(plain() - before) <= 2**20  # allocator noise under 1 MiB; a leaked draft was 3.7 MB
     finally:
         me.unload(kit)
+
+
+def test_the_loaded_draft_has_a_name(llama_path, draft_path):
+    """``draft_name``: what ``load_draft_model`` was given (its ``name``, else the
+    path as given), None without a draft; a host reads it instead of keeping its own."""
+    kit = me.load_model(llama_path)
+    assert me.draft_name(kit) is None
+    me.load_draft_model(kit, draft_path)
+    assert me.draft_name(kit) == str(draft_path)
+    me.load_draft_model(kit, draft_path, name="drafty")
+    assert me.draft_name(kit) == "drafty"
+    me.unload_draft_model(kit)
+    assert me.draft_name(kit) is None

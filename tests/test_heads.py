@@ -432,7 +432,7 @@ def test_qwen3_5_mtp_proposals_equal_mlx_vlm_drafter(qwen35):
 
 
 def test_the_server_takes_mtp_as_a_draft_name():
-    from mlx_engine.server.drafts import resolve_draft
+    from mlx_engine.server.hosting.drafts import resolve_draft
 
     assert resolve_draft(me.OWN_MTP, None) == "mtp"
 

@@ -113,3 +113,31 @@ def test_no_import_cycle_between_modules():
         if node not in state:
             visit(node, [node])
     assert not cycles, cycles
+
+
+# The server's folders, bottom to top (docs/architecture.md, *The HTTP server*); its
+# top-level modules (app.py, __main__.py) wire them and stand above all four.
+SERVER_LAYERS = ["web", "hosting", "core", "apis"]
+
+
+def _server_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["mlx_engine", "server"]:
+        return None
+    if len(parts) > 3:  # in a folder of the server: -1 for one that is not a declared layer
+        return SERVER_LAYERS.index(parts[2]) if parts[2] in SERVER_LAYERS else -1
+    return len(SERVER_LAYERS)  # the server's own top-level modules
+
+
+def test_server_folders_are_layers():
+    upward = []
+    for module, targets in _graph().items():
+        here = _server_layer(module)
+        if here is None or here == len(SERVER_LAYERS):
+            continue
+        assert here >= 0, f"add {module.split('.')[2]} to SERVER_LAYERS and docs/architecture.md"
+        for target in targets:
+            there = _server_layer(target)
+            if there is not None and there > here:
+                upward.append(f"{module} -> {target}")
+    assert not upward, upward

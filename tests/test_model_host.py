@@ -1,4 +1,4 @@
-"""The server as a host of several models (mlx_engine/server/host.py,
+"""The server as a host of several models (mlx_engine/server/hosting/host.py,
 docs/server.md "Several models" and "Metrics"): models found in a folder and
 served by name, loaded on demand while others stream, unloaded by TTL and by
 the memory budget (never a busy one), load failures kept to their own
@@ -7,7 +7,9 @@ Tiny random models over a real socket (uvicorn in a thread)."""
 
 import mlx_engine as me
 from mlx_engine.server import create_app
-from mlx_engine.server.host import HostLimits, KnownModel, LoadOptions, ModelHost, scan_models_dir
+from mlx_engine.server.hosting.discovery import KnownModel, scan_models_dir
+from mlx_engine.server.hosting.host import ModelHost
+from mlx_engine.server.hosting.options import HostLimits, LoadOptions
 
 import gc
 import json
@@ -188,8 +190,11 @@ def test_two_models_served_by_one_server(host_dir, llama_path, qwen_path):
             answers["lab/delta"].json()["choices"][0]["message"]["content"]
             == answers["alpha"].json()["choices"][0]["message"]["content"]
         )
+        entry = host.entries["lab/delta"]
+        before = dict(vars(entry))
         one = httpx.get(f"{url}/v1/models/lab/delta", headers=AUTH).json()
         assert one["state"] == "loaded" and one["mlx_engine"]["memory_bytes"] > 0
+        assert vars(entry) == before  # a listing reads the entry, never writes it
         assert state(url, "gamma") == "not_loaded"
         missing = httpx.get(f"{url}/v1/models/nope", headers=AUTH)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
@@ -611,7 +616,7 @@ def test_dangling_links_in_models_dir_are_skipped_with_a_log_line(tmp_path, llam
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "config.json").write_text("{}")
     (tmp_path / "shards" / "model.safetensors").symlink_to(tmp_path / "nowhere.safetensors")
-    with caplog.at_level("WARNING", logger="mlx_engine.server.host"):
+    with caplog.at_level("WARNING", logger="mlx_engine.server.hosting.discovery"):
         assert [m.id for m in scan_models_dir(tmp_path)] == ["alpha"]
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "'gone.gguf' skipped" in logged and "'half' skipped" in logged and "'shards' skipped" in logged
@@ -746,7 +751,7 @@ def test_chat_template_option_replaces_the_models_own(tmp_path, llama_path):
 
 
 def test_unknown_model_names_rescan_the_folders_at_most_once_a_second(tmp_path, monkeypatch):
-    from mlx_engine.server import host as host_module
+    from mlx_engine.server.hosting import host as host_module
 
     scans = []
     real = host_module.scan_models_dir
@@ -769,8 +774,7 @@ def test_unknown_model_names_rescan_the_folders_at_most_once_a_second(tmp_path, 
 def test_model_entry_moves_only_by_the_transitions_table():
     """The host's state moves are the table's; any other is a StateError, and the
     state shows as its plain value."""
-    from mlx_engine.server.host import ModelEntry
-    from mlx_engine.server.model_state import TRANSITIONS, ModelState, StateError
+    from mlx_engine.server.hosting.model_state import TRANSITIONS, ModelEntry, ModelState, StateError
 
     assert set(TRANSITIONS) == set(ModelState)
     for old, allowed in TRANSITIONS.items():

@@ -134,9 +134,9 @@ def test_decoding_generates_as_its_alias_does(kit):
 def test_the_server_maps_its_wire_fields_into_the_groups(kit):
     """The extension's mode is passed as chosen and each length only where that
     mode uses it; the server holds no lookup default of its own."""
-    from mlx_engine.server import params
-    from mlx_engine.server.errors import from_engine
-    from mlx_engine.server.schemas import CompletionRequest, EngineOptions
+    from mlx_engine.server.core import params
+    from mlx_engine.server.web.errors import from_engine
+    from mlx_engine.server.core.schemas import CompletionRequest, EngineOptions
 
     lookup = params.decoding_options(EngineOptions(decoding="prompt_lookup", num_draft_tokens=3), "auto")
     assert lookup == DecodingOptions(decoding="prompt_lookup")
@@ -148,5 +148,5 @@ def test_the_server_maps_its_wire_fields_into_the_groups(kit):
     kwargs = params.generator_kwargs(kit, req, params.Prompt([1, 2], []), "prompt_lookup")
     assert [kw["seed"] for kw in kwargs] == [5, 6] and kwargs[0]["decoding"] == "prompt_lookup"
     assert RequestOptions.from_kwargs(kwargs[0]).sampling.temp == 0.5
-    err = from_engine(me.InvalidArgument("decoding='draft' needs a draft model", "decoding"))
+    err = from_engine(me.InvalidArgument("{param}='draft' needs a draft model", "decoding"))
     assert err.param == "mlx_engine.decoding" and err.message.startswith("mlx_engine.decoding='draft'")

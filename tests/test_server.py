@@ -7,9 +7,9 @@ import mlx_engine as me
 from mlx_engine.server import create_app
 from mlx_engine.server.__main__ import GracefulServer, build_parser
 from mlx_engine.server.__main__ import main as server_main
-from mlx_engine.server.connections import connection_limits
-from mlx_engine.server.host_check import LOOPBACK_NAMES
-from mlx_engine.server.queue import AdmissionQueue, QueueFullError, ShuttingDownError
+from mlx_engine.server.hosting.admission import AdmissionQueue, QueueFullError, ShuttingDownError
+from mlx_engine.server.web.connections import connection_limits
+from mlx_engine.server.web.host_check import LOOPBACK_NAMES
 
 import asyncio
 import base64
@@ -704,7 +704,7 @@ def test_rows_a_host_holds_make_requests_wait_not_fail(server, tkit):
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(slow_kit, caplog):
-    caplog.set_level(logging.INFO, logger="mlx_engine.server.runs")
+    caplog.set_level(logging.INFO, logger="mlx_engine.server.hosting.runs")
     body = hello(max_tokens=4000, stream=True, logit_bias=no_eos(slow_kit), mlx_engine={"decoding": "plain"})
     with serve(create_app(slow_kit, model_id=MODEL)) as url, httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -716,7 +716,7 @@ def test_a_client_leaving_mid_stream_frees_its_row(slow_kit, caplog):
         health = http.get(f"{url}/health").json()
         assert health["running"] == 0 and health["cancelled"] == 1
     # One line says so (a host's log shows why a request ended early), no traceback.
-    lines = [r for r in caplog.records if r.name == "mlx_engine.server.runs"]
+    lines = [r for r in caplog.records if r.name == "mlx_engine.server.hosting.runs"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO and "cancelled" in lines[0].getMessage()
     assert lines[0].exc_info is None
 
@@ -1038,9 +1038,9 @@ def test_a_generation_failing_on_its_argument_is_a_400_naming_the_field():
     """A grammar that reaches one of llguidance's limits mid-generation is the
     request's fault (tests/test_structured.py): a 400 naming the request's field,
     while any other failure of a running generation stays a 500."""
-    from mlx_engine.server.errors import from_failure
+    from mlx_engine.server.web.errors import from_failure
 
-    err = from_failure(me.InvalidArgument("regex cannot be used: too many expressions", "regex"))
+    err = from_failure(me.InvalidArgument("{param} cannot be used: {detail}", "regex", detail="too many expressions"))
     assert (err.status, err.param, err.type) == (400, "mlx_engine.regex", "invalid_request_error")
     assert "mlx_engine.regex cannot be used" in err.message
     assert from_failure(RuntimeError("boom")).status == 500

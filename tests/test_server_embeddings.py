@@ -6,7 +6,7 @@ encodings, ``dimensions``, bad input as 400s naming the field."""
 import mlx_engine as me
 from mlx_engine.loading import catalog
 from mlx_engine.server import create_app
-from mlx_engine.server.host import ModelHost
+from mlx_engine.server.hosting.host import ModelHost
 
 import base64
 import json

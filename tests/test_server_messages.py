@@ -1,10 +1,12 @@
-"""Anthropic's Messages API on the server (mlx_engine/server/anthropic_messages.py,
+"""Anthropic's Messages API on the server (mlx_engine/server/apis/anthropic_messages/,
 docs/server.md), talked to as clients do: the official ``anthropic`` client's
 ``messages.create`` / ``messages.stream`` / ``messages.count_tokens`` and raw
 HTTP, over 127.0.0.1; and the same greedy request through all three APIs."""
 
 import mlx_engine as me
-from mlx_engine.server import anthropic_messages, core, create_app
+from mlx_engine.server import create_app
+from mlx_engine.server.apis.anthropic_messages import routes as anthropic_routes
+from mlx_engine.server.core import turns as core
 
 import asyncio
 import json
@@ -429,7 +431,7 @@ def test_an_unexpected_failure_is_a_500_in_each_apis_shape(guarded, monkeypatch)
     async def broken(*args, **kwargs):
         raise RuntimeError("broken on purpose")
 
-    monkeypatch.setattr(anthropic_messages, "count_prompt", broken)
+    monkeypatch.setattr(anthropic_routes, "count_prompt", broken)
     assert _is_anthropic_error(post(guarded, hello(), path="/v1/messages/count_tokens"), 500, "api_error")
 
 

@@ -1,13 +1,14 @@
-"""The context-overflow policy (mlx_engine/server/overflow.py, docs/server.md):
+"""The context-overflow policy (mlx_engine/server/core/overflow.py, docs/server.md):
 a prompt over the context is each API's own error by default and, under
 ``truncate-middle``, cut in the middle (system prompt and latest turn kept) and
 answered, in chat completions, the Responses API and the Messages API alike."""
 
 import mlx_engine as me
-from mlx_engine.server import create_app, overflow, params
+from mlx_engine.server import create_app
 from mlx_engine.server.__main__ import main as server_main
-from mlx_engine.server.core import render_now
-from mlx_engine.server.schemas import ChatCompletionRequest
+from mlx_engine.server.core import overflow, params
+from mlx_engine.server.core.schemas import ChatCompletionRequest
+from mlx_engine.server.core.turns import render_now
 
 import logging
 
@@ -69,7 +70,7 @@ def fitted(kit, body: ChatCompletionRequest) -> overflow.Fitted:
 
 def test_oldest_turns_go_first_and_the_system_prompt_and_last_turn_stay_whole(tkit, caplog):
     body = chat_body(history(tkit.context_length))
-    with caplog.at_level(logging.INFO, logger="mlx_engine.server.overflow"):
+    with caplog.at_level(logging.INFO, logger="mlx_engine.server.core.overflow"):
         result = fitted(tkit, body)
     kept = [m.model_dump(exclude_none=True) for m in result.body.messages]
     assert kept[0] == {"role": "system", "content": SYSTEM}

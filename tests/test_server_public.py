@@ -1,9 +1,9 @@
 """The server uses only mlx_engine's public names, and one JSON depth limit."""
 
 import mlx_engine as me
-from mlx_engine.server.errors import APIError
-from mlx_engine.server.params import check_nesting
-from mlx_engine.server.schemas import ChatCompletionRequest
+from mlx_engine.server.core.params import check_nesting
+from mlx_engine.server.core.schemas import ChatCompletionRequest
+from mlx_engine.server.web.errors import APIError
 
 import ast
 from pathlib import Path

@@ -1,10 +1,11 @@
-"""OpenAI's Responses API on the server (mlx_engine/server/openai_responses.py,
+"""OpenAI's Responses API on the server (mlx_engine/server/apis/openai_responses/,
 docs/server.md), talked to as clients do: the official ``openai`` client's
 ``responses.create`` / ``responses.stream`` and raw HTTP, over 127.0.0.1."""
 
 import mlx_engine as me
-from mlx_engine.server import core, create_app
-from mlx_engine.server.openai_responses import ResponseStore
+from mlx_engine.server import create_app
+from mlx_engine.server.apis.openai_responses import ResponseStore
+from mlx_engine.server.core import turns as core
 
 import json
 
@@ -421,7 +422,7 @@ def test_client_data_in_log_lines_is_clipped(server, caplog):
     cut short: a body cannot make a log line as long as itself."""
     kind = "k" * 10_000  # under the hosted-tool bound
     body = ask(input=[{"type": kind}, {"role": "user", "content": "hi"}], tools=[{"type": kind}], max_output_tokens=1)
-    with caplog.at_level("INFO", logger="mlx_engine.server.openai_responses"):
+    with caplog.at_level("INFO", logger="mlx_engine.server.apis.openai_responses"):
         assert post(server, body).status_code == 200
     lines = [r.getMessage() for r in caplog.records if "not served here" in r.getMessage()]
     assert len(lines) == 2 and all(len(line) < 200 for line in lines)

@@ -37,7 +37,7 @@ def validate_seed(seed, name: str = "seed") -> int | None:
         return None
     seed = number(name, seed, integer=True)
     if not 0 <= seed <= MAX_SEED:
-        raise invalid(name, f"{name} must be an integer from 0 to 2**64 - 1, got {seed}")
+        raise invalid(name, " must be an integer from 0 to 2**64 - 1, got {got}", got=seed)
     return seed
 
 
@@ -50,13 +50,15 @@ def validate_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float],
         logit_bias = dict(logit_bias)
     if not isinstance(logit_bias, Mapping):
         raise InvalidArgument(
-            f"logit_bias must be a dict of token id -> number, got {type(logit_bias).__name__}", "logit_bias"
+            "{param} must be a dict of token id -> number, got {kind}", "logit_bias", kind=type(logit_bias).__name__
         )
     pairs = []
     for key, value in logit_bias.items():
         tid = number("logit_bias key", key, integer=True)
         if not 0 <= tid < vocab_size:
-            raise InvalidArgument(f"logit_bias key {tid} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+            raise InvalidArgument(
+                "{param} key {key} is outside the vocabulary [0, {vocab})", "logit_bias", key=tid, vocab=vocab_size
+            )
         pairs.append((tid, float(number(f"logit_bias[{tid}]", value))))
     return tuple(sorted(pairs)) or None
 

@@ -234,10 +234,10 @@ def tokenize_inputs(kit: EmbeddingKit, texts, truncate: bool) -> Batch:
     """``texts`` (a string, or a non-empty list of strings or token-id lists) as
     token ids; ``InvalidArgument`` naming ``texts[i]`` for a bad or too long one."""
     if not isinstance(truncate, bool):
-        raise InvalidArgument(f"truncate must be True or False, got {truncate!r}", "truncate")
+        raise InvalidArgument("{param} must be True or False, got {got}", "truncate", got=repr(truncate))
     items = [texts] if isinstance(texts, str) else texts
     if not isinstance(items, (list, tuple)) or not items:
-        raise InvalidArgument("texts must be a string or a non-empty list of strings or token-id lists", "texts")
+        raise InvalidArgument("{param} must be a string or a non-empty list of strings or token-id lists", "texts")
     strings = [i for i, t in enumerate(items) if isinstance(t, str)]
     encoded = _encode(kit, [items[i] for i in strings]) if strings else []
     ids: list[list[int] | None] = [None] * len(items)
@@ -249,12 +249,15 @@ def tokenize_inputs(kit: EmbeddingKit, texts, truncate: bool) -> Batch:
     out, cut, limit = [], [], kit.max_length
     for i, row in enumerate(ids):
         if not row:
-            raise InvalidArgument(f"texts[{i}] has no tokens: nothing to embed", f"texts[{i}]")
+            raise InvalidArgument("{param} has no tokens: nothing to embed", "texts", index=i)
         if len(row) > limit and not truncate:
             raise InvalidArgument(
-                f"texts[{i}] has {len(row)} tokens, over the model's max_length of {limit}; "
-                "shorten it or pass truncate=True to embed its first tokens",
-                f"texts[{i}]",
+                "{param} has {length} tokens, over the model's max_length of {limit}; "
+                "shorten it or pass {truncate=True} to embed its first tokens",
+                "texts",
+                index=i,
+                length=len(row),
+                limit=limit,
             )
         if len(row) > limit:
             row = _encode(kit, [items[i]], limit)[0] if isinstance(items[i], str) else row[:limit]
@@ -270,7 +273,9 @@ def _encode(kit: EmbeddingKit, strings: list[str], max_length: int | None = None
         try:
             s.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise InvalidArgument(f"texts[{i}] is not valid Unicode text: {exc.reason}", f"texts[{i}]") from None
+            raise InvalidArgument(
+                "{param} is not valid Unicode text: {detail}", "texts", index=i, detail=exc.reason
+            ) from None
     kwargs = {"truncation": True, "max_length": max_length} if max_length else {"verbose": False}
     with kit.tokenizer_lock:
         encoded = kit.tokenizer(strings, add_special_tokens=True, **kwargs)["input_ids"]
@@ -283,7 +288,10 @@ def _checked_ids(kit: EmbeddingKit, item, i: int) -> list[int]:
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in item
     ):
         raise InvalidArgument(
-            f"texts[{i}] must be a string or a list of token ids (integers from 0 to {vocab - 1})", f"texts[{i}]"
+            "{param} must be a string or a list of token ids (integers from 0 to {most})",
+            "texts",
+            index=i,
+            most=vocab - 1,
         )
     return list(item)
 
@@ -295,20 +303,25 @@ def check_dimensions(kit: EmbeddingKit, dimensions) -> int | None:
         return None
     if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= kit.dimensions:
         raise InvalidArgument(
-            f"dimensions must be an integer from 1 to {kit.dimensions}, got {dimensions!r}", "dimensions"
+            "{param} must be an integer from 1 to {most}, got {got}",
+            "dimensions",
+            most=kit.dimensions,
+            got=repr(dimensions),
         )
     if dimensions != kit.dimensions and not kit.config.matryoshka:
         raise InvalidArgument(
-            f"dimensions: this model was not trained for shortened embeddings (Matryoshka); "
-            f"it gives {kit.dimensions} dimensions only",
+            "{param}: this model was not trained for shortened embeddings (Matryoshka); it gives {most} dimensions only",
             "dimensions",
+            most=kit.dimensions,
         )
     return dimensions
 
 
 def check_batch_size(batch_size) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 4096:
-        raise InvalidArgument(f"batch_size must be an integer from 1 to 4096, got {batch_size!r}", "batch_size")
+        raise InvalidArgument(
+            "{param} must be an integer from 1 to 4096, got {got}", "batch_size", got=repr(batch_size)
+        )
     return batch_size
 
 

@@ -49,10 +49,12 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     return check_draft_files(kit.tokenizer, kit.vocab_size, draft_path)
 
 
-def load_draft(kit: ModelKit, path: str | Path) -> None:
+def load_draft(kit: ModelKit, path: str | Path, name: str | None = None) -> None:
     """Load a draft model into the kit, replacing any loaded one only once the
     new one has loaded: a failure leaves the previous draft in place. A path
-    that is not there is a ``ModelLoadError`` (not found), not an incompatibility."""
+    that is not there is a ``ModelLoadError`` (not found), not an incompatibility.
+    ``name``: what the kit calls it (``path`` as given by default)."""
+    name = str(path) if name is None else name
     draft_path = _draft_path(kit, path)
     report = check_draft_model(kit, path)
     if not report:
@@ -65,12 +67,12 @@ def load_draft(kit: ModelKit, path: str | Path) -> None:
         new = heads.load_head(kit, draft_path, head)
         unload_draft(kit)
         new.attach(kit.model)
-        kit.set_draft(new)
+        kit.set_draft(new, name)
         logger.info("loaded %s %s (%.1fM parameters)", new.description, draft_path, new.num_params / 1e6)
         return
     new = load_draft_files(draft_path, kit.new_cache)
     unload_draft(kit)
-    kit.set_draft(new)
+    kit.set_draft(new, name)
     logger.info("loaded draft model %s (%.1fM parameters)", draft_path, new.num_params / 1e6)
 
 

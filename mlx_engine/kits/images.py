@@ -14,6 +14,8 @@ import struct
 import warnings
 from dataclasses import dataclass
 
+from ..errors import InvalidArgument
+
 DEFAULT_MAX_IMAGE_PIXELS = 32_000_000  # width * height, per image
 _DATA_URL = re.compile(r"^data:[\w.+/-]*;base64,", re.IGNORECASE)
 
@@ -55,45 +57,54 @@ def validate_max_image_pixels(value) -> int:
 def decode_images(images_b64, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> list[DecodedImage]:
     """Decode and check every image; raises ValueError naming ``images_b64``."""
     if isinstance(images_b64, (str, bytes)):
-        raise ValueError("images_b64 must be a list of base64-encoded images, not a single string")
+        raise InvalidArgument("{param} must be a list of base64-encoded images, not a single string", "images_b64")
     try:
         items = list(images_b64)
     except TypeError:
-        raise ValueError(f"images_b64 must be a list of base64 strings, got {type(images_b64).__name__}") from None
+        raise InvalidArgument(
+            "{param} must be a list of base64 strings, got {kind}", "images_b64", kind=type(images_b64).__name__
+        ) from None
     return [_decode_one(i, item, max_pixels) for i, item in enumerate(items)]
+
+
+def _bad(i: int, template: str, **values: object) -> InvalidArgument:
+    """Image ``i`` (``images_b64[i]``) is refused: ``template`` says why."""
+    return InvalidArgument("{param} " + template, "images_b64", index=i, **values)
 
 
 def _decode_one(i: int, item, max_pixels: int) -> DecodedImage:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    where = f"images_b64[{i}]"
     if isinstance(item, bytes):
         try:
             item = item.decode("ascii")
         except UnicodeDecodeError:
-            raise ValueError(f"{where} is not valid base64 (non-ASCII bytes)") from None
+            raise _bad(i, "is not valid base64 (non-ASCII bytes)") from None
     if not isinstance(item, str):
-        raise ValueError(f"{where} must be a base64 string, got {type(item).__name__}")
+        raise _bad(i, "must be a base64 string, got {kind}", kind=type(item).__name__)
     text = _DATA_URL.sub("", item.strip(), count=1)
     if not text:
-        raise ValueError(f"{where} is empty")
+        raise _bad(i, "is empty")
     try:
         raw = base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"{where} is not valid base64: {exc}") from None
+        raise _bad(i, "is not valid base64: {detail}", detail=exc) from None
     if not raw:
-        raise ValueError(f"{where} is empty")
+        raise _bad(i, "is empty")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(raw))
             width, height = img.size
             if width <= 0 or height <= 0:
-                raise ValueError(f"{where} has zero size ({width}x{height})")
+                raise _bad(i, "has zero size ({size})", size=f"{width}x{height}")
             if width * height > max_pixels:
-                raise ValueError(
-                    f"{where} has too many pixels: {width}x{height} = {width * height} > the limit of {max_pixels} "
-                    "(max_image_pixels)"
+                raise _bad(
+                    i,
+                    "has too many pixels: {size} = {pixels} > the limit of {most} ({max_image_pixels})",
+                    size=f"{width}x{height}",
+                    pixels=width * height,
+                    most=max_pixels,
                 )
             img.load()
             rgb = ImageOps.exif_transpose(img).convert("RGB")  # honour camera orientation
@@ -103,11 +114,11 @@ def _decode_one(i: int, item, max_pixels: int) -> DecodedImage:
         if isinstance(exc, UnidentifiedImageError):
             size = _header_size(raw)
             if size is not None and 0 in size:
-                raise ValueError(f"{where} has zero size ({size[0]}x{size[1]})") from None
-            raise ValueError(f"{where} is not an image Pillow can read (PNG, JPEG, WebP, GIF, ...)") from None
-        raise ValueError(f"{where} has too many pixels: {exc}") from None
+                raise _bad(i, "has zero size ({size})", size=f"{size[0]}x{size[1]}") from None
+            raise _bad(i, "is not an image Pillow can read (PNG, JPEG, WebP, GIF, ...)") from None
+        raise _bad(i, "has too many pixels: {detail}", detail=exc) from None
     except (OSError, SyntaxError, EOFError) as exc:
-        raise ValueError(f"{where} could not be decoded as an image (truncated or corrupt?): {exc}") from None
+        raise _bad(i, "could not be decoded as an image (truncated or corrupt?): {detail}", detail=exc) from None
     if rgb.width <= 0 or rgb.height <= 0:
-        raise ValueError(f"{where} has zero size ({rgb.width}x{rgb.height})")
+        raise _bad(i, "has zero size ({size})", size=f"{rgb.width}x{rgb.height}")
     return DecodedImage(rgb, hashlib.sha256(raw).hexdigest())

@@ -20,6 +20,7 @@ from ..caches.ragged import RaggedBatch, can_batch
 from ..caches.sequence import CacheOptions, SequenceCache
 from ..draft.model import DraftModel
 from ..drafters.suffix import DEFAULT_SUFFIX_MEMORY_TOKENS, SuffixMemory
+from ..errors import InvalidArgument
 from ..loading import model as loading
 from ..loading.memory import PREFILL_CHUNK, default_memory_budget, fit_context
 from ..pricing import cost_store, costs
@@ -176,9 +177,11 @@ class ModelKit:
                 cache.reset()
         self._batch = None
 
-    def set_draft(self, draft: DraftModel | None) -> None:
-        """Install a loaded draft model (or none); draft/loading.py checks and loads it."""
+    def set_draft(self, draft: DraftModel | None, name: str | None = None) -> None:
+        """Install a loaded draft model (or none) under ``name``, what its loader
+        called it; draft/loading.py checks and loads it."""
         self.draft = draft
+        self.draft_name = name if draft is not None else None
 
     def _init_files(self, files: loading.HFFiles | loading.GGUFFiles, options: KitOptions) -> None:
         """What every kit starts from: config, tokenizer and empty slots (one
@@ -195,6 +198,7 @@ class ModelKit:
         self.context_length: int | None = None  # tokens a request may hold (see _fit_context)
         self._prompt_cache_options = options.prompt_cache
         self.draft: DraftModel | None = None
+        self.draft_name: str | None = None  # what load_draft_model was given for it (api.draft_name)
         self.compute_dtype: mx.Dtype | None = None
         self.cost_model: costs.CostModel | None = None  # see forward_costs
         self.cost_source: str | None = None  # where cost_model came from: stored, estimate, measured
@@ -337,8 +341,10 @@ class ModelKit:
     def decode_images(self, prompt: list[int], images_b64) -> list:
         if images_b64 is None or (isinstance(images_b64, (list, tuple)) and not images_b64):
             return []
-        raise ValueError(
-            "images_b64: this is a text-only model and cannot take images; load a vision model (its config.json has vision_config)"
+        raise InvalidArgument(
+            "{param}: this is a text-only model and cannot take images; load a vision model (its config.json has "
+            "vision_config)",
+            "images_b64",
         )
 
     def remember_sequence(self, name, tokens: list[int]) -> None:

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ..errors import ModelLoadError
+from ..errors import InvalidArgument, ModelLoadError
 from ..loading import model as loading
 from ..loading.checks import check_weights_match_config
 from ..loading.memory import PREFILL_CHUNK
@@ -178,14 +178,18 @@ class VisionModelKit(ModelKit):
             images = decode_images(images_b64, self.max_image_pixels)
         n_slots = prompt.count(self.placeholder_id) if self.placeholder_id is not None else 0
         if n_slots != len(images):
-            raise ValueError(
-                f"images_b64 has {len(images)} image(s) but prompt_tokens has {n_slots} image placeholder(s) "
-                f"({self.placeholder_token!r}, one per image; a chat template with {{'type': 'image'}} content "
-                "entries inserts them)"
+            raise InvalidArgument(
+                "{param} has {images} image(s) but {prompt_tokens} has {slots} image placeholder(s) "
+                "({token}, one per image; a chat template with {{'type': 'image'}} content entries inserts them)",
+                "images_b64",
+                images=len(images),
+                slots=n_slots,
+                token=repr(self.placeholder_token),
             )
         if images and prompt[-1] == self.placeholder_id:
-            raise ValueError(
-                "prompt_tokens must not end with an image placeholder; put text after the image (chat templates do)"
+            raise InvalidArgument(
+                "{prompt_tokens} must not end with an image placeholder; put text after the image (chat templates do)",
+                "images_b64",
             )
         for i, img in enumerate(images):
             # Run the model's image processor now, so an image it refuses (e.g. an
@@ -193,7 +197,9 @@ class VisionModelKit(ModelKit):
             try:
                 self._image_entry(img)
             except Exception as exc:
-                raise ValueError(f"images_b64[{i}] was refused by the model's image processor: {exc}") from exc
+                raise InvalidArgument(
+                    "{param} was refused by the model's image processor: {detail}", "images_b64", index=i, detail=exc
+                ) from exc
         return images
 
     def expand_prompt(self, prompt: list[int], images: list[DecodedImage] | None) -> VisionExpandedPrompt:

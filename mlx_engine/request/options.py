@@ -39,13 +39,13 @@ StatsCallback = Callable[[GenerationStats], None]
 
 def _callable(name: str, value, **_):
     if value is not None and not callable(value):
-        raise InvalidArgument(f"{name} must be callable or None", name)
+        raise InvalidArgument("{param} must be callable or None", name)
     return value
 
 
 def _max_tokens(name: str, value, **_) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgument(f"max_tokens must be a positive integer, got {value!r}", name)
+        raise InvalidArgument("{param} must be a positive integer, got {got}", name, got=repr(value))
     return value
 
 
@@ -60,7 +60,7 @@ def _top_logprobs(name: str, value, **_) -> int | None:
 
 def _request_id(name: str, value, **_) -> str | None:
     if value is not None and not isinstance(value, str):
-        raise InvalidArgument(f"request_id must be a string or None, got {value!r}", name)
+        raise InvalidArgument("{param} must be a string or None, got {got}", name, got=repr(value))
     return value
 
 
@@ -69,7 +69,9 @@ def _admission_timeout(name: str, value, **_) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < float("inf"):
-        raise InvalidArgument(f"admission_timeout must be None or a finite number of seconds >= 0, got {value!r}", name)
+        raise InvalidArgument(
+            "{param} must be None or a finite number of seconds >= 0, got {got}", name, got=repr(value)
+        )
     return float(value)
 
 
@@ -111,9 +113,10 @@ class DecodingOptions:
         mode, toggle = self.decoding, self.speculative_decoding_toggle
         if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
             raise InvalidArgument(
-                f"prompt_lookup_min_ngram ({self.prompt_lookup_min_ngram}) must not exceed "
-                f"prompt_lookup_max_ngram ({self.prompt_lookup_max_ngram})",
+                "{param} ({low}) must not exceed {prompt_lookup_max_ngram} ({high})",
                 "prompt_lookup_min_ngram",
+                low=self.prompt_lookup_min_ngram,
+                high=self.prompt_lookup_max_ngram,
             )
         if mode is None:
             if self.auto_speculative:
@@ -130,7 +133,9 @@ class DecodingOptions:
         )
         for name, contradicts in contradictions:
             if contradicts:
-                raise InvalidArgument(f"{name}={getattr(self, name)!r} contradicts decoding={mode!r}", name)
+                raise InvalidArgument(
+                    "{param}={got} contradicts {decoding}={mode}", name, got=repr(getattr(self, name)), mode=repr(mode)
+                )
         return mode
 
 
@@ -195,7 +200,11 @@ class RequestOptions:
                 close = difflib.get_close_matches(name, names, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise InvalidArgument(
-                    f"create_generator got an unknown argument {name!r}{hint}; it takes: {', '.join(names)}", name
+                    "create_generator got an unknown argument {name}{hint}; it takes: {names}",
+                    name,
+                    name=repr(name),
+                    hint=hint,
+                    names=", ".join(names),
                 )
         return cls(**{g: group(**_picked(group, kwargs)) for g, group in GROUPS.items()})
 

@@ -72,18 +72,18 @@ def _check_draft(d: DecodingOptions, choice: str | None, has_draft: bool) -> Non
     toggle, k = d.speculative_decoding_toggle, d.num_draft_tokens
     if toggle is True and not has_draft:
         raise InvalidArgument(
-            "speculative_decoding_toggle=True requires a draft model; call load_draft_model first",
+            "{param}=True requires a draft model; call load_draft_model first",
             "speculative_decoding_toggle",
         )
     if d.decoding == "draft" and not has_draft:
-        raise InvalidArgument("decoding='draft' needs a draft model; call load_draft_model first", "decoding")
+        raise InvalidArgument("{param}='draft' needs a draft model; call load_draft_model first", "decoding")
     if k is not None and (not has_draft or toggle is False):
-        raise InvalidArgument("num_draft_tokens needs a loaded draft model that this request uses", "num_draft_tokens")
+        raise InvalidArgument("{param} needs a loaded draft model that this request uses", "num_draft_tokens")
     # Only by the alias: an explicit decoding="prompt_lookup" refuses these in choice().
     if choice == "prompt_lookup" and (toggle is True or k is not None):
         raise InvalidArgument(
-            "prompt_lookup_num_tokens and the draft model (speculative_decoding_toggle=True or num_draft_tokens) "
-            "are both requested; pick one, or pass auto_speculative=True to let the engine choose",
+            "{param} and the draft model ({speculative_decoding_toggle}=True or {num_draft_tokens}) "
+            "are both requested; pick one, or pass {auto_speculative}=True to let the engine choose",
             "prompt_lookup_num_tokens",
         )
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..errors import InvalidArgument
+
 
 class StopScan(NamedTuple):
     emit: str  # text safe to hand out now
@@ -21,9 +23,9 @@ class StopStringMatcher:
         if stop_strings is None:
             return []
         if isinstance(stop_strings, str) or not all(isinstance(s, str) for s in stop_strings):
-            raise ValueError("stop_strings must be a list of strings")
+            raise InvalidArgument("{param} must be a list of strings", "stop_strings")
         if any(s == "" for s in stop_strings):
-            raise ValueError("stop_strings must not contain empty strings")
+            raise InvalidArgument("{param} must not contain empty strings", "stop_strings")
         return list(stop_strings)
 
     def feed(self, text: str) -> StopScan:

@@ -97,9 +97,10 @@ def context_budget(kit: ModelKit, prompt_len: int, max_tokens: int | None = None
     room = context - prompt_len
     if room <= 0:
         raise InvalidArgument(
-            f"prompt_tokens: {prompt_len} tokens leave no room in this kit's context of {context} tokens; "
-            "shorten the prompt",
+            "{param}: {length} tokens leave no room in this kit's context of {context} tokens; shorten the prompt",
             "prompt_tokens",
+            length=prompt_len,
+            context=context,
         )
     return min(max_tokens, room) if max_tokens else room
 
@@ -134,29 +135,35 @@ def validate_prompt(kit: ModelKit, prompt_tokens) -> list[int]:
 
 def _prompt_ids(kit: ModelKit, prompt_tokens) -> list[int]:
     if isinstance(prompt_tokens, (str, bytes)):
-        raise ValueError("prompt_tokens must be a list of token ids; use tokenize(kit, text) for text")
+        raise _bad_prompt("{param} must be a list of token ids; use tokenize(kit, text) for text")
     if isinstance(prompt_tokens, (Mapping, Set)):
-        raise ValueError(f"prompt_tokens must be a sequence of token ids, got a {type(prompt_tokens).__name__}")
+        raise _bad_prompt("{param} must be a sequence of token ids, got a {kind}", kind=type(prompt_tokens).__name__)
     if getattr(prompt_tokens, "ndim", 1) != 1:
-        raise ValueError(f"prompt_tokens must be one-dimensional, got shape {tuple(prompt_tokens.shape)}")
+        raise _bad_prompt("{param} must be one-dimensional, got shape {shape}", shape=tuple(prompt_tokens.shape))
     if isinstance(prompt_tokens, mx.array):
         prompt_tokens = prompt_tokens.tolist()
     try:
         prompt = list(prompt_tokens)
     except TypeError:
-        raise ValueError(f"prompt_tokens must be a list of token ids, got {type(prompt_tokens).__name__}") from None
+        raise _bad_prompt(
+            "{param} must be a list of token ids, got {kind}", kind=type(prompt_tokens).__name__
+        ) from None
     if not prompt:
-        raise ValueError("prompt_tokens must not be empty")
+        raise _bad_prompt("{param} must not be empty")
     vocab = kit.vocab_size
     ids = []
     for i, t in enumerate(prompt):
         t = _token_id(t)
         if t is None:
-            raise ValueError(f"prompt_tokens must be integers; item {i} is {prompt[i]!r}")
+            raise _bad_prompt("{param} must be integers; item {i} is {got}", i=i, got=repr(prompt[i]))
         if not 0 <= t < vocab:
-            raise ValueError(f"prompt_tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
+            raise _bad_prompt("{param}[{i}] = {t} is outside the vocabulary [0, {vocab})", i=i, t=t, vocab=vocab)
         ids.append(t)
     return ids
+
+
+def _bad_prompt(template: str, **values: object) -> InvalidArgument:
+    return InvalidArgument(template, "prompt_tokens", **values)
 
 
 def _token_id(t) -> int | None:

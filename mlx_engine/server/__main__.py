@@ -1,6 +1,6 @@
 """``python -m mlx_engine.server [--model NAME|PATH] [--models-dir DIR]``:
 serve the catalog's models and those of ``--models-dir`` by name, loading them
-on demand (host.py); ``--model`` is loaded at start.
+on demand (hosting/host.py); ``--model`` is loaded at start.
 
 Start-up mistakes (an option out of range, a port in use, a model that is not
 there) are checked before the model loads where they can be, and each is one
@@ -30,11 +30,12 @@ from dataclasses import replace  # noqa: E402
 import uvicorn  # noqa: E402
 
 from .app import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE, create_app  # noqa: E402
-from .connections import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connection_limits  # noqa: E402
-from .host import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions, ModelHost  # noqa: E402
-from .host_check import LOOPBACK_NAMES  # noqa: E402
-from .overflow import POLICIES  # noqa: E402
-from .templates import give_template, read_template  # noqa: E402
+from .core.overflow import POLICIES  # noqa: E402
+from .hosting.host import ModelHost  # noqa: E402
+from .hosting.options import DEFAULT_LOAD_WAIT_S, DEFAULT_TTL_S, HostLimits, LoadOptions  # noqa: E402
+from .hosting.templates import give_template, read_template  # noqa: E402
+from .web.connections import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connection_limits  # noqa: E402
+from .web.host_check import LOOPBACK_NAMES  # noqa: E402
 
 logger = logging.getLogger("mlx_engine.server")
 API_KEY_ENV = "MLX_ENGINE_API_KEY"
@@ -131,7 +132,7 @@ def _serving_options(p: argparse.ArgumentParser) -> None:
 
 
 def _host_options(p: argparse.ArgumentParser) -> None:
-    """Several models by name: finding, loading and unloading them (host.py)."""
+    """Several models by name: finding, loading and unloading them (hosting/host.py)."""
     p.add_argument(
         "--models-dir",
         help="folder of models served by name; the only folder draft models may be loaded from by path (default: none)",
@@ -394,7 +395,7 @@ def _serve(args: argparse.Namespace, kit: me.ModelKit | None, sock: socket.socke
     if kit is not None:
         # Loaded on purpose: no idle TTL (as LM Studio's explicit loads) unless --ttl names one.
         options = replace(host.defaults, draft=args.draft, ttl=args.ttl or math.inf)
-        host.add_kit(args.model_id or _default_id(args.model), kit, managed=True, options=options, draft=args.draft)
+        host.add_kit(args.model_id or _default_id(args.model), kit, managed=True, options=options)
     config = uvicorn.Config(
         app,
         log_level=args.log_level,

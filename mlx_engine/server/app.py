@@ -1,108 +1,55 @@
-"""The ASGI app: OpenAI's chat and completions endpoints over one kit or several,
-and the Responses (openai_responses.py) and Messages (anthropic_messages.py) APIs on
-the same core (core.py).
+"""The ASGI app: the wire formats (apis/: OpenAI's chat and completions,
+Responses, embeddings, Anthropic's Messages, the model and draft endpoints) over
+one kit or several, on the same core (core/turns.py), wired with the HTTP
+concerns (web/) and the hosted models (hosting/).
 
 ``create_app(kit, ...)`` builds it from a kit the host already holds, from
 several (``{id: kit}``), or from a ``ModelHost`` that loads and unloads models
-by name itself (host.py; the command line, ``python -m mlx_engine.server``,
+by name itself (hosting/host.py; the command line, ``python -m mlx_engine.server``,
 builds one). Each handler reads: get the model's service from the host
 (``host.kit_for``, loading it when needed), build the prompt and arguments off
-the loop (params.py), wait for rows (queue.py), start the generations on
-threads (runs.py), then answer whole or as server-sent events (chat_objects.py).
+the loop (core/params.py), wait for rows (hosting/admission.py), start the
+generations on threads (hosting/runs.py), then answer whole or as server-sent
+events (core/chat_objects.py).
 """
 
 from __future__ import annotations
 
 import mlx_engine as me
 
-import asyncio
 import hmac
-import json
 import logging
-from collections import Counter
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Mapping
+from typing import Mapping
 
-import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import params
-from .anthropic_messages import messages_router
-from .chat_objects import Choice, Envelope
-from .core import ClientGone, admit, collect, fit_context
-from .drafts import draft_router
-from .embeddings import embeddings_router
-from .errors import APIError, bad_request, from_failure, from_validation, response_for
-from .host import ModelHost
-from .host_check import AllowedHosts
-from .limits import BodySizeLimit
-from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
-from .models_routes import models_router
-from .openai_responses import responses_router
-from .overflow import check_policy
-from .queue import AdmissionQueue
-from .runs import RequestRun
-from .schemas import ChatCompletionRequest, CompletionRequest
-from .ui import ui_router
+from .apis.anthropic_messages import messages_router
+from .apis.drafts import draft_router
+from .apis.models import models_router
+from .apis.openai_chat import chat_router
+from .apis.openai_embeddings import embeddings_router
+from .apis.openai_responses import responses_router
+from .core.overflow import check_policy
+from .core.turns import ClientGone
+from .hosting.host import ModelHost
+from .hosting.service import Service, ServiceFactory
+from .web.errors import APIError, bad_request, from_validation, response_for
+from .web.host_check import AllowedHosts
+from .web.limits import BodySizeLimit
+from .web.metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
+from .web.ui import ui_router
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # room for a few data-URI images
 DEFAULT_QUEUE = 64
 _KITS = (me.ModelKit, me.EmbeddingKit)  # what create_app serves: generating and embedding models
-
-
-SHUTDOWN_CUT = APIError(
-    503, "the server is shutting down: the generation was cut short", type="server_error", code="shutting_down"
-)
-
-
-@dataclass
-class Service:
-    """What the handlers share: the kit, its rows and the running requests."""
-
-    kit: me.ModelKit
-    model_id: str
-    queue: AdmissionQueue
-    api_key: str | None = None
-    models_dir: Path | None = None
-    decoding: str = "auto"
-    draft_name: str | None = None
-    context_overflow: str = "error"  # or "truncate-middle" (overflow.py)
-    runs: set = field(default_factory=set)  # RequestRun objects with a generation still open
-    outcomes: Counter = field(default_factory=Counter)  # generations completed / cancelled / failed
-    metrics: Metrics | None = None  # counts each generation's results (GET /metrics)
-
-    def drain(self) -> None:
-        """Stop admitting: queued and new requests get 503; running ones go on."""
-        self.queue.close()
-
-    async def stop(self, wait_s: float = 10.0) -> None:
-        """Drain, cancel what still runs and wait (bounded) for its rows."""
-        self.drain()
-        self.cut_running()
-        with anyio.move_on_after(wait_s):
-            while self.runs:
-                await asyncio.sleep(0.02)
-
-    def cut_running(self) -> None:
-        """Cancel every running request because the server stops: each ends with
-        its final chunk (and an error event saying it was cut), not a dropped connection."""
-        for run in list(self.runs):
-            run.cancel(shutting_down=True)
-
-    async def cut_after(self, grace_s: float) -> None:
-        """Let running requests finish for ``grace_s`` seconds, then cut the rest."""
-        await asyncio.sleep(grace_s)
-        if self.runs:
-            logger.warning("shutdown grace period over: cancelling %d running request(s)", len(self.runs))
-        self.cut_running()
 
 
 def create_app(
@@ -137,16 +84,16 @@ def create_app(
     ``keep_billing_header``: keep Claude Code's volatile first system line in
     Messages API prompts (default: dropped, so the prompt cache reuses turns).
     ``allowed_hosts``: the ``Host`` names requests must carry (None: any; see
-    host_check.py on DNS rebinding). ``context_overflow``: ``error`` refuses a
-    prompt over the context; ``truncate-middle`` cuts its middle (overflow.py).
-    ``ui``: serve the chat page at ``/`` (ui.py)."""
+    web/host_check.py on DNS rebinding). ``context_overflow``: ``error`` refuses a
+    prompt over the context; ``truncate-middle`` cuts its middle (core/overflow.py).
+    ``ui``: serve the chat page at ``/`` (web/ui.py)."""
     _check_arguments(kit, max_parallel, queue_size, decoding)
     check_policy(context_overflow)
     host = kit if isinstance(kit, ModelHost) else ModelHost(catalog=False)
     app_metrics = Metrics(host) if metrics else None
 
     folder = Path(models_dir) if models_dir else None
-    make_service = _ServiceFactory(
+    make_service = ServiceFactory(
         max_parallel, queue_size, api_key or None, folder, decoding, context_overflow, host.outcomes, app_metrics
     )
     service = _attach(host, kit, model_id, make_service, app_metrics)
@@ -186,7 +133,8 @@ def _include_routers(
     app_metrics,
 ) -> None:
     """Drafts, models, the Responses and Messages APIs (the same core in two more
-    wire formats, core.py) and the Prometheus scrape."""
+    wire formats, core/turns.py) and the Prometheus scrape."""
+    app.include_router(chat_router(host, auth))
     app.include_router(draft_router(host, folder, auth))
     app.include_router(models_router(host, folder, auth))
     app.include_router(responses_router(host, auth))
@@ -197,35 +145,6 @@ def _include_routers(
         @app.get("/metrics", dependencies=[Depends(auth)])
         async def scrape():
             return Response(app_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-
-@dataclass(frozen=True)
-class _ServiceFactory:
-    """Makes each model's ``Service`` (its queue and rows) with the app's options."""
-
-    max_parallel: int | None
-    queue_size: int
-    api_key: str | None
-    models_dir: Path | None
-    decoding: str
-    context_overflow: str
-    outcomes: Counter
-    metrics: Metrics | None
-
-    def __call__(self, k: me.ModelKit, mid: str, draft: str | None) -> Service:
-        rows = k.max_parallel if self.max_parallel is None else min(self.max_parallel, k.max_parallel)
-        return Service(
-            k,
-            mid,
-            AdmissionQueue(rows, self.queue_size),
-            self.api_key,
-            self.models_dir,
-            self.decoding,
-            draft,
-            context_overflow=self.context_overflow,
-            outcomes=self.outcomes,
-            metrics=self.metrics,
-        )
 
 
 def _attach(host: ModelHost, kit, model_id: str | None, make_service, app_metrics) -> Service | None:
@@ -300,7 +219,7 @@ def _auth_dependency(api_key: str | None):
 
 
 def _install_errors(app: FastAPI) -> None:
-    """Server-level errors in the shape of the API the path belongs to (errors.py)."""
+    """Server-level errors in the shape of the API the path belongs to (web/errors.py)."""
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -312,7 +231,7 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RecursionError)
     async def too_deep(request, exc: RecursionError):
-        # Past the nesting limits params.py checks: still the client's input, never a 500.
+        # Past the nesting limits core/params.py checks: still the client's input, never a 500.
         return response_for(bad_request("the request nests too deeply to be processed"), request.url.path)
 
     @app.exception_handler(ClientGone)
@@ -344,79 +263,3 @@ def _add_routes(app: FastAPI, host: ModelHost, auth) -> None:
             "waiting": sum(q.waiting for q in queues),
             **{k: host.outcomes[k] for k in ("completed", "cancelled", "failed", "rejected")},
         }
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat(body: ChatCompletionRequest, request: Request):
-        async with host.kit_for(body.model, ttl=body.ttl) as service:
-            fitted = await anyio.to_thread.run_sync(
-                fit_context, service, body, lambda b: params.chat_prompt(service.kit, b)
-            )
-            return await _answer(service, request, fitted.body, fitted.prompt, chat=True, truncated=fitted.dropped)
-
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(body: CompletionRequest, request: Request):
-        if body.echo:
-            raise bad_request("echo is not supported", "echo")
-        async with host.kit_for(body.model, ttl=body.ttl) as service:
-            prompt = await anyio.to_thread.run_sync(params.completion_prompt, service.kit, body)
-            return await _answer(service, request, body, prompt, chat=False)
-
-
-async def _answer(service: Service, request: Request, body, prompt: params.Prompt, *, chat: bool, truncated: int = 0):
-    """Admit the request, start its choices, answer whole or streamed."""
-    if body.n > service.queue.rows:
-        raise bad_request(f"n must be at most {service.queue.rows} (the server's parallel rows)", "n")
-    kwargs = params.generator_kwargs(service.kit, body, prompt, service.decoding)
-    run = await admit(service, request, prompt, kwargs, prompt_field="messages" if chat else "prompt")
-    env = Envelope(service.model_id, chat, truncated)
-    with_logprobs = params.wants_logprobs(body)
-    if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(run, env, body.n, len(prompt.tokens), with_logprobs, usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    choices = await collect(run, request, body.n, with_logprobs)
-    return JSONResponse(env.whole(choices, len(prompt.tokens), with_logprobs))
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _events(
-    run: RequestRun, env: Envelope, n: int, prompt_len: int, with_logprobs: bool, include_usage: bool
-) -> AsyncIterator[str]:
-    """The stream as OpenAI sends it: a role chunk (chat), content and
-    ``tool_calls`` delta chunks, a finish chunk per choice, a usage chunk when asked, ``[DONE]``. Leaving the
-    stream (a client disconnect cancels it) stops the generations."""
-    choices = [Choice(i) for i in range(n)]
-    offsets = [0] * n
-    try:
-        if env.chat:
-            for i in range(n):
-                yield _sse(env.chunk(i, role=True, with_usage=include_usage))
-        async for item in run.items():
-            if item.error is not None:
-                yield _sse(from_failure(item.error).body())
-                continue
-            c, r = choices[item.index], item.result
-            entries = c.add(r, with_logprobs)
-            if r.text or entries or r.tool_call_deltas or c.finish is not None:
-                yield _sse(
-                    env.chunk(
-                        c.index,
-                        text=r.text,
-                        entries=entries if with_logprobs else None,
-                        offset=offsets[c.index],
-                        finish=c.finish_reason,
-                        with_usage=include_usage,
-                        tool_deltas=r.tool_call_deltas,
-                    )
-                )
-                offsets[c.index] += len(r.text)
-        if include_usage:
-            yield _sse(env.usage_chunk(choices, prompt_len))
-        if run.cut_by_shutdown:
-            yield _sse(SHUTDOWN_CUT.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        run.cancel()

@@ -58,8 +58,8 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
         return spec, constraint
     if constraint is not None:
         raise InvalidArgument(
-            f"tools and {constraint[0]} were both given; a tool call's arguments follow the tool's "
-            "own schema, so pass one of them (or tool_choice='none')",
+            "{param} and {%s} were both given; a tool call's arguments follow the tool's "
+            "own schema, so pass one of them (or {tool_choice}='none')" % constraint[0],
             "tools",
         )
     grammar = build_grammar(spec, special_markers(kit, spec.format))
@@ -71,8 +71,12 @@ def tool_constraint(kit, tools, tool_choice, parallel, constraint: tuple[str, st
                 check_grammar(kit, *compile_constraint(json_schema=tool.parameters))
             except ValueError as exc:
                 raise InvalidArgument(
-                    f"tools[{i}].function.parameters ({tool.name}) is not a usable JSON schema: {exc}",
-                    f"tools[{i}].function.parameters",
+                    "{param} ({name}) is not a usable JSON schema: {detail}",
+                    "tools",
+                    index=i,
+                    keys=("function", "parameters"),
+                    name=tool.name,
+                    detail=exc,
                 ) from exc
         raise
     return spec, ("tools", grammar)

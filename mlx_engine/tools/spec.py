@@ -51,31 +51,35 @@ def validate_tools(tools: Any) -> tuple[Tool, ...]:
     """OpenAI tool definitions (``[{"type": "function", "function": {"name", "description",
     "parameters"}}]``) as ``Tool``s; ``ValueError`` naming the bad item."""
     if not isinstance(tools, (list, tuple)) or not tools:
-        raise InvalidArgument(f"tools must be a non-empty list of tool definitions, got {tools!r}", "tools")
+        raise InvalidArgument(
+            "{param} must be a non-empty list of tool definitions, got {got}", "tools", got=repr(tools)
+        )
     out: list[Tool] = []
     for i, item in enumerate(tools):
-        where = f"tools[{i}]"
+        where = {"field": "tools", "index": i}  # the tool, for InvalidArgument
         fn = item.get("function") if isinstance(item, dict) else None
         if not isinstance(fn, dict) or item.get("type", "function") != "function":
             raise InvalidArgument(
-                f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', where
+                '{param} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', **where
             )
         name = fn.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InvalidArgument(
-                f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
-                f"{where}.function.name",
+                "{param} must be 1-64 letters, digits, '_', '.' or '-', got {got}",
+                **where,
+                keys=("function", "name"),
+                got=repr(name),
             )
         if any(t.name == name for t in out):
-            raise InvalidArgument(f"{where}.function.name {name!r} is declared twice", f"{where}.function.name")
+            raise InvalidArgument("{param} {got} is declared twice", **where, keys=("function", "name"), got=repr(name))
         description = fn.get("description") or ""
         if not isinstance(description, str):
-            raise InvalidArgument(f"{where}.function.description must be a string", f"{where}.function.description")
+            raise InvalidArgument("{param} must be a string", **where, keys=("function", "description"))
         parameters = fn.get("parameters", EMPTY_PARAMETERS)
-        parameters = json_value(parameters, f"{where}.function.parameters")
+        parameters = json_value(parameters, **where, keys=("function", "parameters"))
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise InvalidArgument(
-                f"{where}.function.parameters must be a JSON schema of an object", f"{where}.function.parameters"
+                "{param} must be a JSON schema of an object", **where, keys=("function", "parameters")
             )
         out.append(Tool(name, description, parameters))
     return tuple(out)
@@ -84,17 +88,19 @@ def validate_tools(tools: Any) -> tuple[Tool, ...]:
 MAX_JSON_DEPTH = 200  # deeper JSON is refused: Python's json recursion limit is near 1000
 
 
-def json_value(value: Any, where: str) -> Any:
-    """``value`` (or JSON text) as a JSON value; ``ValueError`` naming ``where``
-    for text that is not JSON or a value nested deeper than ``MAX_JSON_DEPTH``."""
+def json_value(value: Any, field: str, index: int | None = None, keys: tuple[str, ...] = ()) -> Any:
+    """``value`` (or JSON text) as a JSON value; ``InvalidArgument`` naming where
+    it is (``field``, ``index``, ``keys``) for text that is not JSON or a value
+    nested deeper than ``MAX_JSON_DEPTH``."""
+    where = {"index": index, "keys": keys}
     if json_depth(value) > MAX_JSON_DEPTH:
-        raise InvalidArgument(f"{where} is nested deeper than {MAX_JSON_DEPTH} levels", where)
+        raise InvalidArgument("{param} is nested deeper than {most} levels", field, **where, most=MAX_JSON_DEPTH)
     if not isinstance(value, str):
         return value
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{where} is not valid JSON: {exc}", where) from exc
+        raise InvalidArgument("{param} is not valid JSON: {detail}", field, **where, detail=exc) from exc
 
 
 def json_depth(value: Any) -> int:
@@ -138,31 +144,38 @@ def validate_tool_choice(choice: Any, tools: tuple[Tool, ...]) -> tuple[str, str
     if isinstance(choice, str):
         if choice not in CHOICES:
             raise InvalidArgument(
-                f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}", "tool_choice"
+                "{param} must be one of {choices} or {{'name': ...}}, got {got}", "tool_choice", **_choices(choice)
             )
         return choice, None
     if isinstance(choice, dict):
         fn = choice.get("function")
         if "function" in choice and not isinstance(fn, dict):
-            raise InvalidArgument(f'tool_choice.function must be {{"name": ...}}, got {fn!r}', "tool_choice")
+            raise InvalidArgument('{param}.function must be {{"name": ...}}, got {got}', "tool_choice", got=repr(fn))
         name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
         if not isinstance(name, str):  # a list or an object is no name (and unhashable)
-            raise InvalidArgument(f"tool_choice must name a tool with a string, got {name!r}", "tool_choice")
+            raise InvalidArgument("{param} must name a tool with a string, got {got}", "tool_choice", got=repr(name))
         if name not in {t.name for t in tools}:
-            raise InvalidArgument(f"tool_choice names {name!r}, which is not one of the declared tools", "tool_choice")
+            raise InvalidArgument(
+                "{param} names {got}, which is not one of the declared tools", "tool_choice", got=repr(name)
+            )
         return "named", name
     raise InvalidArgument(
-        f"tool_choice must be one of {', '.join(CHOICES)} or {{'name': ...}}, got {choice!r}", "tool_choice"
+        "{param} must be one of {choices} or {{'name': ...}}, got {got}", "tool_choice", **_choices(choice)
     )
+
+
+def _choices(choice: Any) -> dict[str, str]:
+    """The values of the message refusing ``choice``."""
+    return {"choices": ", ".join(CHOICES), "got": repr(choice)}
 
 
 def validate_tool_request(tools: Any, choice: Any, parallel: Any, fmt: ToolFormat) -> ToolSpec | None:
     """The request's ``ToolSpec``, or None without tools."""
     if not isinstance(parallel, bool):
-        raise InvalidArgument(f"parallel_tool_calls must be True or False, got {parallel!r}", "parallel_tool_calls")
+        raise InvalidArgument("{param} must be True or False, got {got}", "parallel_tool_calls", got=repr(parallel))
     if tools is None:
         if choice not in (None, "none", "auto"):
-            raise InvalidArgument("tool_choice was given without tools; pass tools=[...]", "tool_choice")
+            raise InvalidArgument("{param} was given without {tools}; pass {tools}=[...]", "tool_choice")
         return None
     checked = validate_tools(tools)
     kind, name = validate_tool_choice("auto" if choice is None else choice, checked)

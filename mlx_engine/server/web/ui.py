@@ -42,7 +42,7 @@ SECURITY_HEADERS = {
 
 def read_asset(name: str) -> bytes:
     """One of the page's files, from the installed package."""
-    return resources.files("mlx_engine.server").joinpath("ui", name).read_bytes()
+    return resources.files("mlx_engine.server.web").joinpath("ui", name).read_bytes()
 
 
 def ui_router() -> APIRouter:

@@ -4,7 +4,15 @@ path that skips a step fails loudly instead of leaving an entry half-loaded."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .discovery import KnownModel
+    from .options import LoadOptions
 
 
 class ModelState(str, Enum):
@@ -43,3 +51,32 @@ def check_transition(old: ModelState, new: ModelState) -> ModelState:
     if new not in TRANSITIONS[ModelState(old)]:
         raise StateError(f"a model entry cannot go from {old} to {new}")
     return new
+
+
+@dataclass
+class ModelEntry:
+    """One known model and where it stands."""
+
+    model: KnownModel
+    options: LoadOptions
+    managed: bool = True  # False: a kit the embedding host holds; never loaded or unloaded here
+    state: ModelState = NOT_LOADED
+    service: object | None = None  # the app's Service while loaded
+    task: asyncio.Future | None = None  # the load or unload under way
+    active: int = 0  # requests between lookup and admission (inside kit_for)
+    last_used: float = field(default_factory=time.monotonic)
+    ttl: float | None = None  # None: the options' or the host's
+    memory_bytes: int = 0
+    last_error: str | None = None
+
+    def __setattr__(self, name: str, value) -> None:
+        # Every state change goes through the transitions table (hosting/model_state.py).
+        if name == "state" and "state" in self.__dict__:
+            value = check_transition(self.state, value)
+        super().__setattr__(name, value)
+
+    @property
+    def busy(self) -> bool:
+        """A request is in ``kit_for``, or generations run or wait for rows."""
+        queue = getattr(self.service, "queue", None)
+        return self.active > 0 or bool(queue and queue.busy)

@@ -7,7 +7,9 @@ are taken, and is refused at once (429) when ``limit`` requests already wait.
 Rows are given back when the generations have ended on the engine thread,
 not when a client leaves, so the count stays equal to the kit's open rows.
 Everything here runs on the event loop; ``release`` from another thread goes
-through ``loop.call_soon_threadsafe``.
+through ``loop.call_soon_threadsafe``. The queue is the one owner of what is
+admitted: the rows taken, the requests waiting, and the requests whose
+generations are open (``admitted``: what a stopping server cancels).
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ class AdmissionQueue:
         self.free = rows
         self.closed = False
         self._waiters: deque[_Waiter] = deque()
+        self.admitted: set = set()  # requests (runs.RequestRun) with generations still open
+
+    def enter(self, run) -> None:
+        """``run`` holds rows and its generations have started."""
+        self.admitted.add(run)
+
+    def leave(self, run) -> None:
+        """``run``'s last generation has ended (its rows are given back one by one)."""
+        self.admitted.discard(run)
+
+    @property
+    def busy(self) -> bool:
+        """Rows are taken, requests wait, or generations are open."""
+        return bool(self.running or self.waiting or self.admitted)
 
     @property
     def waiting(self) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import mlx_engine as me
 
-import re
+from functools import partial
+from typing import Callable, Mapping, Sequence
 
 from fastapi.responses import JSONResponse
 
@@ -33,8 +34,15 @@ _ENGINE_FIELDS = {
 }
 
 
+Where = tuple[str | int, ...]  # a request field as its parts: ("tools", 1, "function", "name")
+
+
 class APIError(Exception):
-    """An error the client gets as an OpenAI error object."""
+    """An error the client gets as an OpenAI error object.
+
+    ``where`` is ``param`` as its parts and ``wording`` the message said with a
+    given ``param``: a wire format that built an internal request renames the
+    field (``renamed``) and the message follows, with no parsing of either."""
 
     def __init__(
         self,
@@ -45,10 +53,20 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         code: str | None = None,
         headers: dict | None = None,
+        where: Where | None = None,
+        wording: Callable[[str], str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = headers or {}
+        self.where, self.wording = where, wording
+
+    def renamed(self, where: Where) -> "APIError":
+        """This error naming the field ``where`` (its message too, when it has a ``wording``)."""
+        self.where, self.param = where, ".".join(str(part) for part in where)
+        if self.wording is not None:
+            self.message = self.wording(self.param)
+        return self
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -127,29 +145,47 @@ def from_failure(exc: BaseException, prompt_field: str = "messages") -> APIError
 
 def from_engine(exc: ValueError, prompt_field: str = "messages") -> APIError:
     """The engine's ``ValueError`` as a 400 naming the request field: an
-    ``InvalidArgument``'s ``param`` (the SDK's argument, ``tools[1].function.name``)
-    becomes the field (``tools.1.function.name``), and the SDK's argument names in
-    the message become the request's. ``prompt_field``: where the prompt came
-    from (``messages`` or ``prompt``)."""
+    ``InvalidArgument``'s parts (the SDK's argument, its item, the keys inside:
+    ``tools``, 1, ``function.name``) become the field (``tools.1.function.name``),
+    and its message is said with the request's names. ``prompt_field``: where
+    the prompt came from (``messages``, ``prompt`` or ``input``)."""
     if not isinstance(exc, me.InvalidArgument):
         return bad_request(str(exc))
-    fields = {**_ENGINE_FIELDS, "prompt_tokens": prompt_field, "images_b64": prompt_field}
-    head, sep, rest = exc.param.partition(".")
-    name, index = head.partition("[")[::2]
-    path = (f".{index.rstrip(']')}" if index else "") + (f".{rest}" if sep else "")
-    param = fields.get(name, name) + path
-    return bad_request(_in_request_terms(str(exc), fields), param)
+    names = {**_ENGINE_FIELDS, "prompt_tokens": prompt_field, "images_b64": prompt_field}
+    if exc.field == "images_b64" and exc.index is not None:
+        # The images sit in the messages: their list is not the request's.
+        return engine_error(exc, names, items=False, said=f"image {exc.index + 1} of the request")
+    return engine_error(exc, names)
 
 
-def _in_request_terms(message: str, fields: dict[str, str]) -> str:
-    """``message`` with the SDK's argument names said as the request's fields, in
-    its own words only: what follows the first ``": "`` (a parser's or llguidance's
-    report) is kept as it is."""
-    head, sep, tail = message.partition(": ")
-    head = re.sub(r"images_b64\[(\d+)\]", lambda m: f"image {int(m[1]) + 1} of the request", head)
-    for sdk, field in fields.items():
-        head = re.sub(rf"\b{sdk}\b", field, head)
-    return re.sub(r"tools\[(\d+)\]", r"tools.\1", head) + sep + tail
+def engine_error(
+    exc: me.InvalidArgument, names: Mapping[str, str], *, items: bool = True, said: str | None = None
+) -> APIError:
+    """``exc`` as a 400 naming the request field: its argument as ``names`` says,
+    then its item (unless ``items`` is false: a list the request does not have)
+    and keys. The message names every argument as ``names`` says, and the one at
+    fault as the field, or as ``said``."""
+    index = (exc.index,) if items and exc.index is not None else ()
+    where = (names.get(exc.field, exc.field), *index, *exc.keys)
+    wording = partial(_engine_words, exc, names, said)
+    return _named(where, wording)
+
+
+def _engine_words(exc: me.InvalidArgument, names: Mapping[str, str], said: str | None, param: str) -> str:
+    return exc.render(names, said if said is not None else param)
+
+
+def tool_renamed(err: APIError, sources: Sequence[int], keys: Mapping[str, str] | None = None) -> APIError:
+    """``err`` of an internal request, its tool ``k`` (``tools.k.function.name``)
+    named as the wire request's tool ``sources[k]`` (``tools.3.name``), the key
+    inside ``function`` as ``keys`` says (Anthropic's ``input_schema``)."""
+    where = err.where or ()
+    if len(where) < 3 or where[0] != "tools" or not isinstance(where[1], int) or where[2] != "function":
+        return err
+    k, inside = where[1], list(where[3:])
+    if inside and keys:
+        inside[0] = keys.get(str(inside[0]), inside[0])
+    return err.renamed(("tools", sources[k] if k < len(sources) else k, *inside))
 
 
 def from_validation(errors: list[dict]) -> APIError:
@@ -159,5 +195,18 @@ def from_validation(errors: list[dict]) -> APIError:
     if first.get("type") == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     param = ".".join(loc) or None
-    where = f"{param}: " if param else ""
-    return bad_request(f"{where}{first.get('msg', 'invalid value')}", param)
+    msg = first.get("msg", "invalid value")
+    if param is None:
+        return bad_request(msg)
+    parts = tuple(p for p in first.get("loc", ()) if p != "body")
+    return _named(parts, partial(_field_words, msg))
+
+
+def _named(where: Where, wording: Callable[[str], str]) -> APIError:
+    """A 400 naming the field ``where``, its message ``wording`` of it."""
+    param = ".".join(str(part) for part in where)
+    return APIError(400, wording(param), param=param, where=where, wording=wording)
+
+
+def _field_words(msg: str, param: str) -> str:
+    return f"{param}: {msg}"

@@ -12,9 +12,10 @@ from typing import Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from .drafts import resolve_draft
-from .errors import APIError, from_engine
-from .host import PAIRED, ModelHost, replace_options
+from ..hosting.drafts import resolve_draft
+from ..hosting.host import ModelHost
+from ..hosting.options import PAIRED, replace_options
+from ..web.errors import APIError, from_engine
 
 
 class LoadRequest(BaseModel):

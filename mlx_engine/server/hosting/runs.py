@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 import anyio
 
-from .queue import AdmissionQueue
+from .admission import AdmissionQueue
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +52,10 @@ class RequestRun:
         self,
         kit: me.ModelKit,
         rows: AdmissionQueue,
-        registry: set["RequestRun"],
         outcomes: Counter,
         observer: Callable[[int, me.GenerationResult], None] | None = None,
     ):
-        self.kit, self.rows, self.registry, self.outcomes = kit, rows, registry, outcomes
+        self.kit, self.rows, self.outcomes = kit, rows, outcomes
         self.observer = observer  # sees every result on the pump thread (metrics.RunObserver)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Item | object] = asyncio.Queue()
@@ -82,7 +81,7 @@ class RequestRun:
             raise
         # From here each pump gives its own row back when its generation has ended.
         self._live = len(gens)
-        self.registry.add(self)
+        self.rows.enter(self)
         for index, (rid, gen) in enumerate(gens):
             self.request_ids.append(rid)
             threading.Thread(
@@ -138,7 +137,7 @@ class RequestRun:
         self.rows.release(1)
         self._live -= 1
         if self._live == 0:
-            self.registry.discard(self)
+            self.rows.leave(self)
             if self._own["cancelled"]:
                 cause = "the server is stopping" if self.cut_by_shutdown else "the client left or the host stopped it"
                 logger.info(

@@ -17,7 +17,7 @@ from mlx_engine import MAX_JSON_DEPTH, json_depth
 from dataclasses import dataclass, replace
 from weakref import WeakKeyDictionary
 
-from .errors import bad_request, from_engine
+from ..web.errors import bad_request, from_engine
 from .schemas import ChatCompletionRequest, CompletionRequest, EngineOptions, Message
 
 # JSON nesting in tool schemas and call arguments is limited by the engine's one

@@ -4,9 +4,9 @@
 such lists; ``encoding_format`` is ``float`` or ``base64`` (little-endian
 float32, as OpenAI's clients decode it); ``dimensions`` shortens the vectors
 of a model trained for it (Matryoshka) and is a 400 on another. The model is
-the host's, loaded on demand like a chat model (host.py, ``kit_for(...,
+the host's, loaded on demand like a chat model (hosting/host.py, ``kit_for(...,
 embedding=True)``); a request waits for the model's one row in its admission
-queue (queue.py) and embeds on the kit's engine thread.
+queue (hosting/admission.py) and embeds on the kit's engine thread.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import mlx_engine as me
 
 import base64
-import re
 import time
 from typing import Any, Literal
 
@@ -23,16 +22,18 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .core import take_rows
-from .errors import APIError, bad_request
+from ..core.turns import take_rows
+from ..web.errors import APIError, bad_request, engine_error
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+# ``embed``'s argument names, as the request says them.
+_EMBED_FIELDS = {"texts": "input", "truncate=True": '"mlx_engine": {"truncate": true}'}
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(
         strict=True, extra="ignore"
-    )  # as schemas.py's bodies: strict types, unknown fields ignored
+    )  # as core/schemas.py's bodies: strict types, unknown fields ignored
 
 
 class EmbeddingOptions(_Body):
@@ -93,14 +94,9 @@ def _json_type(v: Any) -> str:
 def from_embed_error(exc: ValueError, single: bool) -> APIError:
     """``embed``'s ``InvalidArgument`` as a 400 naming the request field
     (``texts[3]`` -> ``input.3``, or ``input`` for a single input)."""
-    param = getattr(exc, "param", None) or "input"
-
-    def field(m: re.Match) -> str:
-        return "input" if single else f"input.{m[1]}"
-
-    param = re.sub(r"^texts\[(\d+)\]$", field, param).replace("texts", "input")
-    message = re.sub(r"texts\[(\d+)\]", field, str(exc)).replace("truncate=True", '"mlx_engine": {"truncate": true}')
-    return bad_request(message, param)
+    if not isinstance(exc, me.InvalidArgument):
+        return bad_request(str(exc), "input")
+    return engine_error(exc, _EMBED_FIELDS, items=not single)
 
 
 def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -1,10 +1,10 @@
 """The one core the three wire formats share.
 
-Chat completions, the Responses API (openai_responses.py) and the Messages API
-(anthropic_messages.py) all become the same internal request, a
+Chat completions, the Responses API (apis/openai_responses/) and the Messages API
+(apis/anthropic_messages/) all become the same internal request, a
 ``ChatCompletionRequest``: messages as the chat template takes them, tools,
 constraints, sampling and decoding. From there the prompt, ``create_generator``'s
-arguments (params.py), admission (queue.py) and the generations (runs.py) are
+arguments (core/params.py), admission (hosting/admission.py) and the generations (hosting/runs.py) are
 the same code for all three; each wire format only translates its body in and
 its events out, with its own error and stop-reason vocabulary at the edge.
 """
@@ -23,11 +23,11 @@ import anyio
 from fastapi import Request
 from pydantic import ValidationError
 
+from ..hosting.admission import QueueFullError, ShuttingDownError
+from ..hosting.runs import RequestRun
+from ..web.errors import APIError, from_engine, from_failure, from_validation
 from . import overflow, params
 from .chat_objects import Choice
-from .errors import APIError, from_engine, from_failure, from_validation
-from .queue import QueueFullError, ShuttingDownError
-from .runs import RequestRun
 from .schemas import ChatCompletionRequest, Message
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def fit_context(
     too_long: Callable[[int, int], APIError] | None = None,
 ) -> overflow.Fitted:
     """``body`` rendered and, when its prompt is over the context and the
-    operator chose ``truncate-middle``, cut to fit (overflow.py); unchanged
+    operator chose ``truncate-middle``, cut to fit (core/overflow.py); unchanged
     otherwise (a prompt still over is the caller's to refuse). ``renderer``:
     the prompt of a body (default ``render_now``).
 
@@ -177,7 +177,7 @@ async def admit(
     """Wait for rows (429 when the line is full, 503 when stopping), then start."""
     await take_rows(service, request, len(kwargs))
     observer = service.metrics.observer(service.model_id) if service.metrics is not None else None
-    run = RequestRun(service.kit, service.queue, service.runs, service.outcomes, observer)
+    run = RequestRun(service.kit, service.queue, service.outcomes, observer)
     try:
         await run.start(prompt.tokens, kwargs)
     except ValueError as exc:

@@ -1,0 +1,1 @@
+"""HTTP concerns: error objects, the body limit, the Host check, the connection cap, metrics, the chat page."""
