@@ -101,16 +101,35 @@ def _mtp_tensors(files: list[Path], layout: str, index: int, read) -> tuple[dict
 
 
 def own_mtp_path(kit: Target) -> Path:
-    """The target's own checkpoint, when it holds an MTP head (``load_draft_model(kit, "mtp")``)."""
+    """The target's own checkpoint, when it holds an MTP head (``load_draft_model(kit, "mtp")``):
+    its folder, or its GGUF file whose ``nextn`` blocks the load kept (``model.mtp``)."""
     path = Path(kit.model_path)
+    if _gguf_mtp(kit) is not None:
+        return path
     config = read_head_config(path) if path.is_dir() else None
     if config is None or config.get("head_kind") not in ("mtp", "qwen3_5_mtp"):
         raise ModelLoadError(
             f"the model {str(path)!r} has no MTP weights in its checkpoint (no 'mtp.fc', 'layers.N.eh_proj' "
-            f"or 'mtp_layers.N.input_proj' tensor); "
+            f"or 'mtp_layers.N.input_proj' tensor, nor a GGUF 'nextn' block); "
             f"{OWN_MTP!r} asks for the target's own MTP head"
         )
     return path
+
+
+def _gguf_mtp(kit: Target) -> dict | None:
+    """The MTP tensors a GGUF target's load kept (Qwen3.5's ``nextn`` blocks,
+    under Hugging Face names with the norms' 1 added: loading/gguf/qwen35.MTPHead), or None."""
+    kept = getattr(kit.model, "mtp", None)
+    weights = getattr(kept, "weights", None)
+    return weights if isinstance(weights, dict) and weights else None
+
+
+def head_config_for(kit: Target, path: Path) -> dict | None:
+    """``read_head_config``, and for the target's own GGUF file (``own_mtp_path``)
+    the config of the head its load kept: a ``qwen3_5_mtp`` head over the target's config."""
+    if path.is_file() and path == Path(kit.model_path) and _gguf_mtp(kit) is not None:
+        return {**kit.config, "head_kind": "qwen3_5_mtp", "own_checkpoint": True, "from_gguf": True}
+    return read_head_config(path)
 
 
 def _target_facts(kit: Target) -> tuple[int, int] | str:
@@ -300,8 +319,14 @@ def _build_eagle3(kit: Target, path: Path, config: dict) -> eagle3.Eagle3Head:
 def _build_qwen3_5_mtp(kit: Target, path: Path, config: dict) -> qwen3_5_mtp.Qwen35MTPHead:
     """A Qwen3.5 MTP head: a split folder's tensors, or the ``mtp.*`` ones of the target's own checkpoint."""
     net = qwen3_5_mtp.build_net(config)
-    weights, where = _read_weights(path, rename=False)
-    if config.get("own_checkpoint"):
+    if config.get("from_gguf"):
+        # Stored as mlx-vlm holds them (the converter added the norms' 1): no "mtp." prefix, so
+        # mlx-vlm's sanitize adds nothing.
+        weights = {k.removeprefix("mtp."): v for k, v in _gguf_mtp(kit).items()}
+        where = {k: path.name for k in weights}
+    else:
+        weights, where = _read_weights(path, rename=False)
+    if config.get("own_checkpoint") and not config.get("from_gguf"):
         weights = {k: v for k, v in weights.items() if k.startswith("mtp.")}
     weights = net.sanitize(weights)
     where = {k: where.get(k, where.get("mtp." + k, "model.safetensors")) for k in weights}
