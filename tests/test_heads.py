@@ -153,13 +153,19 @@ def test_structured_output_with_the_head_equals_plain(kit, frequent_head):
         me.unload_draft_model(kit)
 
 
-def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, frequent_head):
-    batch_kit = me.load_model(target, max_parallel=4)
-    me.load_draft_model(batch_kit, frequent_head)
-    me.load_draft_model(kit, frequent_head)
-    texts = [TEXT, "def f(a, b):\n    return a + b\n", TEXT + TEXT, "x = 1\ny = 2\n"]
+@pytest.mark.parametrize("head_name", ["frequent_head", "mtp_head"])
+def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, request, head_name):
+    """Rows drafting with the head (EAGLE-3, or a layer-N MTP head), prompt
+    lookup, plain, default and structured output, batched: each equals its run alone."""
+    head = request.getfixturevalue(head_name)
+    batch_kit = me.load_model(target, max_parallel=5)
+    me.load_draft_model(batch_kit, head)
+    me.load_draft_model(kit, head)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    texts = [TEXT, "def f(a, b):\n    return a + b\n", TEXT + TEXT, "x = 1\ny = 2\n", "Answer: "]
     modes = [{"num_draft_tokens": 3}, {"prompt_lookup_num_tokens": 3}, {"speculative_decoding_toggle": False}, {}]
-    lengths = (30, 17, 24, 21)
+    modes.append({"num_draft_tokens": 3, "json_schema": json.dumps(schema)})
+    lengths = (30, 17, 24, 21, 20)
     try:
         jobs = [(me.tokenize(kit, t), m, n) for t, m, n in zip(texts, modes, lengths)]
         want = [generate_ids(kit, p, max_tokens=n, **m)[0] for p, m, n in jobs]
@@ -170,12 +176,17 @@ def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, frequent_head):
         me.unload(batch_kit)
     for (p, _, _), w, ids in zip(jobs, want, got):
         assert_same_or_near_tie(kit, p, w, ids)
-    assert [f.stats.decoding_mode for f in finals] == ["draft_model", "prompt_lookup", "plain", "draft_model"]
+    modes = ["draft_model", "prompt_lookup", "plain", "draft_model", "draft_model"]
+    assert [f.stats.decoding_mode for f in finals] == modes
     assert finals[0].stats.accepted_tokens > 0
 
 
-def test_reload_and_replace(kit, random_head, frequent_head):
+def test_reload_and_replace(kit, random_head, frequent_head, mtp_head):
     without = me.memory_in_use(kit)
+    me.load_draft_model(kit, mtp_head)
+    assert kit.draft.description == "layer-N MTP head"
+    me.unload_draft_model(kit)
+    assert kit.draft is None
     me.load_draft_model(kit, random_head)
     me.load_draft_model(kit, frequent_head)  # replaces it; the capture points stay installed once
     assert kit.draft.path == frequent_head
