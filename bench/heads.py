@@ -4,8 +4,10 @@ On the default model (or ``--model``), with a random EAGLE-3 head built for it
 on the fly (speculators layout; a 32,000-id draft vocabulary as published
 heads have, or the whole vocabulary with ``--full-vocab``):
 
-- **step costs**: a chained head step, and the small draft model's chained
-  step (``smollm2-135m-draft`` when installed), in single target steps, as the
+- **step costs**: a chained head step per format (the EAGLE-3 head, and a
+  random layer-N MTP head with its own output layer: DeepSeek/GLM's and MiMo's
+  layouts load as the same network), and the small draft model's chained step
+  (``smollm2-135m-draft`` when installed), in single target steps, as the
   engine measures them for its router and draft length;
 - **overhead of a loaded head whose drafts are all rejected**: plain decoding
   with no head, then with the random head loaded in the draft mode and in auto
@@ -25,7 +27,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from fixtures.tiny_heads import make_eagle3_head  # noqa: E402
+from fixtures.tiny_heads import make_eagle3_head, make_layer_mtp_head  # noqa: E402
 
 from .stats import bench_args, write_report  # noqa: E402
 
@@ -48,13 +50,15 @@ def _tokens_per_second(kit, prompt: list[int], tokens: int, **kw) -> tuple[float
     return n / (time.perf_counter() - t0), n / (time.process_time() - c0), last.stats
 
 
-def _step_costs(kit, head: Path) -> list[str]:
+def _step_costs(kit, head: Path, config: dict) -> list[str]:
     from mlx_engine.request.drafters import draft_step_cost
 
     rows = []
-    me.load_draft_model(kit, head)
-    rows.append(f"| EAGLE-3 head ({kit.draft.description}) | {draft_step_cost(kit):.3f} |")
-    me.unload_draft_model(kit)
+    mtp = make_layer_mtp_head(Path(tempfile.mkdtemp()) / "mtp", config, seed=1)
+    for name, path in (("EAGLE-3 head", head), ("layer-N MTP head", mtp)):
+        me.load_draft_model(kit, path)
+        rows.append(f"| {name} ({kit.draft.description}) | {draft_step_cost(kit):.3f} |")
+        me.unload_draft_model(kit)
     try:
         me.load_draft_model(kit, "smollm2-135m-draft")
         rows.append(f"| small draft model (smollm2-135m-draft) | {draft_step_cost(kit):.3f} |")
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(tempfile.mkdtemp()) / "head", config, draft_vocab=None if args.full_vocab else 32000, seed=1
     )
     lines = ["# Hidden-state heads", "", f"Model {args.model}, a random EAGLE-3 head.", ""]
-    lines += ["| drafter | chained step / target step |", "|---|---|", *_step_costs(kit, head), ""]
+    lines += ["| drafter | chained step / target step |", "|---|---|", *_step_costs(kit, head, config), ""]
     prompts = [me.apply_chat_template(kit, [{"role": "user", "content": p}]) for p in PROMPTS]
     for p in prompts:  # warm the prompt cache and the cost measurements
         _tokens_per_second(kit, p, 8)

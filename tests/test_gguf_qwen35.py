@@ -105,6 +105,43 @@ def test_the_mtp_head_is_kept_under_its_hugging_face_names(sources, f32_kits, fa
         assert "mtp.layers.0.mlp.switch_mlp.gate_proj.weight" in mtp
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_files_mtp_head_drafts_as_the_hugging_face_head_it_came_from(sources, f32_kits, family, tmp_path):
+    """``load_draft_model(kit, "mtp")`` on a GGUF kit drafts with the ``nextn``
+    block its load kept: greedy equals plain, and it drafts token for token as
+    the Hugging Face ``mtp.*`` head the converter wrote it from (the converter
+    adds 1 to every norm, ``enorm``/``hnorm`` included: the folder holds them without it)."""
+    import json
+
+    kit = f32_kits(family)
+    report = me.check_draft_model(kit, "mtp")
+    assert report.compatible and report.kind == "qwen3_5_mtp", report.reasons
+    hf = tmp_path / "hf_mtp"
+    hf.mkdir()
+    norms = ("norm.weight", "norm_embedding.weight", "norm_hidden.weight")  # enorm/hnorm in the file's names
+    weights = {k: v - 1.0 if k.endswith(norms) else v for k, v in kit.model.mtp.weights.items()}
+    mx.save_safetensors(str(hf / "model.safetensors"), weights)
+    text = {k: v for k, v in kit.config.items() if k != "quantization"}
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_5_mtp", "text_config": text}))
+    prompt = me.tokenize(kit, PROMPT)
+    plain, _ = generate_ids(kit, prompt, max_tokens=16, temp=0.0)
+    tokens = mx.array([prompt[1:6]], dtype=mx.uint32)
+    hidden = mx.random.normal((1, 5, kit.config["hidden_size"]), key=mx.random.key(1))
+    runs, logits = [], []
+    for draft in ("mtp", hf):
+        me.load_draft_model(kit, draft)
+        try:
+            head = kit.draft.head
+            logits.append(head.logits(head.forward(head.new_cache(), tokens, hidden, 0)))
+            ids, final = generate_ids(kit, prompt, max_tokens=16, temp=0.0, num_draft_tokens=3)
+        finally:
+            me.unload_draft_model(kit)
+        assert_same_or_near_tie(kit, prompt, plain, ids)
+        runs.append((ids, final.stats.drafted_tokens, final.stats.accepted_tokens))
+    assert mx.allclose(logits[0], logits[1], atol=1e-4).item()
+    assert runs[0] == runs[1] and runs[0][1] > 0
+
+
 @pytest.fixture(scope="module")
 def q8_files(sources):
     return {family: _file(sources(family), "q8", "Q8_0") for family in FAMILIES}

@@ -153,13 +153,19 @@ def test_structured_output_with_the_head_equals_plain(kit, frequent_head):
         me.unload_draft_model(kit)
 
 
-def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, frequent_head):
-    batch_kit = me.load_model(target, max_parallel=4)
-    me.load_draft_model(batch_kit, frequent_head)
-    me.load_draft_model(kit, frequent_head)
-    texts = [TEXT, "def f(a, b):\n    return a + b\n", TEXT + TEXT, "x = 1\ny = 2\n"]
+@pytest.mark.parametrize("head_name", ["frequent_head", "mtp_head"])
+def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, request, head_name):
+    """Rows drafting with the head (EAGLE-3, or a layer-N MTP head), prompt
+    lookup, plain, default and structured output, batched: each equals its run alone."""
+    head = request.getfixturevalue(head_name)
+    batch_kit = me.load_model(target, max_parallel=5)
+    me.load_draft_model(batch_kit, head)
+    me.load_draft_model(kit, head)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    texts = [TEXT, "def f(a, b):\n    return a + b\n", TEXT + TEXT, "x = 1\ny = 2\n", "Answer: "]
     modes = [{"num_draft_tokens": 3}, {"prompt_lookup_num_tokens": 3}, {"speculative_decoding_toggle": False}, {}]
-    lengths = (30, 17, 24, 21)
+    modes.append({"num_draft_tokens": 3, "json_schema": json.dumps(schema)})
+    lengths = (30, 17, 24, 21, 20)
     try:
         jobs = [(me.tokenize(kit, t), m, n) for t, m, n in zip(texts, modes, lengths)]
         want = [generate_ids(kit, p, max_tokens=n, **m)[0] for p, m, n in jobs]
@@ -170,12 +176,17 @@ def test_batch_of_mixed_rows_equals_each_row_alone(target, kit, frequent_head):
         me.unload(batch_kit)
     for (p, _, _), w, ids in zip(jobs, want, got):
         assert_same_or_near_tie(kit, p, w, ids)
-    assert [f.stats.decoding_mode for f in finals] == ["draft_model", "prompt_lookup", "plain", "draft_model"]
+    modes = ["draft_model", "prompt_lookup", "plain", "draft_model", "draft_model"]
+    assert [f.stats.decoding_mode for f in finals] == modes
     assert finals[0].stats.accepted_tokens > 0
 
 
-def test_reload_and_replace(kit, random_head, frequent_head):
+def test_reload_and_replace(kit, random_head, frequent_head, mtp_head):
     without = me.memory_in_use(kit)
+    me.load_draft_model(kit, mtp_head)
+    assert kit.draft.description == "layer-N MTP head"
+    me.unload_draft_model(kit)
+    assert kit.draft is None
     me.load_draft_model(kit, random_head)
     me.load_draft_model(kit, frequent_head)  # replaces it; the capture points stay installed once
     assert kit.draft.path == frequent_head
@@ -448,3 +459,105 @@ def test_hidden_trail_reads_the_newest_pass_at_each_position():
     assert trail.take(6, 9) is None and trail.covers(8) and not trail.covers(7)
     trail.drop_before(5)
     assert trail.first() == 3 and trail.take(5, 7)[:, 0].tolist() == [102, 103]
+
+
+# --- MiMo's MTP head (model.mtp_layers.*) on a mimo target ---
+
+MIMO_FUSION = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    """A tiny mimo target whose own checkpoint holds its MTP head, the same head
+    in the layer-N layout, and the target's plain greedy answer."""
+    root = tmp_path_factory.mktemp("mimo")
+    target = make_model(root / "mimo", "mimo", hidden=64, layers=2, scale=3.0, seed=3)
+    make_layer_mtp_head(target, target, seed=4, scale=2.0, own_head=False, file_name="mtp.safetensors", mimo=True)
+    layer_n = make_layer_mtp_head(root / "layer_n", target, seed=4, scale=2.0, own_head=False)
+    k = me.load_model(target, max_parallel=1)
+    prompt = me.tokenize(k, TEXT)
+    yield k, target, layer_n, (prompt, generate_ids(k, prompt, max_tokens=40)[0])
+    me.unload(k)
+
+
+def _mimo_reference(kit, folder, tokens: mx.array, hidden: mx.array) -> mx.array:
+    """HF's ``MiMoMTPLayers`` written out on the file's tensors: the logits after
+    the target's final hidden states ``hidden`` for the next ids ``tokens``."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import KVCache
+    from mlx_lm.utils import _get_classes
+
+    w = {k.removeprefix("model.mtp_layers.0."): v for k, v in mx.load(str(folder / "mtp.safetensors")).items()}
+    cfg = {**json.loads((folder / "config.json").read_text()), "num_hidden_layers": 1}
+    model_cls, args_cls = _get_classes(cfg)
+    block = model_cls(args_cls.from_dict(cfg)).model.layers[0]
+    block.load_weights([(k, v) for k, v in w.items() if k.split(".")[0] not in MIMO_FUSION])
+    eps, embed = cfg["rms_norm_eps"], kit.model.model.embed_tokens
+    e = mx.fast.rms_norm(embed(tokens), w["token_layernorm.weight"], eps)
+    h = mx.fast.rms_norm(hidden, w["hidden_layernorm.weight"], eps)
+    x = mx.concatenate([h, e], axis=-1) @ w["input_proj.weight"].T  # MiMo: the hidden state first
+    cache = KVCache()
+    out = block(x, create_attention_mask(x, cache), cache)
+    return embed.as_linear(mx.fast.rms_norm(out, w["final_layernorm.weight"], eps))
+
+
+def test_mimo_own_mtp_head_loads_by_name_and_computes_mimos_formula(mimo):
+    kit, target, _, (prompt, want) = mimo
+    report = me.check_draft_model(kit, "mtp")
+    assert report.compatible and report.kind == "mtp" and report.vocabulary == "the target's output layer"
+    me.load_draft_model(kit, "mtp")
+    try:
+        head = kit.draft.head
+        tokens = mx.array([[5, 9, 2]], dtype=mx.uint32)
+        hidden = mx.random.normal((1, 3, 64), key=mx.random.key(0))
+        got = head.logits(head.forward(head.new_cache(), tokens, hidden, 0))
+        assert mx.allclose(got, _mimo_reference(kit, target, tokens, hidden), atol=1e-4).item()
+        for k in (2, 4):
+            ids, final = generate_ids(kit, prompt, max_tokens=40, num_draft_tokens=k)
+            assert_same_or_near_tie(kit, prompt, want, ids)
+            assert final.stats.decoding_mode == "draft_model" and final.stats.drafted_tokens > 0
+    finally:
+        me.unload_draft_model(kit)
+
+
+def test_mimo_head_drafts_exactly_as_the_same_head_in_the_layer_n_layout(mimo, tmp_path):
+    kit, target, layer_n, (prompt, _) = mimo
+    split = tmp_path / "mimo_split"
+    split.mkdir()
+    shutil.copy(target / "mtp.safetensors", split / "model.safetensors")
+    shutil.copy(target / "config.json", split / "config.json")
+    runs = []
+    for folder in (split, layer_n):
+        me.load_draft_model(kit, folder)
+        try:
+            ids, final = generate_ids(kit, prompt, max_tokens=40, num_draft_tokens=3)
+        finally:
+            me.unload_draft_model(kit)
+        runs.append((ids, final.stats.drafted_tokens, final.stats.accepted_tokens))
+    assert runs[0] == runs[1] and runs[0][1] > 0
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda w: w.pop("model.mtp_layers.0.token_layernorm.weight"),
+            "lacks tensor 'mtp_layers.0.token_layernorm.weight'",
+        ),
+        (
+            lambda w: w.update({"model.mtp_layers.0.final_layernorm.weight": mx.ones((3,))}),
+            r"'mtp_layers.0.final_layernorm.weight' has shape \(3,\)",
+        ),
+    ],
+)
+def test_malformed_mimo_head_names_its_tensor(mimo, tmp_path, edit, match):
+    kit, target, _, _ = mimo
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    w = dict(mx.load(str(target / "mtp.safetensors")))
+    edit(w)
+    mx.save_safetensors(str(broken / "model.safetensors"), w)
+    shutil.copy(target / "config.json", broken / "config.json")
+    with pytest.raises(ModelLoadError, match=match):
+        me.load_draft_model(kit, broken)
+    assert kit.draft is None

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -75,27 +76,60 @@ def _holds(path: Path, tensor: str) -> bool:
     return any(tensor in _tensor_names(f) for f in sorted(path.glob("*.safetensors")))
 
 
-def _mtp_files(path: Path) -> tuple[int, list[Path]] | None:
-    """The layer index of a layer-N MTP head in the folder's safetensors files
-    (by their headers: a tensor named ``...layers.N.eh_proj.weight``) and the files."""
+def _mtp_files(path: Path) -> tuple[str, int, list[Path]] | None:
+    """The layout and layer index of an MTP head in the folder's safetensors
+    files (by their headers: a tensor named ``...layers.N.eh_proj.weight``, or
+    MiMo's ``...mtp_layers.K.input_proj.weight``) and the files."""
     files = sorted(path.glob("*.safetensors"))
     for file in files:
-        index = mtp.mtp_layer_index(_tensor_names(file))
-        if index is not None:
-            return index, files
+        found = mtp.mtp_layer_index(_tensor_names(file))
+        if found is not None:
+            return *found, files
     return None
 
 
+def _mtp_tensors(files: list[Path], layout: str, index: int, read) -> tuple[dict, dict[str, str]]:
+    """The head's tensors (``read(file)``: a file's tensors or their header
+    entries) under their layer-N names, and the file of each."""
+    tensors, where = {}, {}
+    for file in files:
+        for name, value in read(file).items():
+            t = mtp.mtp_tensor(name)
+            if t is not None and t[:2] == (layout, index):
+                tensors[t[2]], where[t[2]] = value, file.name
+    return tensors, where
+
+
 def own_mtp_path(kit: Target) -> Path:
-    """The target's own checkpoint, when it holds an MTP head (``load_draft_model(kit, "mtp")``)."""
+    """The target's own checkpoint, when it holds an MTP head (``load_draft_model(kit, "mtp")``):
+    its folder, or its GGUF file whose ``nextn`` blocks the load kept (``model.mtp``)."""
     path = Path(kit.model_path)
+    if _gguf_mtp(kit) is not None:
+        return path
     config = read_head_config(path) if path.is_dir() else None
     if config is None or config.get("head_kind") not in ("mtp", "qwen3_5_mtp"):
         raise ModelLoadError(
-            f"the model {str(path)!r} has no MTP weights in its checkpoint (no 'mtp.fc' or 'layers.N.eh_proj' tensor); "
+            f"the model {str(path)!r} has no MTP weights in its checkpoint (no 'mtp.fc', 'layers.N.eh_proj' "
+            f"or 'mtp_layers.N.input_proj' tensor, nor a GGUF 'nextn' block); "
             f"{OWN_MTP!r} asks for the target's own MTP head"
         )
     return path
+
+
+def _gguf_mtp(kit: Target) -> dict | None:
+    """The MTP tensors a GGUF target's load kept (Qwen3.5's ``nextn`` blocks,
+    under Hugging Face names with the norms' 1 added: loading/gguf/qwen35.MTPHead), or None."""
+    kept = getattr(kit.model, "mtp", None)
+    weights = getattr(kept, "weights", None)
+    return weights if isinstance(weights, dict) and weights else None
+
+
+def head_config_for(kit: Target, path: Path) -> dict | None:
+    """``read_head_config``, and for the target's own GGUF file (``own_mtp_path``)
+    the config of the head its load kept: a ``qwen3_5_mtp`` head over the target's config."""
+    if path.is_file() and path == Path(kit.model_path) and _gguf_mtp(kit) is not None:
+        return {**kit.config, "head_kind": "qwen3_5_mtp", "own_checkpoint": True, "from_gguf": True}
+    return read_head_config(path)
 
 
 def _target_facts(kit: Target) -> tuple[int, int] | str:
@@ -152,13 +186,8 @@ def _check_mtp(kit: Target, path: Path, facts: tuple[int, int] | str) -> DraftCo
     if isinstance(facts, str):
         return DraftCompatibility(False, [facts], kind="mtp")
     _, hidden = facts
-    index, files = _mtp_files(path)
-    shapes = {}
-    for file in files:
-        for name, info in read_safetensors_header(file).items():
-            m = mtp.LAYER_TENSOR.match(name)
-            if m and int(m.group(1)) == index:
-                shapes[m.group(2)] = info.shape
+    layout, index, files = _mtp_files(path)
+    shapes = {k: v.shape for k, v in _mtp_tensors(files, layout, index, read_safetensors_header)[0].items()}
     reasons = []
     eh = shapes.get("eh_proj.weight")
     if eh is not None and tuple(eh) != (hidden, 2 * hidden):
@@ -193,6 +222,14 @@ def _check_qwen3_5_mtp(kit: Target, path: Path, config: dict, facts: tuple[int, 
     )
 
 
+def _load_file(file: Path) -> dict[str, mx.array]:
+    """A safetensors file's tensors; a file MLX cannot read is a ``ModelLoadError`` naming it."""
+    try:
+        return mx.load(str(file))
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"weight file {str(file)!r} could not be read: {exc}") from exc
+
+
 def _read_weights(path: Path, rename: bool = True) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Every tensor of the folder's safetensors files (headers checked first),
     and the file of each; ``rename``: EAGLE-3's names onto mlx-vlm's."""
@@ -202,25 +239,28 @@ def _read_weights(path: Path, rename: bool = True) -> tuple[dict[str, mx.array],
     weights, where = {}, {}
     for file in files:
         read_safetensors_header(file)
-        try:
-            loaded = mx.load(str(file))
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise ModelLoadError(f"weight file {str(file)!r} could not be read: {exc}") from exc
+        loaded = _load_file(file)
         for name, value in (eagle3.rename_weights(loaded) if rename else loaded).items():
             weights[name], where[name] = value, file.name
     return weights, where
 
 
 def _check_tensors(
-    net: nn.Module, weights: dict, where: dict, path: Path, optional: set[str], prefix: str = "", kind: str = ""
+    net: nn.Module,
+    weights: dict,
+    where: dict,
+    path: Path,
+    optional: set[str],
+    shown: Callable[[str], str] = str,
+    kind: str = "an EAGLE-3 head",
 ) -> None:
     """Every tensor the head needs is there with its shape, and nothing else
-    (named as the files name them: ``prefix`` + the name, ``block.`` dropped)."""
+    (``shown(name)``: the name as the files name it, ``block.`` dropped)."""
     expected = dict(tree_flatten(net.parameters()))
-    kind = kind or ("an MTP head" if prefix else "an EAGLE-3 head")
+    named = shown
 
     def shown(name: str) -> str:
-        return prefix + name.removeprefix("block.")
+        return named(name.removeprefix("block."))
 
     for name, value in weights.items():
         if name not in expected:
@@ -279,8 +319,14 @@ def _build_eagle3(kit: Target, path: Path, config: dict) -> eagle3.Eagle3Head:
 def _build_qwen3_5_mtp(kit: Target, path: Path, config: dict) -> qwen3_5_mtp.Qwen35MTPHead:
     """A Qwen3.5 MTP head: a split folder's tensors, or the ``mtp.*`` ones of the target's own checkpoint."""
     net = qwen3_5_mtp.build_net(config)
-    weights, where = _read_weights(path, rename=False)
-    if config.get("own_checkpoint"):
+    if config.get("from_gguf"):
+        # Stored as mlx-vlm holds them (the converter added the norms' 1): no "mtp." prefix, so
+        # mlx-vlm's sanitize adds nothing.
+        weights = {k.removeprefix("mtp."): v for k, v in _gguf_mtp(kit).items()}
+        where = {k: path.name for k in weights}
+    else:
+        weights, where = _read_weights(path, rename=False)
+    if config.get("own_checkpoint") and not config.get("from_gguf"):
         weights = {k: v for k, v in weights.items() if k.startswith("mtp.")}
     weights = net.sanitize(weights)
     where = {k: where.get(k, where.get("mtp." + k, "model.safetensors")) for k in weights}
@@ -298,18 +344,10 @@ def _build_qwen3_5_mtp(kit: Target, path: Path, config: dict) -> qwen3_5_mtp.Qwe
 
 
 def _build_mtp(kit: Target, path: Path) -> mtp.LayerNMTPHead:
-    """A layer-N MTP head from the folder's tensors of that layer, every one checked."""
-    index, files = _mtp_files(path)
-    tensors, where = {}, {}
-    for file in files:
-        try:
-            loaded = mx.load(str(file))
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise ModelLoadError(f"weight file {str(file)!r} could not be read: {exc}") from exc
-        for name, value in loaded.items():
-            m = mtp.LAYER_TENSOR.match(name)
-            if m and int(m.group(1)) == index:
-                tensors[m.group(2)], where[m.group(2)] = value, file.name
+    """A layer-N (or MiMo) MTP head from the folder's tensors of that layer, every one checked."""
+    layout, index, files = _mtp_files(path)
+    tensors, where = _mtp_tensors(files, layout, index, _load_file)
+    tensors = mtp.fusion_order(layout, tensors)
     block, template = mtp.build_block(kit.model)
     hidden = int(capture.text_model(kit.model).embed_tokens.weight.shape[-1])
     eps = float(kit.config.get("text_config", kit.config).get("rms_norm_eps", 1e-6))
@@ -317,7 +355,8 @@ def _build_mtp(kit: Target, path: Path) -> mtp.LayerNMTPHead:
     net = mtp.MTPNet(block, hidden, eps, None if own is None else int(own.shape[0]))
     weights = mtp.head_weights(kit.model, tensors, template)
     files_of = {k: where.get(k.removeprefix("block."), files[0].name) for k in weights}
-    _check_tensors(net, weights, files_of, path, optional=set(), prefix=f"layers.{index}.")
+    shown = partial(mtp.file_name, layout, index)
+    _check_tensors(net, weights, files_of, path, optional=set(), shown=shown, kind="an MTP head")
     net.load_weights(list(weights.items()), strict=False)
     mx.eval(net.parameters())
     return mtp.LayerNMTPHead(net, kit.model, kit.vocab_size)

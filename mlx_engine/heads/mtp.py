@@ -11,6 +11,13 @@ output (before ``shared_head.norm``). The decoder layer is a copy of one of
 the target's attention layers (the last one), given the head's weights, so
 any architecture mlx-lm implements works; its weights go through the target's
 own ``sanitize`` under that layer's name.
+
+MiMo keeps the same head as ``model.mtp_layers.K.*`` (``token_layernorm``,
+``hidden_layernorm``, ``input_proj``, ``final_layernorm`` beside the decoder
+layer's tensors) and feeds ``input_proj`` the hidden state first:
+``input_proj([hidden_layernorm(h), token_layernorm(e)])`` (HF's
+``MiMoMTPLayers``). ``mtp_tensor`` reads both layouts into the layer-N names,
+and ``fusion_order`` puts MiMo's ``input_proj`` columns in the layer-N order.
 """
 
 from __future__ import annotations
@@ -28,16 +35,61 @@ from ..decode.capture import FINAL, HiddenSpec
 
 #: A layer-N MTP tensor: ``model.layers.N.<rest>`` with ``eh_proj`` among them.
 LAYER_TENSOR = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+#: A MiMo MTP tensor: ``model.mtp_layers.K.<rest>``.
+MIMO_TENSOR = re.compile(r"^(?:model\.)?mtp_layers\.(\d+)\.(.+)$")
+#: MiMo's names of the fusion's tensors, onto the layer-N ones.
+MIMO_NAMES = {
+    "token_layernorm": "enorm",
+    "hidden_layernorm": "hnorm",
+    "input_proj": "eh_proj",
+    "final_layernorm": "shared_head.norm",
+}
 FUSION = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+LAYER_N, MIMO = "layer-n", "mimo"
 
 
-def mtp_layer_index(names: list[str]) -> int | None:
-    """The layer index holding an MTP head (its ``eh_proj``), or None."""
-    for name in names:
-        m = LAYER_TENSOR.match(name)
-        if m and m.group(2) == "eh_proj.weight":
-            return int(m.group(1))
+def mtp_tensor(name: str) -> tuple[str, int, str] | None:
+    """A head tensor's layout, layer index and name within the layer-N head
+    (MiMo's fusion names translated), or None for any other tensor."""
+    if m := LAYER_TENSOR.match(name):
+        return LAYER_N, int(m.group(1)), m.group(2)
+    if m := MIMO_TENSOR.match(name):
+        first, _, rest = m.group(2).partition(".")
+        return MIMO, int(m.group(1)), f"{MIMO_NAMES.get(first, first)}.{rest}"
     return None
+
+
+def file_name(layout: str, index: int, name: str) -> str:
+    """A head tensor's name as its file names it (for errors)."""
+    if layout == LAYER_N:
+        return f"layers.{index}.{name}"
+    back = {v: k for k, v in MIMO_NAMES.items()}
+    for ours, theirs in back.items():
+        if name.startswith(ours + "."):
+            name = theirs + name[len(ours) :]
+            break
+    return f"mtp_layers.{index}.{name}"
+
+
+def mtp_layer_index(names: list[str]) -> tuple[str, int] | None:
+    """The layout and layer index of an MTP head (its ``eh_proj``, or MiMo's
+    first ``input_proj``), or None."""
+    found = [t for t in map(mtp_tensor, names) if t is not None and t[2] == "eh_proj.weight"]
+    return min(found, key=lambda t: (t[0] != LAYER_N, t[1]))[:2] if found else None
+
+
+def fusion_order(layout: str, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """MiMo's ``input_proj`` (and its quantization's scales and biases, whose
+    groups never straddle the halves) with its two input halves swapped into
+    the layer-N order (embedding first); other layouts as they are."""
+    if layout != MIMO:
+        return tensors
+    out = dict(tensors)
+    for key in ("eh_proj.weight", "eh_proj.scales", "eh_proj.biases"):
+        if key in out:
+            half = out[key].shape[-1] // 2
+            out[key] = mx.concatenate([out[key][..., half:], out[key][..., :half]], axis=-1)
+    return out
 
 
 class MTPNet(nn.Module):

@@ -41,7 +41,7 @@ def check_draft_model(kit: ModelKit, path: str | Path) -> DraftCompatibility:
     tokenizer (no weights), so hosts can list compatible drafts cheaply."""
     try:
         draft_path = _draft_path(kit, path)
-        head = heads.read_head_config(draft_path)
+        head = heads.head_config_for(kit, draft_path)
     except ValueError as exc:  # ModelLoadError is a ValueError
         return DraftCompatibility(False, [str(exc)])
     if head is not None:
@@ -63,7 +63,7 @@ def load_draft(kit: ModelKit, path: str | Path, name: str | None = None) -> None
         )
     for note in report.notes:
         logger.info("draft model %s: %s", path, note)
-    if (head := heads.read_head_config(draft_path)) is not None:
+    if (head := heads.head_config_for(kit, draft_path)) is not None:
         new = heads.load_head(kit, draft_path, head)
         unload_draft(kit)
         new.attach(kit.model)
