@@ -48,7 +48,7 @@ from contextlib import contextmanager  # noqa: E402
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
-from .run import machine_info  # noqa: E402
+from .machine import machine_info  # noqa: E402
 from .stats import bench_args, write_report  # noqa: E402
 
 MODEL = "agent"
