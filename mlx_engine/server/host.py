@@ -283,12 +283,14 @@ class HostLimits:
     """When models are unloaded: ``ttl`` idle seconds (None: never),
     ``memory_bytes`` for loaded models (None: ``DEFAULT_MEMORY_SHARE`` of
     physical memory), ``max_loaded`` (None: no count limit); ``load_wait_s``:
-    how long a request waits for a loading model before a 503."""
+    how long a request waits for a loading model before a 503;
+    ``rescan_interval_s``: how often an unknown name may rescan the folders."""
 
     ttl: float | None = DEFAULT_TTL_S
     memory_bytes: int | None = None
     max_loaded: int | None = None
     load_wait_s: float = DEFAULT_LOAD_WAIT_S
+    rescan_interval_s: float = RESCAN_INTERVAL_S
 
     def __post_init__(self) -> None:
         check_ttl(self.ttl)
@@ -393,11 +395,15 @@ class ModelHost:
 
     def lookup(self, model: str) -> ModelEntry:
         """The entry named ``model``, rescanning once before a 404 (at most once
-        per ``RESCAN_INTERVAL_S``: a client naming unknown models in a loop
+        per ``limits.rescan_interval_s``: a client naming unknown models in a loop
         cannot make the server walk its folders for each)."""
         entry = self.entries.get(model)
         now = time.monotonic()
-        if entry is None and (self.models_dirs or self.use_catalog) and now - self._last_scan >= RESCAN_INTERVAL_S:
+        if (
+            entry is None
+            and (self.models_dirs or self.use_catalog)
+            and now - self._last_scan >= self.limits.rescan_interval_s
+        ):
             self.rescan()
             entry = self.entries.get(model)
         if entry is None:
