@@ -39,8 +39,8 @@ import math  # noqa: E402
 import time  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
-from .run import geomean, machine_info  # noqa: E402
-from .stats import bench_args  # noqa: E402
+from .machine import machine_info  # noqa: E402
+from .stats import bench_args, geomean  # noqa: E402
 
 logger = logging.getLogger("bench")
 

@@ -9,7 +9,7 @@ lookup, and with the automatic router without a draft model (plain or lookup);
 with the draft trained for the model (``--draft``, default ``smollm2-135m-draft``;
 ``''`` for none) also mlx-lm's speculative decoding, the engine's draft-model
 mode and auto with the draft loaded. ``--systems`` and ``--workloads`` pick subsets.
-Systems run interleaved with a rotating order (``bench.run.measure``); ratios
+Systems run interleaved with a rotating order (``bench.measure.measure``); ratios
 are paired per round (``bench.stats``). Greedy outputs are compared with
 mlx-lm's; a divergence is reported with the top-2 logit gap where it happens.
 Writes ``<out>/chat.md`` and ``<out>/chat.json``.
@@ -26,8 +26,9 @@ import shlex  # noqa: E402
 import textwrap  # noqa: E402
 
 from . import systems as S  # noqa: E402
-from .run import Plan, _median, geomean, logit_gap, machine_info, measure  # noqa: E402
-from .stats import bench_args, format_paired, paired_ratio  # noqa: E402
+from .machine import machine_info  # noqa: E402
+from .measure import Plan, logit_gap, measure  # noqa: E402
+from .stats import bench_args, format_paired, geomean, median, paired_ratio  # noqa: E402
 from .workloads import Workload  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -133,9 +134,9 @@ def analyse(kit, systems, workloads, runs) -> tuple[list[dict], dict]:
                 "system": s.name,
                 "prompt_tokens": len(w.prompt),
                 "new_tokens": len(rs[0].tokens),
-                "gen_tps": _median(tps),
-                "ttft": _median([r.ttft for r in rs]),
-                "total_s": _median([r.total_time for r in rs]),
+                "gen_tps": median(tps),
+                "ttft": median([r.ttft for r in rs]),
+                "total_s": median([r.total_time for r in rs]),
                 "exact": exactness(kit, w.prompt, ref, rs[0].tokens),
             }
             for peer in peers:

@@ -24,8 +24,8 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 from .chat import chat_prompts  # noqa: E402
-from .run import _median, machine_info  # noqa: E402
-from .stats import bench_args, format_paired, paired_ratio, write_report  # noqa: E402
+from .machine import machine_info  # noqa: E402
+from .stats import bench_args, format_paired, median, paired_ratio, write_report  # noqa: E402
 
 STREAMS = (1, 2, 4, 8)
 MODES = {"plain": {}, "lookup": {"prompt_lookup_num_tokens": 8}, "auto": {"auto_speculative": True}}
@@ -130,12 +130,12 @@ def render(rates, same, ttft, reps: int, max_tokens: int) -> list[str]:
     ]
     for (set_name, n, mode_name), rs in rates.items():
         if mode_name == "one stream":
-            lines.append(f"| {set_name} | {n} | one stream, plain, in turn | {_median(rs):.1f} | 1.00 | | |")
+            lines.append(f"| {set_name} | {n} | one stream, plain, in turn | {median(rs):.1f} | 1.00 | | |")
             continue
         one = paired_ratio(rs, rates[(set_name, n, "one stream")])
         plain = paired_ratio(rs, rates[(set_name, n, "plain")])
         lines.append(
-            f"| {set_name} | {n} | {mode_name} | {_median(rs):.1f} | {format_paired(one.ratio, one.low, one.high)} | "
+            f"| {set_name} | {n} | {mode_name} | {median(rs):.1f} | {format_paired(one.ratio, one.low, one.high)} | "
             f"{format_paired(plain.ratio, plain.low, plain.high)} | {same[(set_name, n, mode_name)]}/{n} |"
         )
     alone, admitted = ttft
@@ -143,9 +143,9 @@ def render(rates, same, ttft, reps: int, max_tokens: int) -> list[str]:
         "",
         "| time to first token | median s |",
         "|---|---:|",
-        f"| alone | {_median(alone):.3f} |",
-        f"| admitted while 3 others decode | {_median(admitted):.3f} |",
-        f"| ratio | {_median(admitted) / _median(alone):.2f} |",
+        f"| alone | {median(alone):.3f} |",
+        f"| admitted while 3 others decode | {median(admitted):.3f} |",
+        f"| ratio | {median(admitted) / median(alone):.2f} |",
     ]
     return lines
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .run import machine_info
+from .machine import machine_info
 
 N_SENTENCES = 1000
 MODEL = "all-minilm-l6-v2"

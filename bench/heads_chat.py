@@ -25,8 +25,7 @@ import statistics  # noqa: E402
 
 from . import systems as S  # noqa: E402
 from .chat import build  # noqa: E402
-from .run import geomean  # noqa: E402
-from .stats import bench_args, write_report  # noqa: E402
+from .stats import bench_args, geomean, write_report  # noqa: E402
 from .workloads import Workload  # noqa: E402
 
 logger = logging.getLogger("bench")

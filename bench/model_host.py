@@ -40,7 +40,7 @@ import httpx  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import uvicorn  # noqa: E402
 
-from .run import machine_info  # noqa: E402
+from .machine import machine_info  # noqa: E402
 
 
 def rss_bytes() -> int:

@@ -28,7 +28,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from .replay import ReplayedDraft, accept_lengths, replay_drafter  # noqa: E402
+from .replay_core import ReplayedDraft, accept_lengths, replay_drafter  # noqa: E402
 
 
 def record(path: Path, draft: str, tokens: int, only: list[str] | None) -> dict:

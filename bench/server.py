@@ -43,7 +43,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from .chat import DEFAULT_DRAFT, chat_prompts  # noqa: E402
-from .run import machine_info  # noqa: E402
+from .machine import machine_info  # noqa: E402
 
 logger = logging.getLogger("bench")
 

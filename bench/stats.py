@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from typing import NamedTuple
 
 #: Fewer paired rounds than this give no interval (the bootstrap of 1-2 values is meaningless).
@@ -51,6 +52,18 @@ def paired_ratio(a: list[float], b: list[float], resamples: int = 4000, seed: in
     means = sorted(sum(rng.choice(logs) for _ in range(n)) / n for _ in range(resamples))
     low, high = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
     return PairedRatio(math.exp(mean), math.exp(low), math.exp(high), n)
+
+
+def median(xs: list[float]) -> float:
+    """The median of the values that are not NaN (NaN when none are)."""
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def geomean(xs: list[float]) -> float:
+    """The geometric mean of the positive values (NaN when none are)."""
+    xs = [x for x in xs if x > 0 and not math.isnan(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def format_paired(ratio: float, low: float | None, high: float | None) -> str:

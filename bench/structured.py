@@ -8,7 +8,7 @@ default model, SmolLM2-135M-Instruct (float32 on the CPU), greedy:
 - ``schema+forced``: constrained, with the tokens the grammar forces drafted;
 - ``schema+lookup``: constrained, forced spans plus prompt lookup.
 
-Systems run interleaved with a rotating order (``bench.run.measure``), ratios
+Systems run interleaved with a rotating order (``bench.measure.measure``), ratios
 are paired per round (``bench.stats``). The constrained systems must produce
 the same tokens; the script checks it. Writes ``<out>/structured.md``.
 """
@@ -20,8 +20,8 @@ import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 import logging  # noqa: E402
 
 from . import systems as S  # noqa: E402
-from .run import Plan, _median, measure  # noqa: E402
-from .stats import bench_args, format_paired, paired_ratio, write_report  # noqa: E402
+from .measure import Plan, measure  # noqa: E402
+from .stats import bench_args, format_paired, median, paired_ratio, write_report  # noqa: E402
 from .workloads import Workload  # noqa: E402
 
 BOOK = {
@@ -73,7 +73,7 @@ def bench_model(name: str, kit: me.ModelKit, reps: int, max_tokens: int) -> list
         same = "" if s.name == "free" else ("same" if by[s.name][0].tokens == ref else "DIFFERS")
         forced = f"{stats.get('grammar_accepted_tokens', 0)}/{stats.get('grammar_drafted_tokens', 0)}"
         lines.append(
-            f"| {name} | {s.name} | {len(by[s.name][0].tokens)} | {_median(tps):.1f} | {_ratio(vs_free)} | "
+            f"| {name} | {s.name} | {len(by[s.name][0].tokens)} | {median(tps):.1f} | {_ratio(vs_free)} | "
             f"{_ratio(vs_schema)} | {forced} | {same} |"
         )
     text = kit.tokenizer.decode(ref)

@@ -65,6 +65,16 @@ def cheap_draft(monkeypatch):
 
 @pytest.fixture
 def kit(llama_path):
+    """A fresh kit of its own, for a test that changes it (caches, drafts, patches)."""
+    k = mlx_engine.load_model(llama_path)
+    yield k
+    mlx_engine.unload(k)
+
+
+@pytest.fixture(scope="module")
+def shared_kit(llama_path):
+    """One kit for a module's tests that only need one: calls refused before any
+    work, short generations whose cache reuse their assertions do not read."""
     k = mlx_engine.load_model(llama_path)
     yield k
     mlx_engine.unload(k)

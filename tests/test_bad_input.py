@@ -111,35 +111,35 @@ def test_bad_load_options(llama_path):
         for value in (float("nan"), float("inf"), float("-inf"))
     ],
 )
-def test_bad_generation_arguments(kit, kwargs, match):
-    prompt = me.tokenize(kit, "hello")
+def test_bad_generation_arguments(shared_kit, kwargs, match):
+    prompt = me.tokenize(shared_kit, "hello")
     with pytest.raises(ValueError, match=match) as err:
-        me.create_generator(kit, prompt, **kwargs)
+        me.create_generator(shared_kit, prompt, **kwargs)
     # The argument is named as a value too, so a host (the server) maps it without reading the message.
     assert isinstance(err.value, me.InvalidArgument) and err.value.param == match
-    assert generate_ids(kit, prompt, max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
+    assert generate_ids(shared_kit, prompt, max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
 
 
-def test_largest_bounds_generate(kit):
-    prompt = me.tokenize(kit, "hello")
+def test_largest_bounds_generate(shared_kit):
+    prompt = me.tokenize(shared_kit, "hello")
     ids, last = generate_ids(
-        kit,
+        shared_kit,
         prompt,
         max_tokens=3,
         temp=1.0,
         min_p=0.5,
         seed=1,
-        min_tokens_to_keep=kit.vocab_size,
+        min_tokens_to_keep=shared_kit.vocab_size,
         repetition_penalty=1.1,
         repetition_context_size=2**31 - 1,
     )
     assert len(ids) == 3
 
 
-def test_tokenize_refuses_lone_surrogates(kit):
+def test_tokenize_refuses_lone_surrogates(shared_kit):
     with pytest.raises(ValueError, match=r"prompt is not valid Unicode.*index 1"):
-        me.tokenize(kit, "a\ud800b")
-    assert me.tokenize(kit, "ab") == me.tokenize(kit, "ab")
+        me.tokenize(shared_kit, "a\ud800b")
+    assert me.tokenize(shared_kit, "ab") == me.tokenize(shared_kit, "ab")
 
 
 @pytest.mark.parametrize(
@@ -153,11 +153,11 @@ def test_tokenize_refuses_lone_surrogates(kit):
         ([1.5], "integers"),
     ],
 )
-def test_bad_prompts(kit, prompt, match):
+def test_bad_prompts(shared_kit, prompt, match):
     with pytest.raises(ValueError, match=match) as err:
-        me.create_generator(kit, prompt)
+        me.create_generator(shared_kit, prompt)
     assert isinstance(err.value, me.InvalidArgument) and err.value.param == "prompt_tokens"
-    assert generate_ids(kit, [1, 2, 3], max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
+    assert generate_ids(shared_kit, [1, 2, 3], max_tokens=2)[1].stop_condition.stop_reason == "token_limit"
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -184,9 +184,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         (dict(auto_speculative="yes"), "auto_speculative"),
     ],
 )
-def test_invalid_arguments_carry_their_name(kit, kwargs, param):
+def test_invalid_arguments_carry_their_name(shared_kit, kwargs, param):
     with pytest.raises(me.InvalidArgument) as err:
-        me.create_generator(kit, me.tokenize(kit, "hello"), **kwargs)
+        me.create_generator(shared_kit, me.tokenize(shared_kit, "hello"), **kwargs)
     assert err.value.param == param and isinstance(err.value, ValueError)
 
 
@@ -222,11 +222,11 @@ def test_unloaded_kit_refuses(llama_path):
         me.create_generator(kit, [1, 2])
 
 
-def test_top_k_must_be_below_the_vocabulary(kit):
-    prompt = me.tokenize(kit, "hello")
-    with pytest.raises(ValueError, match=f"top_k must be from 0 .* to {kit.vocab_size - 1}"):
-        me.create_generator(kit, prompt, top_k=kit.vocab_size)
-    ids, final = generate_ids(kit, prompt, max_tokens=3, top_k=kit.vocab_size - 1, temp=0.5, seed=1)
+def test_top_k_must_be_below_the_vocabulary(shared_kit):
+    prompt = me.tokenize(shared_kit, "hello")
+    with pytest.raises(ValueError, match=f"top_k must be from 0 .* to {shared_kit.vocab_size - 1}"):
+        me.create_generator(shared_kit, prompt, top_k=shared_kit.vocab_size)
+    ids, final = generate_ids(shared_kit, prompt, max_tokens=3, top_k=shared_kit.vocab_size - 1, temp=0.5, seed=1)
     assert final.stop_condition.stop_reason == "token_limit"
 
 
@@ -257,9 +257,9 @@ def test_numpy_and_mlx_integer_ids_are_accepted(kit):
 
 
 @pytest.mark.parametrize("prompt", [{1: 2, 3: 4}, {1, 2, 3}, [True, False]])
-def test_mappings_sets_and_bools_are_not_prompts(kit, prompt):
+def test_mappings_sets_and_bools_are_not_prompts(shared_kit, prompt):
     with pytest.raises(ValueError, match="prompt_tokens"):
-        me.create_generator(kit, prompt)
+        me.create_generator(shared_kit, prompt)
 
 
 @pytest.mark.parametrize("path", ["", "   "])

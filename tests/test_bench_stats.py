@@ -59,7 +59,7 @@ def test_replay_prices_lookup_and_the_router_on_a_recorded_output():
     from mlx_engine.drafters.router import AutoRouter
     from mlx_engine.pricing import costs
 
-    from bench.replay import replay_drafter
+    from bench.replay_core import replay_drafter
 
     passage = list(range(100, 160))
     prompt = list(range(1000, 1050)) + passage

@@ -195,9 +195,9 @@ def test_presence_and_frequency_penalties_see_the_window(kit):
         (dict(frequency_penalty="high"), "frequency_penalty"),
     ],
 )
-def test_bad_bias_and_penalties(kit, kwargs, match):
+def test_bad_bias_and_penalties(shared_kit, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        me.create_generator(kit, prompt_of(kit), **kwargs)
+        me.create_generator(shared_kit, prompt_of(shared_kit), **kwargs)
 
 
 def test_top_logprobs(kit):

@@ -756,19 +756,18 @@ def test_unknown_model_names_rescan_the_folders_at_most_once_a_second(tmp_path, 
     scans = []
     real = host_module.scan_models_dir
     monkeypatch.setattr(host_module, "scan_models_dir", lambda *a: scans.append(1) or real(*a))
-    host = make_host(tmp_path)
 
-    def unknown_names() -> int:
+    def unknown_names(host) -> int:
         scans.clear()
         for i in range(20):
             with pytest.raises(Exception, match="is not known here"):
                 host.lookup(f"unknown-{i}")
         return len(scans)
 
-    monkeypatch.setattr(host_module, "RESCAN_INTERVAL_S", 0.0)
-    assert unknown_names() == 20  # unthrottled, each name walked the folder
-    monkeypatch.setattr(host_module, "RESCAN_INTERVAL_S", 3600.0)
-    assert unknown_names() == 0  # within the interval of the last scan: none
+    assert make_host(tmp_path).limits.rescan_interval_s == 1.0  # the default: at most once a second
+    assert unknown_names(make_host(tmp_path, rescan_interval_s=0.0)) == 20  # unthrottled, each name walked the folder
+    # within the interval of the last scan (the start's): none
+    assert unknown_names(make_host(tmp_path, rescan_interval_s=3600.0)) == 0
 
 
 def test_model_entry_moves_only_by_the_transitions_table():

@@ -135,8 +135,8 @@ def test_the_server_maps_its_wire_fields_into_the_groups(kit):
     """The extension's mode is passed as chosen and each length only where that
     mode uses it; the server holds no lookup default of its own."""
     from mlx_engine.server.core import params
-    from mlx_engine.server.web.errors import from_engine
     from mlx_engine.server.core.schemas import CompletionRequest, EngineOptions
+    from mlx_engine.server.web.errors import from_engine
 
     lookup = params.decoding_options(EngineOptions(decoding="prompt_lookup", num_draft_tokens=3), "auto")
     assert lookup == DecodingOptions(decoding="prompt_lookup")

@@ -30,10 +30,9 @@ def test_draft_is_a_small_quantized_catalog_model():
     assert (DRAFT_DIR / "README.md").exists() and (DRAFT_DIR / "eval.json").exists()
 
 
-def test_missing_repository_model_is_explained(monkeypatch, tmp_path):
-    monkeypatch.setattr(catalog, "REPO_MODELS", tmp_path)
+def test_missing_repository_model_is_explained(tmp_path):
     with pytest.raises(me.ModelLoadError, match="ships in the mlx-engine repository"):
-        catalog.lookup("smollm2-135m-draft")
+        catalog.lookup("smollm2-135m-draft", repo_models=tmp_path)
 
 
 @requires_default_model

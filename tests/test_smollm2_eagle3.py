@@ -43,21 +43,13 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def head(target, monkeypatch_module):
+def head(target):
     from training import train_smollm2_eagle3 as tr
 
-    monkeypatch_module.setattr(tr, "AUX_LAYER_IDS", AUX)
-    h = tr.new_head(target, np.arange(0, VOCAB, 2), seed=1)  # draft vocabulary: the even ids
+    h = tr.new_head(target, np.arange(0, VOCAB, 2), seed=1, aux_ids=AUX)  # draft vocabulary: the even ids
     for layer in (h.fc, h.layers[0]):  # a trained head's scale: random drafts, no ties
         layer.update(tree_map(lambda w: 3 * w, layer.parameters()))
     return h
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
 
 
 def _sequence(target, n=40, seed=0):

@@ -171,13 +171,13 @@ def test_stop_string_inside_constrained_output(kit):
         ({"structured_drafting": "yes", "regex": "a"}, "structured_drafting"),
     ],
 )
-def test_bad_constraints_are_refused_before_model_work(kit, kwargs, argument):
-    prompt = me.tokenize(kit, "hello")
-    before = list(kit.cache.tokens)
+def test_bad_constraints_are_refused_before_model_work(shared_kit, kwargs, argument):
+    prompt = me.tokenize(shared_kit, "hello")
+    before = list(shared_kit.cache.tokens)
     with pytest.raises(ValueError, match=argument):
-        me.create_generator(kit, prompt, max_tokens=5, **kwargs)
-    assert list(kit.cache.tokens) == before
-    assert len(generate_ids(kit, prompt, max_tokens=3)[0]) == 3  # still usable
+        me.create_generator(shared_kit, prompt, max_tokens=5, **kwargs)
+    assert list(shared_kit.cache.tokens) == before
+    assert len(generate_ids(shared_kit, prompt, max_tokens=3)[0]) == 3  # still usable
 
 
 @requires_default_model
@@ -262,12 +262,12 @@ def test_mask_covers_padded_vocabulary(draft_path, llama_path):
 
 
 @pytest.mark.parametrize("kwargs", [{"regex": "(yes|no)"}, {"json_schema": {"type": "boolean"}}])
-def test_logprobs_under_a_constraint_are_finite(kit, kwargs):
+def test_logprobs_under_a_constraint_are_finite(shared_kit, kwargs):
     """Masked alternatives are not reported (they used to come back as -inf)."""
     import math
 
-    prompt = me.tokenize(kit, "hello")
-    results = list(me.create_generator(kit, prompt, max_tokens=8, top_logprobs=5, **kwargs))
+    prompt = me.tokenize(shared_kit, "hello")
+    results = list(me.create_generator(shared_kit, prompt, max_tokens=8, top_logprobs=5, **kwargs))
     tokens = [t for r in results for t in r.tokens]
     tops = [top for r in results for top in (r.top_logprobs or [])]
     assert tokens and len(tops) == len(tokens)

@@ -51,7 +51,7 @@ TARGET = "smollm2-135m-instruct"
 
 
 # -- the head -------------------------------------------------------------------
-def head_config(draft_vocab: int, args: dict) -> dict:
+def head_config(draft_vocab: int, args: dict, aux_ids: tuple[int, ...] = AUX_LAYER_IDS) -> dict:
     """The speculators-form config of a head for a llama target with ``args``
     (mlx-lm's ModelArgs as a dict): one decoder layer of the target's shape."""
     return {
@@ -77,7 +77,7 @@ def head_config(draft_vocab: int, args: dict) -> dict:
         "draft_vocab_size": draft_vocab,
         "target_hidden_size": args["hidden_size"],
         "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": list(AUX_LAYER_IDS),
+        "eagle_aux_hidden_state_layer_ids": list(aux_ids),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 4}],
@@ -94,14 +94,16 @@ def draft_vocabulary(seqs: list[np.ndarray], lens: np.ndarray, n: int, vocab: in
     return np.sort(np.argsort(-counts, kind="stable")[:n])
 
 
-def new_head(kit: me.ModelKit, draft_ids: np.ndarray, seed: int) -> Eagle3DraftModel:
+def new_head(
+    kit: me.ModelKit, draft_ids: np.ndarray, seed: int, aux_ids: tuple[int, ...] = AUX_LAYER_IDS
+) -> Eagle3DraftModel:
     """A head started from the target: its embedding and its output rows of the
     draft vocabulary (both frozen) and its final norm; ``fc`` and the layer are
     random (passing the top aux layer through ``fc`` instead starts the head
     confidently predicting the *current* next token, loss 14, and its large
     residual drowns the layer's updates)."""
     mx.random.seed(seed)
-    cfg = head_config(len(draft_ids), vars(kit.model.args))
+    cfg = head_config(len(draft_ids), vars(kit.model.args), aux_ids)
     head = Eagle3DraftModel(ModelConfig.from_dict(cfg))
     inner = kit.model.model
     emb = inner.embed_tokens.weight.astype(mx.float32)
@@ -255,7 +257,9 @@ def save_head(head: Eagle3DraftModel, draft_ids: np.ndarray, out: Path, meta: di
     """Write the head in the speculators/SGLang layout (``midlayer.*``), without
     the embedding (the target's is used); mlx-quantized when ``bits``."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = head_config(len(draft_ids), head.config.transformer_layer_config.__dict__)
+    cfg = head_config(
+        len(draft_ids), head.config.transformer_layer_config.__dict__, tuple(head.config.target_layer_ids)
+    )
     if bits:
         head = _quantized_copy(head, bits)
         cfg["quantization"] = {"group_size": 64, "bits": bits}

@@ -74,14 +74,15 @@ CATALOG = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def lookup(name: str) -> Path | None:
+def lookup(name: str, repo_models: Path = REPO_MODELS) -> Path | None:
     """The installed file (or repository directory) of a catalog model, None when
-    ``name`` is not in the catalog; ``ModelLoadError`` when it is but is missing."""
+    ``name`` is not in the catalog; ``ModelLoadError`` when it is but is missing.
+    ``repo_models`` is where the repository's own models live."""
     entry = CATALOG.get(name.lower())
     if entry is None:
         return None
     if entry.package is None:
-        path = REPO_MODELS / entry.filename
+        path = repo_models / entry.filename
         if (path / "config.json").is_file():
             return path
         raise ModelLoadError(

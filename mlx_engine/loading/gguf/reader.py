@@ -75,18 +75,18 @@ class GGUFHeader:
 
 class _Reader:
     """Bounds-checked little-endian reads over a memory-mapped file; the header
-    may use at most ``MAX_HEADER_BYTES`` of it."""
+    may use at most ``limit`` bytes of it."""
 
     _U64 = struct.Struct("<Q")
 
-    def __init__(self, buf, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
-        self.end = min(len(buf), MAX_HEADER_BYTES)
+    def __init__(self, buf, path: Path, limit: int = MAX_HEADER_BYTES):
+        self.buf, self.pos, self.path, self.limit = buf, 0, path, limit
+        self.end = min(len(buf), limit)
 
     def corrupt(self, what: str) -> ModelLoadError:
         if self.end < len(self.buf):
             return ModelLoadError(
-                f"GGUF file {str(self.path)!r}: {what} runs past the end of the file or past {MAX_HEADER_BYTES} "
+                f"GGUF file {str(self.path)!r}: {what} runs past the end of the file or past {self.limit} "
                 "bytes of header (the most this loader reads)"
             )
         return ModelLoadError(
@@ -163,20 +163,21 @@ class _Reader:
         return out
 
 
-def read_header(path: Path) -> GGUFHeader:
+def read_header(path: Path, max_header_bytes: int = MAX_HEADER_BYTES) -> GGUFHeader:
     """Walk a GGUF file's header (metadata and tensor table) without reading
-    weights; raises ``ModelLoadError`` for anything malformed."""
+    weights; raises ``ModelLoadError`` for anything malformed, or for a header
+    longer than ``max_header_bytes``."""
     stat = path.stat()
-    return _read_header_cached(str(path), stat.st_size, stat.st_mtime_ns)
+    return _read_header_cached(str(path), stat.st_size, stat.st_mtime_ns, max_header_bytes)
 
 
 @functools.lru_cache(maxsize=2)
-def _read_header_cached(name: str, size: int, mtime_ns: int) -> GGUFHeader:
+def _read_header_cached(name: str, size: int, mtime_ns: int, max_header_bytes: int) -> GGUFHeader:
     path = Path(name)
     if size < 24:
         raise ModelLoadError(f"GGUF file {name!r} is too small ({size} bytes) to be a GGUF model")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        r = _Reader(buf, path)
+        r = _Reader(buf, path, max_header_bytes)
         if r.take(4, "magic") != GGUF_MAGIC:
             raise ModelLoadError(f"{name!r} is not a GGUF file (its first bytes are not 'GGUF')")
         version = r.scalar("<I", "version")

@@ -36,7 +36,6 @@ from .templates import template_note
 
 logger = logging.getLogger(__name__)
 
-RESCAN_INTERVAL_S = 1.0  # an unknown model name rescans the folders at most this often
 
 Loader = Callable[[KnownModel, LoadOptions], me.ModelKit]
 
@@ -126,11 +125,15 @@ class ModelHost:
 
     def lookup(self, model: str) -> ModelEntry:
         """The entry named ``model``, rescanning once before a 404 (at most once
-        per ``RESCAN_INTERVAL_S``: a client naming unknown models in a loop
+        per ``limits.rescan_interval_s``: a client naming unknown models in a loop
         cannot make the server walk its folders for each)."""
         entry = self.entries.get(model)
         now = time.monotonic()
-        if entry is None and (self.models_dirs or self.use_catalog) and now - self._last_scan >= RESCAN_INTERVAL_S:
+        if (
+            entry is None
+            and (self.models_dirs or self.use_catalog)
+            and now - self._last_scan >= self.limits.rescan_interval_s
+        ):
             self.rescan()
             entry = self.entries.get(model)
         if entry is None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 DEFAULT_TTL_S = 3600.0  # an idle model is unloaded after an hour, as LM Studio's just-in-time loads
 DEFAULT_MEMORY_SHARE = 0.5  # of physical memory, for the weights of loaded models
 DEFAULT_LOAD_WAIT_S = 60.0
+RESCAN_INTERVAL_S = 1.0  # an unknown model name rescans the folders at most this often
 PAIRED = "paired"  # LoadOptions.draft: the catalog's draft for the model, when it has one
 _COMPUTE_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 
@@ -50,12 +51,14 @@ class HostLimits:
     """When models are unloaded: ``ttl`` idle seconds (None: never),
     ``memory_bytes`` for loaded models (None: ``DEFAULT_MEMORY_SHARE`` of
     physical memory), ``max_loaded`` (None: no count limit); ``load_wait_s``:
-    how long a request waits for a loading model before a 503."""
+    how long a request waits for a loading model before a 503;
+    ``rescan_interval_s``: how often an unknown name may rescan the folders."""
 
     ttl: float | None = DEFAULT_TTL_S
     memory_bytes: int | None = None
     max_loaded: int | None = None
     load_wait_s: float = DEFAULT_LOAD_WAIT_S
+    rescan_interval_s: float = RESCAN_INTERVAL_S
 
     def __post_init__(self) -> None:
         check_ttl(self.ttl)
