@@ -26,6 +26,7 @@ from .kits.text import KitOptions, ModelKit, validate_max_parallel, validate_suf
 from .kits.vision import VisionModelKit
 from .loading import model as loading
 from .loading.chat_template import check_render
+from .loading.memory import return_freed_memory
 from .request.options import GROUPS, RequestOptions
 from .request.pipeline import Generation
 from .request.validate import require_model, validate_request
@@ -118,8 +119,11 @@ def _load_model(model_path, kit_options: KitOptions, seed, max_image_pixels) -> 
             path, compute_dtype=kit_options.compute_dtype, trust_remote_code=kit_options.trust_remote_code
         )
     if loading.is_vision_config(config):
-        return VisionModelKit(path, kit_options, max_image_pixels)
-    return ModelKit(path, kit_options)
+        kit = VisionModelKit(path, kit_options, max_image_pixels)
+    else:
+        kit = ModelKit(path, kit_options)
+    return_freed_memory()  # the load's transient buffers (decoded blocks) back to the OS
+    return kit
 
 
 def tokenize(kit: ModelKit, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -192,6 +196,7 @@ def unload(kit: ModelKit) -> None:
     if not isinstance(kit, ModelKit):
         raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
     _worker_of(kit).call(WhenIdle(kit, kit.unload))
+    return_freed_memory()
 
 
 def load_draft_model(kit: ModelKit, path: str | Path, name: str | None = None) -> None:
