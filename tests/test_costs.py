@@ -187,6 +187,21 @@ def test_a_stale_record_is_ignored_and_rounds_reach_the_kits_book(llama_path, tm
     me.unload(kit)
 
 
+def test_fixed_length_lookup_rounds_reach_the_kits_book(llama_path, tmp_path, monkeypatch):
+    """Not only auto's rounds: a prompt_lookup request's timed rounds refine the
+    kit's forward costs too (each verified its drafts and the target's own token)."""
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
+    kit = me.load_model(llama_path, max_parallel=1)
+    kit.forward_costs()  # the book is open (an earlier auto request, or a batching kit)
+    before = len(kit.cost_book.rounds)
+    prompt = me.tokenize(kit, "for i in range(10):\n    print(i, i * i)\n" * 8)
+    _, final = generate_ids(kit, prompt, max_tokens=12, decoding="prompt_lookup", prompt_lookup_num_tokens=4)
+    rounds = list(kit.cost_book.rounds)[before:]
+    assert final.stats.decoding_mode == "prompt_lookup"
+    assert rounds and all(1 <= w <= 5 for w, _ in rounds) and any(w > 1 for w, _ in rounds)
+    me.unload(kit)
+
+
 def hostile(kind: str, path: Path) -> None:
     if kind == "nested":
         path.write_text("[" * 60_000)

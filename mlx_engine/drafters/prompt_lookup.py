@@ -8,7 +8,7 @@ costs a few dictionary probes whatever the history length.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..pricing.batch_pricing import BatchPricing
 
@@ -184,8 +184,12 @@ class PromptLookupDrafter:
         num_candidates: int = 4,
         memory: list[list[int]] | None = None,
         batch_pricing: BatchPricing | None = None,
+        on_round: Callable[[int, float | None], None] | None = None,
     ):
         self.num_tokens = num_tokens
+        # A fixed-length request's timed rounds (tokens verified, seconds) for the
+        # kit's forward costs (the router reports its own lookup rounds).
+        self.on_round = on_round
         self.num_candidates = num_candidates
         # Given for a fixed-length request on a batching kit: drafts are cut to
         # what pays for the batch (the router prices its own lengths).
@@ -262,4 +266,7 @@ class PromptLookupDrafter:
         return self.memory.lookup(n, self.num_candidates, suffix=history[-self.index.max_ngram :])
 
     def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        pass  # a fixed length; the router adapts lookup lengths
+        """A fixed length (the router adapts lookup lengths): the round only
+        reports its time, as evidence of what a pass of that width costs."""
+        if self.on_round is not None and seconds is not None:
+            self.on_round(drafted + 1, seconds)

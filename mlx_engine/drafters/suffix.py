@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..pricing.batch_pricing import BatchPricing
 from .prompt_lookup import Match, PromptLookupDrafter
@@ -287,8 +287,11 @@ class SuffixDrafter(PromptLookupDrafter):
         max_ngram: int = 3,
         num_candidates: int = 4,
         batch_pricing: BatchPricing | None = None,
+        on_round: Callable[[int, float | None], None] | None = None,
     ):
-        super().__init__(num_tokens, min_ngram, max_ngram, num_candidates, batch_pricing=batch_pricing)
+        super().__init__(
+            num_tokens, min_ngram, max_ngram, num_candidates, batch_pricing=batch_pricing, on_round=on_round
+        )
         self.suffix_memory = memory
         self.request_name = request_name
 

@@ -45,13 +45,14 @@ def build_drafter(
     batch = None
     if kit.max_parallel > 1:
         batch = BatchPricing(kit, kit.drafting_rows, name)
-    # A fixed-length lookup request cuts its drafts to what pays in the batch; the router prices its own.
-    fixed = batch if plan.kind == "prompt_lookup" else None
+    # A fixed-length lookup request cuts its drafts to what pays in the batch and
+    # times its rounds for the kit's forward costs; the router does both itself.
+    fixed = plan.kind == "prompt_lookup"
+    own = dict(batch_pricing=batch if fixed else None, on_round=kit.observe_round if fixed else None)
     if kit.suffix_memory is not None:
-        lookup = SuffixDrafter(plan.lookup_k, kit.suffix_memory, name, *plan.ngrams, batch_pricing=fixed)
+        lookup = SuffixDrafter(plan.lookup_k, kit.suffix_memory, name, *plan.ngrams, **own)
     else:
-        memory = lookup_memory(kit, prompt)
-        lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=memory, batch_pricing=fixed)
+        lookup = PromptLookupDrafter(plan.lookup_k, *plan.ngrams, memory=lookup_memory(kit, prompt), **own)
     if plan.kind == "prompt_lookup":
         return lookup, None
     draft_drafter = None
