@@ -1,4 +1,4 @@
-"""Every drafter behind the loop's one interface (``decode.loop.Drafter``): the
+"""Every drafter behind the loop's one interface (``decode.protocol.Drafter``): the
 draft model (``draft_model.py``), hidden-state heads (``head.py``), prompt lookup
 (``prompt_lookup.py``), the suffix memory (``suffix.py``), the automatic router
 that chooses between them per request (``router.py``; its rules in ``routing.py``,

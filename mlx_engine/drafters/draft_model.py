@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..caches.ragged import release_row
 from ..caches.sequence import SequenceCache, common_prefix_length
-from ..decode.loop import DrafterUnavailable, PendingDrafts
+from ..decode.protocol import DrafterUnavailable, PendingDrafts
 from ..draft.model import DraftModel
 from ..loading.memory import PREFILL_CHUNK
 from ..pricing import costs, speedup
