@@ -3,7 +3,7 @@ generation to its ids, the near-tie rule for speculative exactness, a kit with a
 Markov model, the default model's presence, the loop run without a scheduler."""
 
 import mlx_engine  # first: loads OpenBLAS before mlx.core
-from mlx_engine.decode.loop import TURN, Launch, forward_alone  # noqa: E402
+from mlx_engine.decode.protocol import TURN, Launch, forward_alone  # noqa: E402
 from mlx_engine.pricing.costs import CostModel  # noqa: E402
 from mlx_engine.request.output import SpeculationTally  # noqa: E402
 from mlx_engine.results import GenerationStats  # noqa: E402

@@ -6,7 +6,7 @@ injected (a fake clock, made-up rounds): nothing here depends on this machine's 
 
 import mlx_engine as me
 from mlx_engine.kits.text import costs_from_record
-from mlx_engine.pricing import cost_store, costs
+from mlx_engine.pricing import cost_store, costs, fit
 from mlx_engine.pricing.cost_book import BookSettings, CostBook
 
 import os
@@ -44,14 +44,14 @@ def noisy_samples(spike_width: int | None = None) -> dict[int, list[float]]:
 
 def test_a_slow_width_does_not_clamp_every_wider_one():
     clean = costs.fit_widths(noisy_samples())
-    assert close_to_truth(clean, 0.05) and costs.credible(noisy_samples())
+    assert close_to_truth(clean, 0.05) and fit.credible(noisy_samples())
     spiked = costs.fit_widths(noisy_samples(spike_width=12))
     assert list(spiked.seconds) == sorted(spiked.seconds)
     # A running maximum priced every width from 12 on at the spike (3x).
     assert close_to_truth(spiked, 0.05)
     for at in (10, 25):  # beside the widest, and the widest itself
         assert close_to_truth(costs.fit_widths(noisy_samples(spike_width=at)), 0.05)
-    assert not costs.credible(noisy_samples(spike_width=12))  # so the measurement is repeated
+    assert not fit.credible(noisy_samples(spike_width=12))  # so the measurement is repeated
 
 
 def test_an_incredible_measurement_times_its_widths_again(llama_path):

@@ -9,7 +9,8 @@ import mlx_engine
 from mlx_engine.caches.prompt import PromptCache, branch, cache_bytes
 from mlx_engine.caches.ragged import BATCHED_RECURRENT, RaggedBatch, can_batch
 from mlx_engine.caches.sequence import SequenceCache, layer_rewind_reason
-from mlx_engine.decode.loop import Launch, decode, lazy_ids
+from mlx_engine.decode.loop import decode
+from mlx_engine.decode.protocol import Launch, lazy_ids
 from mlx_engine.decode.sampling import greedy_sampler
 
 import threading

@@ -58,16 +58,11 @@ class DraftModel(AcceptanceRecord):
         model ``main``; found once per loaded draft: the record stored under
         ``key`` (cost_store.py), else measured and stored there."""
         if self.step_ratio is None:
-            record = (cost_store.load(key) if key is not None else None) or {}
-            stored = cost_store.positive_floats([record.get("ratio")], 1)
-            if stored is not None:
-                self.step_ratio = stored[0]
-            else:
-                # Short (16 draft steps, 4 main ones): it is paid in a request's
-                # time to first token, and timed rounds correct what it misses.
-                self.step_ratio = costs.measure_draft_step_ratio(main, self.model, vocab_size)
-                if key is not None:
-                    cost_store.save(key, {"ratio": self.step_ratio})
+            # Short (16 draft steps, 4 main ones): it is paid in a request's
+            # time to first token, and timed rounds correct what it misses.
+            self.step_ratio = cost_store.stored_ratio(
+                key, lambda: costs.measure_draft_step_ratio(main, self.model, vocab_size)
+            )
         return self.step_ratio
 
     def lend(self, prompt: list[int], make) -> SequenceCache:

@@ -10,16 +10,17 @@ import mlx.core as mx
 
 from ..caches.ragged import release_row
 from ..caches.sequence import SequenceCache, common_prefix_length
-from ..decode.loop import DrafterUnavailable, PendingDrafts
+from ..decode.protocol import DrafterUnavailable, PendingDrafts
 from ..draft.model import DraftModel
 from ..loading.memory import PREFILL_CHUNK
-from ..pricing import costs, speedup
+from ..pricing import costs
 from .policy import DraftLengthPolicy
+from .policy_drafter import PolicyDrafter
 
 logger = logging.getLogger(__name__)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(PolicyDrafter):
     """Drafts greedily with a small model whose cache follows the main history.
 
     The draft cache is synchronised to the history by longest common prefix each
@@ -57,34 +58,11 @@ class DraftModelDrafter:
         # into the acceptance by position (observe_scored), which the router
         # weighs the draft model by and which ends a rest early.
         adaptive = draft is not None and num_draft_tokens is None
-        self.policy = DraftLengthPolicy(
-            num_draft_tokens, round_costs, prior_acceptance, scores=adaptive, confident=adaptive
+        super().__init__(
+            DraftLengthPolicy(num_draft_tokens, round_costs, prior_acceptance, scores=adaptive, confident=adaptive)
         )
-        # The draft model's greedy predictions at positions it was fed in one
-        # pass, not yet compared (evaluated lazily), and the tokens decoded there.
-        self._predicted: tuple[mx.array, list[int]] | None = None
         self._unresolved: tuple[int, mx.array] | None = None
-        self._catch_up = 0  # tokens the draft model processed before this round's drafts
-        self._proposed = False  # the length of the round observed next was decided (num_tokens ran)
         self._last_drafted = False  # the last round launched had drafts
-
-    @property
-    def acceptance(self) -> speedup.AcceptanceModel:
-        return self.policy.acceptance
-
-    @property
-    def round_costs(self) -> costs.RoundCosts | None:
-        return self.policy.round_costs
-
-    def time_undrafted(self, seconds: float | None) -> None:
-        """An undrafted round another drafter (the router's lookup) ran: its time
-        teaches this drafter's round costs what an undrafted round costs."""
-        self.policy.time_undrafted(seconds)
-
-    def num_tokens(self, limit: int) -> int:
-        """The next round's draft length (0: undrafted), decided by the policy."""
-        self._proposed = True
-        return self.policy.num_tokens(limit)
 
     def plain_ahead(self, history: list[int]) -> bool:
         """True while the adaptive length drafts nothing: the loop then queues
@@ -106,7 +84,7 @@ class DraftModelDrafter:
         feed = history[cache.rewind_to(min(common_prefix_length(cache.tokens, history), len(history) - 1)) :]
         if len(feed) > 1:  # else there is nothing new to score it on
             self.policy.scoring()
-            self._keep_predictions(cache.feed(feed), feed[1:])
+            self._keep_greedy(cache.feed(feed), feed[1:])
 
     def prefill_todo(self, prompt: list[int]) -> int:
         """Prompt tokens ``prefill_prompt`` will feed the draft model (what its cache lacks)."""
@@ -138,7 +116,7 @@ class DraftModelDrafter:
         # Back to the accepted history (a recurrent draft to the state after
         # its last accepted step: one is kept per step), then feed the rest.
         keep = cache.rewind_to(min(common_prefix_length(cache.tokens, history), len(history) - 1))
-        self._catch_up = len(history) - keep
+        self.catch_up = len(history) - keep
         if reason := cache.rewind_limit_reason(len(history) - keep + k):
             raise DrafterUnavailable(f"draft model: {reason}")
         if self.batched:
@@ -205,22 +183,13 @@ class DraftModelDrafter:
         model up on ``feed`` (tokens decoded without it, more than a drafted
         round's steady catch-up), to score them."""
         if len(feed) > self.policy.steady_catch_up:
-            self._keep_predictions(logits, feed[1:])
+            self._keep_greedy(logits, feed[1:])
 
-    def _keep_predictions(self, logits: mx.array, actual: list[int]) -> None:
+    def _keep_greedy(self, logits: mx.array, actual: list[int]) -> None:
         """Keep the greedy predictions of ``logits``' first rows, which
         ``actual`` follow, to compare them when the round is observed."""
         if self.policy.scores and actual:
-            predicted = mx.argmax(logits[: len(actual), : self.vocab_size], axis=-1)
-            mx.async_eval(predicted)
-            self._predicted = (predicted, actual)
-
-    def _observe_predictions(self) -> None:
-        """Score the kept predictions against the tokens decoded there."""
-        if self._predicted is not None:
-            predicted, actual = self._predicted
-            self._predicted = None
-            self.policy.observe_scored([p == a for p, a in zip(predicted.tolist(), actual)])
+            self.keep_predictions(mx.argmax(logits[: len(actual), : self.vocab_size], axis=-1), actual)
 
     def _resolve(self) -> None:
         """Name the draft ids fed lazily last round (evaluated by now)."""
@@ -228,15 +197,6 @@ class DraftModelDrafter:
             start, drafts = self._unresolved
             self.cache.resolve(start, drafts.tolist()[:-1])
             self._unresolved = None
-
-    def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        if not self._proposed:  # a round the loop queued ahead (plain_ahead)
-            self.policy.skip()
-        self._proposed = False
-        self._observe_predictions()  # positions before this round's
-        if drafted and self.draft is not None:
-            self.draft.record(drafted, accepted)
-        self.policy.observe(drafted, accepted, seconds, catch_up=self._catch_up)
 
 
 class DraftJob(PendingDrafts):

@@ -18,12 +18,13 @@ import mlx.core as mx
 
 from ..decode.capture import HiddenSpec
 from ..heads.model import HeadDraft, HeadState, HiddenTrail
-from ..pricing import costs, speedup
+from ..pricing import costs
 from .draft_model import greedy_picks
 from .policy import DraftLengthPolicy
+from .policy_drafter import PolicyDrafter
 
 
-class HeadDrafter:
+class HeadDrafter(PolicyDrafter):
     """Drafts greedily with a head reading the target's hidden states."""
 
     name = "draft_model"
@@ -39,35 +40,21 @@ class HeadDrafter:
         self.cache = HeadState(self.head)  # this request's head state
         self.trail = HiddenTrail()
         adaptive = num_draft_tokens is None
-        self.policy = DraftLengthPolicy(
-            num_draft_tokens,
-            round_costs,
-            draft.acceptance_prior(prior_acceptance),
-            scores=adaptive,
-            confident=adaptive,
+        super().__init__(
+            DraftLengthPolicy(
+                num_draft_tokens,
+                round_costs,
+                draft.acceptance_prior(prior_acceptance),
+                scores=adaptive,
+                confident=adaptive,
+            )
         )
-        self._predicted: tuple[mx.array, list[int]] | None = None  # head predictions to score, and the tokens
-        self._catch_up = 0
-        self._proposed = False
         self._last_drafted = False
         self._decoded_from: int | None = None  # the first generated position (the prompt is not scored)
 
     @property
     def hidden_spec(self) -> HiddenSpec:
         return self.head.spec
-
-    @property
-    def acceptance(self) -> speedup.AcceptanceModel:
-        return self.policy.acceptance
-
-    @property
-    def round_costs(self) -> costs.RoundCosts | None:
-        return self.policy.round_costs
-
-    def time_undrafted(self, seconds: float | None) -> None:
-        """An undrafted round another drafter (the router's lookup) ran: its time
-        teaches this drafter's round costs what an undrafted round costs."""
-        self.policy.time_undrafted(seconds)
 
     def take_hidden(self, at: int, rows: mx.array) -> None:
         """Hidden states recorded at target positions from ``at`` (a read round's, or a prompt chunk's)."""
@@ -80,10 +67,6 @@ class HeadDrafter:
 
     def prefill_prompt(self, prompt: list[int], on_chunk: Callable | None = None, chunk_size: int = 0) -> Iterator:
         return iter(())
-
-    def num_tokens(self, limit: int) -> int:
-        self._proposed = True
-        return self.policy.num_tokens(limit)
 
     def plain_ahead(self, history: list[int]) -> bool:
         """True while the head rests (as the draft model's ``plain_ahead``);
@@ -127,7 +110,7 @@ class HeadDrafter:
             return None
         tokens = mx.array(history[lo + 1 : last + 2], dtype=mx.uint32)[None]
         out = self.head.forward(state.kv, tokens, rows[None], lo)
-        self._catch_up = last + 1 - lo
+        self.catch_up = last + 1 - lo
         state.fed(last + 1, out[:, -1:])
         self.trail.drop_before(last + 1)
         # Entry p predicts the token at p + 2. Only generated tokens are scored
@@ -137,9 +120,7 @@ class HeadDrafter:
         actual = history[first + 2 :]
         if score and actual and self.policy.scores:
             rows = out[0, first - lo : first - lo + len(actual)]
-            predicted = self.head.to_target(mx.argmax(self.head.logits(rows), axis=-1))
-            mx.async_eval(predicted)
-            self._predicted = (predicted, actual)
+            self.keep_predictions(self.head.to_target(mx.argmax(self.head.logits(rows), axis=-1)), actual)
         return state.last_out
 
     def _step(self, token: mx.array, h: mx.array, position: int) -> mx.array:
@@ -171,16 +152,3 @@ class HeadDrafter:
                 self.policy.note_drafts(confidences)
                 return mx.array(ids, dtype=mx.uint32)
             h = self._step(mx.array(token, dtype=mx.uint32), h, pending + len(ids) - 1)
-
-    def observe(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
-        if not self._proposed:  # a round the loop queued ahead (plain_ahead)
-            self.policy.skip()
-        self._proposed = False
-        if self._predicted is not None:
-            predicted, actual = self._predicted
-            self._predicted = None
-            self.policy.observe_scored([p == a for p, a in zip(predicted.tolist(), actual)])
-        if drafted:
-            self.draft.record(drafted, accepted)
-        self.policy.observe(drafted, accepted, seconds, catch_up=self._catch_up)
-        self._catch_up = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from ..decode.loop import Drafts
+from ..decode.protocol import Drafts
 from ..pricing import costs
 from ..pricing.batch_pricing import strength_acceptance
 from ..pricing.speedup import best_draft_length

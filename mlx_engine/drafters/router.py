@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..decode.loop import Drafts
+from ..decode.protocol import Drafts
 from ..pricing import costs
 from ..pricing.batch_pricing import COPYING, BatchPricing, LookupPricing, strength_acceptance
 from ..pricing.speedup import AcceptanceModel

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import ModelLoadError
 from ..loading import model as loading
 from ..runtime import worker
-from .config import POOLINGS, EmbeddingConfig, is_embedding_model
+from .config import POOLINGS, EmbeddingConfig, EmbeddingOverrides, is_embedding_model
 from .kit import (
     DEFAULT_BATCH_SIZE,
     EmbeddingKit,
@@ -56,15 +56,9 @@ def load_embedding_model(
     path = loading.resolve_model_path(model_path)
     if not path.is_dir():
         raise ModelLoadError(f"model_path {str(path)!r}: embedding models load from a model directory")
+    overrides = EmbeddingOverrides(pooling, normalize, max_length, matryoshka)
     return on_engine_thread(
-        load_embedding_kit,
-        path,
-        pooling=pooling,
-        normalize=normalize,
-        max_length=max_length,
-        matryoshka=matryoshka,
-        compute_dtype=compute_dtype,
-        trust_remote_code=trust_remote_code,
+        load_embedding_kit, path, overrides, compute_dtype=compute_dtype, trust_remote_code=trust_remote_code
     )
 
 

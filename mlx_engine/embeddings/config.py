@@ -40,6 +40,17 @@ class EmbeddingConfig:
     matryoshka: bool
 
 
+@dataclass(frozen=True)
+class EmbeddingOverrides:
+    """What a caller sets over the model's own files (``load_embedding_model``'s
+    arguments of the same names); each None keeps what the files say."""
+
+    pooling: str | None = None
+    normalize: bool | None = None
+    max_length: int | None = None
+    matryoshka: bool | None = None
+
+
 def is_embedding_model(path: Path) -> bool:
     """Whether ``path`` is a model directory in sentence-transformers' layout
     (``modules.json`` with a Pooling module)."""
@@ -59,16 +70,11 @@ def is_encoder(config: dict) -> bool:
 
 
 def read_embedding_config(
-    path: Path,
-    config: dict,
-    *,
-    pooling: str | None = None,
-    normalize: bool | None = None,
-    max_length: int | None = None,
-    matryoshka: bool | None = None,
+    path: Path, config: dict, overrides: EmbeddingOverrides = EmbeddingOverrides()
 ) -> EmbeddingConfig:
     """The model's own embedding configuration, each part overridden by the
-    argument of the same name when that is not None."""
+    field of ``overrides`` of the same name when that is not None."""
+    pooling, normalize, matryoshka = overrides.pooling, overrides.normalize, overrides.matryoshka
     modules = _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
     if not isinstance(modules, list):
         raise ModelLoadError(f"modules.json in {str(path)!r} must hold a JSON list of modules")
@@ -89,7 +95,7 @@ def read_embedding_config(
     return EmbeddingConfig(
         found_pooling,
         found_normalize if normalize is None else normalize,
-        _max_length(path, config, max_length),
+        _max_length(path, config, overrides.max_length),
         config.get("model_type") in _MATRYOSHKA_TYPES if matryoshka is None else matryoshka,
     )
 

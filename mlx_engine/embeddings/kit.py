@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from ..errors import InvalidArgument, ModelLoadError
 from ..loading import model as loading
 from .bert import BertConfig, BertModel
-from .config import EmbeddingConfig, is_encoder, read_embedding_config
+from .config import EmbeddingConfig, EmbeddingOverrides, is_encoder, read_embedding_config
 
 logger = logging.getLogger(__name__)
 
@@ -109,20 +109,15 @@ class EmbeddingKit:
 # -- loading -------------------------------------------------------------------------------
 def load_embedding_kit(
     path: Path,
+    overrides: EmbeddingOverrides = EmbeddingOverrides(),
     *,
-    pooling: str | None = None,
-    normalize: bool | None = None,
-    max_length: int | None = None,
-    matryoshka: bool | None = None,
     compute_dtype: str | None = "auto",
     trust_remote_code: bool = False,
 ) -> EmbeddingKit:
     """The kit for the model directory ``path`` (on the engine thread): a BERT
     encoder built here, any other architecture through mlx-lm as a decoder."""
     config = loading.read_config(path)
-    settings = read_embedding_config(
-        path, config, pooling=pooling, normalize=normalize, max_length=max_length, matryoshka=matryoshka
-    )
+    settings = read_embedding_config(path, config, overrides)
     if is_encoder(config):
         model, width = _load_bert(path, config), config["hidden_size"]
     else:

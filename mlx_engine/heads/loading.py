@@ -276,11 +276,9 @@ def _check_tensors(
         raise ModelLoadError(f"head {str(path)!r} lacks tensor {shown(missing[0])!r}{more}")
 
 
-def _build_eagle3(kit: Target, path: Path, config: dict) -> eagle3.Eagle3Head:
-    cfg = eagle3.eagle3_config(config)
-    net = eagle3.Eagle3DraftModel(cfg)
-    weights, where = _read_weights(path)
-    weights = net.sanitize(weights)
+def _quantize_as_stored(net: nn.Module, config: dict, weights: dict) -> None:
+    """Quantize the Linear layers the checkpoint stores quantized (those with
+    ``.scales``), as its config's ``quantization`` says."""
     if (q := config.get("quantization")) is not None:
         nn.quantize(
             net,
@@ -288,6 +286,14 @@ def _build_eagle3(kit: Target, path: Path, config: dict) -> eagle3.Eagle3Head:
             q["bits"],
             class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
         )
+
+
+def _build_eagle3(kit: Target, path: Path, config: dict) -> eagle3.Eagle3Head:
+    cfg = eagle3.eagle3_config(config)
+    net = eagle3.Eagle3DraftModel(cfg)
+    weights, where = _read_weights(path)
+    weights = net.sanitize(weights)
+    _quantize_as_stored(net, config, weights)
     target_embed = capture.text_model(kit.model).embed_tokens
     _check_tensors(net, weights, where, path, optional={"embed_tokens.weight"})
     if "d2t" in weights:
@@ -330,13 +336,7 @@ def _build_qwen3_5_mtp(kit: Target, path: Path, config: dict) -> qwen3_5_mtp.Qwe
         weights = {k: v for k, v in weights.items() if k.startswith("mtp.")}
     weights = net.sanitize(weights)
     where = {k: where.get(k, where.get("mtp." + k, "model.safetensors")) for k in weights}
-    if (q := config.get("quantization")) is not None:
-        nn.quantize(
-            net,
-            q["group_size"],
-            q["bits"],
-            class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
-        )
+    _quantize_as_stored(net, config, weights)
     _check_tensors(net, weights, where, path, optional=set(), kind="a qwen3_5_mtp head")
     net.load_weights(list(weights.items()), strict=False)
     mx.eval(net.parameters())

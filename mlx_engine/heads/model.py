@@ -58,14 +58,7 @@ class HeadDraft(AcceptanceRecord):
     def chained_step_ratio(self, main: nn.Module, vocab_size: int, key: dict | None = None) -> float:
         """A chained head step in single steps of the target; stored under ``key``."""
         if self.step_ratio is None:
-            record = (cost_store.load(key) if key is not None else None) or {}
-            stored = cost_store.positive_floats([record.get("ratio")], 1)
-            if stored is not None:
-                self.step_ratio = stored[0]
-            else:
-                self.step_ratio = measure_head_step_ratio(main, self.head, vocab_size)
-                if key is not None:
-                    cost_store.save(key, {"ratio": self.step_ratio})
+            self.step_ratio = cost_store.stored_ratio(key, lambda: measure_head_step_ratio(main, self.head, vocab_size))
         return self.step_ratio
 
     def give_back(self, cache: HeadState) -> None:

@@ -21,7 +21,7 @@ last ``window`` of them:
   rounds' by more than ``margin`` either way. A disagreeing record is measured
   again (``remeasure``), at once the first time and then at most once per
   ``remeasure_every_s``; so is a record whose own samples were not credible
-  (costs.credible) once it is older than that; rounds slower than the record alone (a long context,
+  (fit.credible) once it is older than that; rounds slower than the record alone (a long context,
   other work now) are no reason, as the fit already follows them.
 - **The record** is saved (``save``) from the book's model when it moved by more
   than ``save_change`` since the record was read or last saved, so the next
@@ -42,7 +42,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .costs import COST_MODEL_VERSION, MAX_DRAFT, CostModel, isotonic, median, pass_seconds, theil_sen_slope
+from .costs import COST_MODEL_VERSION, MAX_DRAFT, CostModel, pass_seconds
+from .fit import isotonic, median, theil_sen_slope
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class CostBook:
 
     def _doubtful(self, now: float) -> bool:
         """Whether the record is a measurement its own samples did not find
-        credible (costs.credible), taken over ``remeasure_every_s`` ago: the
+        credible (fit.credible), taken over ``remeasure_every_s`` ago: the
         machine may be quieter now, so it is measured again once."""
         how, at = self.record.get("how"), self.record.get("measured_at")
         if not isinstance(how, dict) or how.get("credible") is not False or not isinstance(at, (int, float)):

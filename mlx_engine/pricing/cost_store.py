@@ -25,6 +25,7 @@ import os
 import platform
 import stat
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -148,3 +149,16 @@ def positive_floats(value, length: int | None = None) -> list[float] | None:
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in value):
         return None
     return [float(x) for x in value]
+
+
+def stored_ratio(key: dict | None, measure: Callable[[], float]) -> float:
+    """The ratio stored under ``key`` (a draft step in main-model steps), else
+    ``measure()``, stored there; with no key, measured and not stored."""
+    record = (load(key) if key is not None else None) or {}
+    stored = positive_floats([record.get("ratio")], 1)
+    if stored is not None:
+        return stored[0]
+    ratio = measure()
+    if key is not None:
+        save(key, {"ratio": ratio})
+    return ratio

@@ -6,7 +6,7 @@ both. May measure the kit's forward costs once (``kit.forward_costs()``).
 
 from __future__ import annotations
 
-from ..decode.loop import Drafter
+from ..decode.protocol import Drafter
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.head import HeadDrafter
 from ..drafters.prompt_lookup import PromptLookupDrafter

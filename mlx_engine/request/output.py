@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from ..decode.loop import Decoding, Launch, Round, Step
+from ..decode.protocol import Decoding, Launch, Round, Step
 from ..drafters.router import AutoRouter
 from ..errors import CallbackError
 from ..kits.text import ModelKit

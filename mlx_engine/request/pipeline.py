@@ -24,7 +24,8 @@ import mlx.core as mx
 from ..caches.ragged import release_row
 from ..caches.sequence import SequenceCache
 from ..decode import capture
-from ..decode.loop import TURN, Decoding, Drafter, Launch, Round, Turn, decode
+from ..decode.loop import decode
+from ..decode.protocol import TURN, Decoding, Drafter, Launch, Round, Turn
 from ..decode.sampling import Sampler, build_logits_processors, build_sampler
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.head import HeadDrafter

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from ..caches.ragged import RaggedBatch, can_batch
 from ..decode import capture
-from ..decode.loop import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending, with_hidden
+from ..decode.protocol import TURN, Launch, Round, forward_alone, lazy_ids, resolve_pending, with_hidden
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """What every GGUF family mapping shares: ``Family`` (how one architecture maps
 onto an mlx-lm model class), the common tensor-name maps, and the checks the
-family modules use (families.py: attention-only; recurrent.py: hybrids)."""
+family modules use (dense.py: attention-only; recurrent.py, mamba_hybrids.py:
+hybrids; moe.py, qwen35.py)."""
 
 from __future__ import annotations
 
