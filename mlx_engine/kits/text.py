@@ -26,7 +26,9 @@ from ..pricing import cost_store, costs
 from ..pricing.batch_pricing import DraftingRows
 from ..pricing.cost_background import BackgroundMeasurement
 from ..pricing.cost_book import CostBook
-from ..runtime.worker import shutting_down
+from ..runtime import worker as workers
+from ..runtime.scheduler import Scheduler
+from ..runtime.worker import MLXWorker, shutting_down
 from .registry import Activity
 
 logger = logging.getLogger(__name__)
@@ -82,16 +84,21 @@ def validate_max_parallel(value) -> int | None:
 class ModelKit:
     """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
 
-    _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
     # Whether forward costs are measured between requests (after an estimate) rather
     # than at once; a sharded kit measures at once, every rank taking part.
     background_cost_measurement = True
 
-    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions()):
+    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions(), worker: MLXWorker | None = None):
+        """Load the kit whole: files, weights, caches and the engine thread that runs
+        it (``worker``: the one ``load_model`` built it on; see ``_init_runtime``)."""
         files = loading.model_files(loading.resolve_model_path(model_path))
         self._init_files(files, options)
-        if options.vocab_only:
-            return
+        if not options.vocab_only:
+            self._load_weights(files, options)
+        self._init_runtime(worker)
+
+    def _load_weights(self, files: loading.HFFiles | loading.GGUFFiles, options: KitOptions) -> None:
+        """The model, readied and checked, and the caches and limits that depend on it."""
         self.model, self.config = files.weights(options.trust_remote_code)
         self.compute_dtype = loading.prepare_weights(self.model, options.compute_dtype)
         self.num_params = loading.float_param_count(self.model)
@@ -103,7 +110,7 @@ class ModelKit:
                 raise ValueError(
                     f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}"
                 )
-        self.replace_prompt_cache(self.new_cache(self.model))
+        self.prompt_cache = self._make_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         self._init_batching(options.max_parallel)
         logger.info(
@@ -112,6 +119,18 @@ class ModelKit:
             self.config.get("model_type"),
             self.compute_dtype or "native",
         )
+
+    def _init_runtime(self, thread: MLXWorker | None) -> None:
+        """The kit's engine thread and its requests' scheduler, made last (a kit that
+        failed to load holds neither). The scheduler is made here, not with the first
+        generation: it starts no thread (a list, a weak reference to the kit) and the
+        engine thread steps it only while it has live requests, so an unused kit costs
+        nothing more. A kit built directly takes a pool thread, returned once it is gone."""
+        if thread is None:
+            thread = workers.release_with(self, workers.acquire())
+        self._worker = thread
+        self._scheduler = Scheduler(self, thread.failure_of)
+        thread.serve(self._scheduler)
 
     def _fit_context(self) -> None:
         """``context_length``: with ``max_kv_size="auto"`` the longest context that
@@ -130,22 +149,14 @@ class ModelKit:
         return self._activity
 
     @property
-    def worker(self):
-        """The engine thread that runs this kit's MLX work (worker.MLXWorker), once attached."""
+    def worker(self) -> MLXWorker:
+        """The engine thread that runs this kit's MLX work (runtime/worker.py)."""
         return self._worker
 
-    def attach_worker(self, thread) -> None:
-        """Give the kit its engine thread (api.py does, at load or first use)."""
-        self._worker = thread
-
     @property
-    def scheduler(self):
-        """The scheduler of its parallel requests (scheduler.Scheduler), once made."""
+    def scheduler(self) -> Scheduler:
+        """The scheduler of its requests (runtime/scheduler.py), stepped by ``worker``."""
         return self._scheduler
-
-    def attach_scheduler(self, scheduler) -> None:
-        """Give the kit the scheduler of its parallel requests (made with the first one)."""
-        self._scheduler = scheduler
 
     @property
     def open_generations(self) -> int:
@@ -208,7 +219,6 @@ class ModelKit:
         self._activity = Activity()
         self.max_parallel = 1  # concurrent generations (see _init_batching)
         self._batch: RaggedBatch | None = None  # see ``batch``
-        self._scheduler = None  # scheduler.Scheduler, made with the first parallel request
 
     def forward_costs(self) -> costs.CostModel:
         """The model's forward-pass costs by width, set up once per kit when
@@ -244,14 +254,14 @@ class ModelKit:
 
         def remeasure() -> None:
             kit = ref()
-            if kit is not None and kit.background_cost_measurement and kit.worker is not None:
+            if kit is not None and kit.background_cost_measurement:
                 kit._measure_costs_in_background()
 
         record = cost_store.load(key)
         stored = costs_from_record(record)
         if stored is not None:
             return CostBook(stored, "stored", record, save, remeasure)
-        if not self.background_cost_measurement or self.worker is None:
+        if not self.background_cost_measurement:
             m = costs.Measurement(self.model, self.vocab_size)
             while not m.step():
                 pass
@@ -316,7 +326,8 @@ class ModelKit:
 
     def replace_prompt_cache(self, first: SequenceCache) -> None:
         """Start the prompt cache over with ``first`` as its only cached sequence,
-        dropping every other one (at load, and in tests that swap the model)."""
+        dropping every other one (docs/api.md, "Prompt cache"); the kit made its
+        prompt cache at load (``_make_prompt_cache``)."""
         if self.prompt_cache is None:
             self.prompt_cache = self._make_prompt_cache(first)
         else:

@@ -43,6 +43,7 @@ from ..loading.vision import (
     load_vlm,
     process_image,
 )
+from ..runtime.worker import MLXWorker
 from .images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_images, validate_max_image_pixels
 from .text import ExpandedPrompt, KitOptions, ModelKit
 
@@ -61,7 +62,14 @@ class VisionModelKit(ModelKit):
     ``ModelKit``; ``create_generator(..., images_b64=[...])`` adds images.
     Create it with ``mlx_engine.load_model``."""
 
-    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions(), max_image_pixels: int | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        options: KitOptions = KitOptions(),
+        max_image_pixels: int | None = None,
+        worker: MLXWorker | None = None,
+    ):
+        """Load the kit whole, as ``ModelKit`` does; ``max_image_pixels`` bounds a request's images."""
         if options.cache.kv_bits is not None:
             raise ValueError("kv_bits: a quantized KV cache is not supported for vision models yet")
         self.max_image_pixels = (
@@ -73,13 +81,17 @@ class VisionModelKit(ModelKit):
         self.processor = None
         self._images: OrderedDict[str, ImageEntry] = OrderedDict()
         self.image_tokens = image_tokens(self.model_type, self.config, self.tokenizer.get_vocab())
-        if options.vocab_only:
-            return
+        if not options.vocab_only:
+            self._load_vlm(options)
+        self._init_runtime(worker)
+
+    def _load_vlm(self, options: KitOptions) -> None:
+        """mlx-vlm's model and processor (loading/vision.py), and what depends on them."""
         self.vlm, self.processor = load_vlm(self.model_path, options.trust_remote_code)
         self.compute_dtype = loading.prepare_weights(self.vlm, options.compute_dtype)
         self.model = VisionLanguageModel(self.vlm)
         self.num_params = loading.float_param_count(self.model)
-        self.replace_prompt_cache(self.new_cache(self.model))
+        self.prompt_cache = self._make_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         self._init_batching(options.max_parallel)
         logger.info(
