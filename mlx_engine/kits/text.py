@@ -90,12 +90,17 @@ class ModelKit:
 
     def __init__(self, model_path: str | Path, options: KitOptions = KitOptions(), worker: MLXWorker | None = None):
         """Load the kit whole: files, weights, caches and the engine thread that runs
-        it (``worker``: the one ``load_model`` built it on; see ``_init_runtime``)."""
-        files = loading.model_files(loading.resolve_model_path(model_path))
+        it (``worker``: the one ``load_model`` built it on; see ``_init_runtime``).
+        The steps are methods a subclass extends (VisionModelKit)."""
+        files = self._model_files(model_path)
         self._init_files(files, options)
         if not options.vocab_only:
             self._load_weights(files, options)
         self._init_runtime(worker)
+
+    def _model_files(self, model_path: str | Path) -> loading.HFFiles | loading.GGUFFiles:
+        """The model's files, their format chosen once (``loading.model_files``)."""
+        return loading.model_files(loading.resolve_model_path(model_path))
 
     def _load_weights(self, files: loading.HFFiles | loading.GGUFFiles, options: KitOptions) -> None:
         """The model, readied and checked, and the caches and limits that depend on it."""
@@ -105,7 +110,7 @@ class ModelKit:
         loading.smoke_test(self.model, self.model_path)
         kv = options.cache
         if kv.kv_bits is not None:
-            head_dim = _head_dim(self.config)
+            head_dim = loading.attention_head_dim(self.config)
             if head_dim is not None and head_dim % kv.kv_group_size:
                 raise ValueError(
                     f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}"
@@ -192,8 +197,8 @@ class ModelKit:
         self.draft = draft
 
     def _init_files(self, files: loading.HFFiles | loading.GGUFFiles, options: KitOptions) -> None:
-        """What every kit starts from: config, tokenizer and empty slots (one
-        initializer for text and vision kits; the format was chosen once, ``files``)."""
+        """What every kit starts from: config, tokenizer and empty slots (the
+        format was chosen once, ``files``)."""
         self.model_path = files.path
         self.config = files.config()
         self.check_architecture()
@@ -310,7 +315,7 @@ class ModelKit:
     def vocab_size(self) -> int:
         """Number of token ids the model accepts (its embedding rows)."""
         if self.model is not None:
-            embed = _find_embedding(self.model)
+            embed = loading.embedding_rows(self.model)
             if embed is not None:
                 return int(embed)
         return int(self.config.get("vocab_size") or len(self.tokenizer))
@@ -422,27 +427,3 @@ def measured_record(m: costs.Measurement, measured: costs.CostModel | None = Non
 
 def worker_exiting() -> bool:
     return shutting_down.is_set()
-
-
-def _head_dim(config: dict) -> int | None:
-    cfg = config.get("text_config", config)
-    if cfg.get("head_dim"):
-        return int(cfg["head_dim"])
-    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-    return None
-
-
-def _find_embedding(model: nn.Module) -> int | None:
-    for name in ("model", "language_model", "transformer"):
-        inner = getattr(model, name, None)
-        if inner is None:
-            continue
-        for emb_name in ("embed_tokens", "wte", "tok_embeddings"):
-            emb = getattr(inner, emb_name, None)
-            if emb is not None and hasattr(emb, "weight"):
-                return emb.weight.shape[0]
-        found = _find_embedding(inner)
-        if found is not None:
-            return found
-    return None

@@ -75,17 +75,22 @@ class VisionModelKit(ModelKit):
         self.max_image_pixels = (
             DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else validate_max_image_pixels(max_image_pixels)
         )
-        self._init_files(loading.HFFiles(loading.resolve_model_dir(model_path)), options)
-        self.eos_token_ids |= config_eos_ids(self.config)
         self.vlm: nn.Module | None = None
         self.processor = None
         self._images: OrderedDict[str, ImageEntry] = OrderedDict()
-        self.image_tokens = image_tokens(self.model_type, self.config, self.tokenizer.get_vocab())
-        if not options.vocab_only:
-            self._load_vlm(options)
-        self._init_runtime(worker)
+        super().__init__(model_path, options, worker)
 
-    def _load_vlm(self, options: KitOptions) -> None:
+    def _model_files(self, model_path: str | Path) -> loading.HFFiles:
+        """mlx-vlm reads Hugging Face directories only."""
+        return loading.HFFiles(loading.resolve_model_dir(model_path))
+
+    def _init_files(self, files: loading.HFFiles, options: KitOptions) -> None:
+        """A text kit's start, plus the config's end-of-sequence ids and the image tokens."""
+        super()._init_files(files, options)
+        self.eos_token_ids |= config_eos_ids(self.config)
+        self.image_tokens = image_tokens(self.model_type, self.config, self.tokenizer.get_vocab())
+
+    def _load_weights(self, files: loading.HFFiles, options: KitOptions) -> None:
         """mlx-vlm's model and processor (loading/vision.py), and what depends on them."""
         self.vlm, self.processor = load_vlm(self.model_path, options.trust_remote_code)
         self.compute_dtype = loading.prepare_weights(self.vlm, options.compute_dtype)
