@@ -6,7 +6,6 @@ import inspect
 import logging
 import time
 import uuid
-import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -33,7 +32,6 @@ from .request.validate import require_model, validate_request
 from .results import GenerationResult
 from .runtime import worker
 from .runtime.idle import WhenIdle
-from .runtime.scheduler import Scheduler
 from .runtime.streams import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -88,26 +86,16 @@ def load_model(
     )
     thread = worker.acquire()
     try:
-        kit = thread.call(_load_model, model_path, kit_options, seed, max_image_pixels)
+        kit = thread.call(_load_model, model_path, kit_options, seed, max_image_pixels, thread)
     except BaseException:
         worker.release(thread)
         raise
-    _attach_worker(kit, thread)
+    worker.release_with(kit, thread)  # the thread serves another kit once this one is gone
     return kit
 
 
-def _attach_worker(kit: ModelKit, thread: worker.MLXWorker) -> worker.MLXWorker:
-    kit.attach_worker(thread)
-    weakref.finalize(kit, worker.release, thread)  # the thread serves another kit once this one is gone
-    return thread
-
-
-def _worker_of(kit: ModelKit) -> worker.MLXWorker:
-    return kit.worker or _attach_worker(kit, worker.acquire())
-
-
-def _load_model(model_path, kit_options: KitOptions, seed, max_image_pixels) -> ModelKit:
-    """The kit for ``model_path``, built on its engine thread."""
+def _load_model(model_path, kit_options: KitOptions, seed, max_image_pixels, thread: worker.MLXWorker) -> ModelKit:
+    """The kit for ``model_path``, built on ``thread``, the engine thread it is given."""
     path = loading.resolve_model_path(model_path)
     config = loading.read_config(path)
     if max_image_pixels is not None:
@@ -116,12 +104,15 @@ def _load_model(model_path, kit_options: KitOptions, seed, max_image_pixels) -> 
         mx.random.seed(seed)
     if is_embedding_model(path):
         return load_embedding_kit(
-            path, compute_dtype=kit_options.compute_dtype, trust_remote_code=kit_options.trust_remote_code
+            path,
+            compute_dtype=kit_options.compute_dtype,
+            trust_remote_code=kit_options.trust_remote_code,
+            worker=thread,
         )
     if loading.is_vision_config(config):
-        kit = VisionModelKit(path, kit_options, max_image_pixels)
+        kit = VisionModelKit(path, kit_options, max_image_pixels, thread)
     else:
-        kit = ModelKit(path, kit_options)
+        kit = ModelKit(path, kit_options, thread)
     return_freed_memory()  # the load's transient buffers (decoded blocks) back to the OS
     return kit
 
@@ -195,7 +186,7 @@ def unload(kit: ModelKit) -> None:
         return
     if not isinstance(kit, ModelKit):
         raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
-    _worker_of(kit).call(WhenIdle(kit, kit.unload))
+    kit.worker.call(WhenIdle(kit, kit.unload))
     return_freed_memory()
 
 
@@ -205,7 +196,7 @@ def load_draft_model(kit: ModelKit, path: str | Path, name: str | None = None) -
     All or nothing: when loading fails, the previous draft model stays loaded.
     ``name``: what ``draft_name`` says of it (``path`` as given by default)."""
     require_model(kit)
-    _worker_of(kit).call(WhenIdle(kit, load_draft, kit, path, name))
+    kit.worker.call(WhenIdle(kit, load_draft, kit, path, name))
 
 
 def draft_name(kit: ModelKit) -> str | None:
@@ -221,7 +212,7 @@ def is_draft_model_compatible(kit: ModelKit, path: str | Path) -> bool:
 
 def unload_draft_model(kit: ModelKit) -> None:
     """Release the draft model (no-op when none is loaded); the main cache stays."""
-    _worker_of(kit).call(WhenIdle(kit, unload_draft, kit))
+    kit.worker.call(WhenIdle(kit, unload_draft, kit))
 
 
 def memory_in_use(kit: ModelKit) -> int:
@@ -293,10 +284,10 @@ def create_generator(kit: ModelKit, prompt_tokens: list[int], **options) -> Iter
     if isinstance(prompt_tokens, mx.array):
         prompt_tokens = prompt_tokens.tolist()  # evaluated here: the host's array, the host's thread
     opts = replace(opts, handling=checked(opts.handling))  # request_id and admission_timeout, before any wait
-    thread = _worker_of(kit)
+    thread = kit.worker
     generation = _admitted(kit, thread, prompt_tokens, opts)
     # One path for every kit: with max_parallel=1 the scheduler steps one row.
-    return RequestStream(thread, _scheduler_of(kit, thread), generation, generation.request_id)
+    return RequestStream(thread, kit.scheduler, generation, generation.request_id)
 
 
 # The keyword arguments, introspectable (help(), IDEs) though declared once, in the option groups.
@@ -326,11 +317,3 @@ def _start(kit: ModelKit, prompt_tokens, options: RequestOptions) -> Generation:
     """Validate (on the kit's engine thread) and create the generation."""
     request = validate_request(kit, prompt_tokens, options, options.handling.request_id or uuid.uuid4().hex)
     return Generation(kit, request)
-
-
-def _scheduler_of(kit: ModelKit, thread: worker.MLXWorker) -> Scheduler:
-    """The kit's scheduler, stepped by its engine thread (scheduler.py)."""
-    if kit.scheduler is None:
-        kit.attach_scheduler(Scheduler(kit, thread.failure_of))
-        thread.serve(kit.scheduler)
-    return kit.scheduler

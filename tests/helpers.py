@@ -122,7 +122,10 @@ def run_alone(items):
 
 def loop_stats(steps) -> GenerationStats:
     """The speculation stats of a loop's steps, as the output stage builds them."""
-    return GenerationStats(**SpeculationTally.of(steps).fields())
+    tally = SpeculationTally()
+    for step in steps:
+        tally.add(step)
+    return GenerationStats(**tally.fields())
 
 
 # -- servers on 127.0.0.1 -------------------------------------------------------

@@ -7,6 +7,7 @@ reference's argmax at that position, up to near-ties."""
 
 import mlx_engine as me
 from mlx_engine.kits.images import decode_images
+from mlx_engine.loading.vision import process_image
 
 import base64
 import struct
@@ -83,14 +84,19 @@ def expanded(kit, prompt, images_b64):
     imgs = iter(decode_images(images_b64))
     out = []
     for t in prompt:
-        out.extend(kit._process_image(next(imgs)).expansion if t == kit.placeholder_id else [t])
+        out.extend(_process(kit, next(imgs)).expansion if t == kit.placeholder_id else [t])
     return out
+
+
+def _process(kit, img):
+    """The processor's entry for one decoded image, computed afresh (not the kit's cached one)."""
+    return process_image(kit.processor, kit.tokenizer, kit.image_tokens, img.image)
 
 
 def reference_logits(kit, prompt, images_b64, continuation=()):
     """mlx-vlm's one-shot logits for prompt + continuation (no cache)."""
     decoded = decode_images(images_b64 or [])
-    entries = [kit._process_image(i) for i in decoded]
+    entries = [_process(kit, i) for i in decoded]
     ids = mx.array(expanded(kit, prompt, images_b64 or []) + list(continuation))[None]
     vlm = kit.vlm
     if entries:

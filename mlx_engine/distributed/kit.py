@@ -11,7 +11,7 @@ from ..caches.sequence import SequenceCache
 from ..kits.text import KitOptions, ModelKit
 from ..runtime import worker
 from .control import ControlServer
-from .health import Health
+from .health import Health, ShardWorker
 from .protocol import MirroredModel, PassCounter
 
 logger = logging.getLogger(__name__)
@@ -53,15 +53,16 @@ class ShardedModelKit(ModelKit):
         """A stored cost record also depends on how the model is split."""
         return {**super().cost_key(kind, path), "ranks": self.shard.size, "parallelism": self.shard.parallelism}
 
-    def __init__(self, model_path, options: KitOptions, shard: Shard):
+    def __init__(self, model_path, options: KitOptions, shard: Shard, worker: ShardWorker):
         """A kit over this rank's shard: the files read as a vocabulary-only kit's,
-        then the sharded model, the job's health and its control channel."""
-        super().__init__(model_path, options)
+        then the sharded model, the job's health and its control channel.
+        ``worker``: the rank's engine thread, which built the kit and runs it."""
+        super().__init__(model_path, options, worker)
         self.vocab_only = False
         self.model = shard.model
         self.num_params = shard.num_params  # of the whole model, as for a ModelKit
         self.compute_dtype = shard.compute_dtype
-        self.replace_prompt_cache(self.new_cache(shard.model))
+        self.prompt_cache = self._make_prompt_cache(self.new_cache(shard.model))
         # The followers mirror in-place trims of each cache, not branches of one
         # cache into another, so this kit keeps a single cached sequence.
         self.prompt_cache.keep_single_sequence()

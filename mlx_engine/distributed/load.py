@@ -77,7 +77,6 @@ def load_sharded_model(
         reason = health.failure or exc.__cause__ or exc
         raise DistributedConfigError(f"a rank failed while the model was loading: {reason}") from exc
     if isinstance(result, ShardedModelKit):
-        result.attach_worker(thread)
         thread.serve_kit(result.unload, result.forget_generation)
         atexit.register(release_at_exit, weakref.ref(result))
     return result
@@ -106,7 +105,7 @@ def _load(model_path, health: Health, thread: ShardWorker, **opts) -> ShardedMod
         shard = Shard(
             mirrored, ShardInfo(0, group.size(), info.parallelism, mirrored.counter), num_params, dtype, health, control
         )
-        kit = ShardedModelKit(path, options, shard)
+        kit = ShardedModelKit(path, options, shard, thread)
         logger.info("sharded kit: %s over %d ranks (%s-parallel)", path, group.size(), info.parallelism)
         return kit
     follower = Follower(FollowerLoop(model, group), info, thread, control)

@@ -3,7 +3,6 @@ sentence-transformers' layout) and ``embed`` (docs/api.md, "Embeddings")."""
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 from ..errors import ModelLoadError
@@ -63,15 +62,15 @@ def load_embedding_model(
 
 
 def on_engine_thread(build, *args, **kwargs) -> EmbeddingKit:
-    """``build(*args, **kwargs)`` on an engine thread that then serves the kit it built."""
+    """``build(*args, worker=thread, **kwargs)`` on an engine thread, given to the
+    kit it builds, which that thread then serves."""
     thread = worker.acquire()
     try:
-        kit = thread.call(build, *args, **kwargs)
+        kit = thread.call(build, *args, worker=thread, **kwargs)
     except BaseException:
         worker.release(thread)
         raise
-    kit.attach_worker(thread)
-    weakref.finalize(kit, worker.release, thread)
+    worker.release_with(kit, thread)
     return kit
 
 

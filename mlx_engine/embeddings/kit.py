@@ -19,6 +19,8 @@ from mlx.utils import tree_flatten
 
 from ..errors import InvalidArgument, ModelLoadError
 from ..loading import model as loading
+from ..runtime import worker as workers
+from ..runtime.worker import MLXWorker
 from .bert import BertConfig, BertModel
 from .config import EmbeddingConfig, EmbeddingOverrides, is_encoder, read_embedding_config
 
@@ -60,7 +62,18 @@ class EmbeddingKit:
     draft = None  # a ModelKit's fields that hosts read (server/host.py): none here
     prompt_cache = None
 
-    def __init__(self, path: Path, model: nn.Module, tokenizer, config: EmbeddingConfig, encoder: bool, width: int):
+    def __init__(
+        self,
+        path: Path,
+        model: nn.Module,
+        tokenizer,
+        config: EmbeddingConfig,
+        encoder: bool,
+        width: int,
+        worker: MLXWorker | None = None,
+    ):
+        """``worker``: the engine thread the kit was built on and runs on (None:
+        a pool thread of its own, returned once the kit is gone, as for a ``ModelKit``)."""
         self.model_path = path
         self.model: nn.Module | None = model
         self.tokenizer = tokenizer
@@ -70,7 +83,7 @@ class EmbeddingKit:
         self.config = config
         self.encoder = encoder  # True: bidirectional BERT; False: a causal decoder's hidden states
         self.dimensions = width * len(config.pooling)
-        self._worker = None
+        self._worker = worker if worker is not None else workers.release_with(self, workers.acquire())
 
     @property
     def max_length(self) -> int:
@@ -85,12 +98,9 @@ class EmbeddingKit:
         return len(self.tokenizer)
 
     @property
-    def worker(self):
+    def worker(self) -> MLXWorker:
         """The engine thread that runs this kit's MLX work (runtime/worker.py)."""
         return self._worker
-
-    def attach_worker(self, thread) -> None:
-        self._worker = thread
 
     def unload(self) -> None:
         """Drop the weights (on the engine thread); the kit cannot embed afterwards."""
@@ -113,9 +123,11 @@ def load_embedding_kit(
     *,
     compute_dtype: str | None = "auto",
     trust_remote_code: bool = False,
+    worker: MLXWorker | None = None,
 ) -> EmbeddingKit:
-    """The kit for the model directory ``path`` (on the engine thread): a BERT
-    encoder built here, any other architecture through mlx-lm as a decoder."""
+    """The kit for the model directory ``path`` (on ``worker``, the engine thread
+    that will run it): a BERT encoder built here, any other architecture through
+    mlx-lm as a decoder."""
     config = loading.read_config(path)
     settings = read_embedding_config(path, config, overrides)
     if is_encoder(config):
@@ -124,7 +136,7 @@ def load_embedding_kit(
         model, width = _load_decoder(path, config, trust_remote_code), _decoder_width(config)
     loading.prepare_weights(model, compute_dtype)
     tokenizer = _load_tokenizer(path, trust_remote_code)
-    kit = EmbeddingKit(path, model, tokenizer, settings, is_encoder(config), width)
+    kit = EmbeddingKit(path, model, tokenizer, settings, is_encoder(config), width, worker)
     logger.info(
         "loaded embedding model %s: %d dimensions, pooling %s, normalize %s, max_length %d",
         path,

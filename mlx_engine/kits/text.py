@@ -27,7 +27,9 @@ from ..pricing import cost_store, costs
 from ..pricing.batch_pricing import DraftingRows
 from ..pricing.cost_background import BackgroundMeasurement
 from ..pricing.cost_book import CostBook
-from ..runtime.worker import shutting_down
+from ..runtime import worker as workers
+from ..runtime.scheduler import Scheduler
+from ..runtime.worker import MLXWorker, shutting_down
 from .registry import Activity
 
 logger = logging.getLogger(__name__)
@@ -83,28 +85,38 @@ def validate_max_parallel(value) -> int | None:
 class ModelKit:
     """A text model ready to generate. Create it with ``mlx_engine.load_model``."""
 
-    _worker = None  # the engine thread that runs this kit's MLX work (worker.py)
     # Whether forward costs are measured between requests (after an estimate) rather
     # than at once; a sharded kit measures at once, every rank taking part.
     background_cost_measurement = True
 
-    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions()):
-        files = loading.model_files(loading.resolve_model_path(model_path))
+    def __init__(self, model_path: str | Path, options: KitOptions = KitOptions(), worker: MLXWorker | None = None):
+        """Load the kit whole: files, weights, caches and the engine thread that runs
+        it (``worker``: the one ``load_model`` built it on; see ``_init_runtime``).
+        The steps are methods a subclass extends (VisionModelKit)."""
+        files = self._model_files(model_path)
         self._init_files(files, options)
-        if options.vocab_only:
-            return
+        if not options.vocab_only:
+            self._load_weights(files, options)
+        self._init_runtime(worker)
+
+    def _model_files(self, model_path: str | Path) -> loading.HFFiles | loading.GGUFFiles:
+        """The model's files, their format chosen once (``loading.model_files``)."""
+        return loading.model_files(loading.resolve_model_path(model_path))
+
+    def _load_weights(self, files: loading.HFFiles | loading.GGUFFiles, options: KitOptions) -> None:
+        """The model, readied and checked, and the caches and limits that depend on it."""
         self.model, self.config = files.weights(options.trust_remote_code)
         self.compute_dtype = loading.prepare_weights(self.model, options.compute_dtype)
         self.num_params = loading.float_param_count(self.model)
         loading.smoke_test(self.model, self.model_path)
         kv = options.cache
         if kv.kv_bits is not None:
-            head_dim = _head_dim(self.config)
+            head_dim = loading.attention_head_dim(self.config)
             if head_dim is not None and head_dim % kv.kv_group_size:
                 raise ValueError(
                     f"kv_group_size must divide the model's attention head size ({head_dim}); got {kv.kv_group_size}"
                 )
-        self.replace_prompt_cache(self.new_cache(self.model))
+        self.prompt_cache = self._make_prompt_cache(self.new_cache(self.model))
         self._fit_context()
         self._init_batching(options.max_parallel)
         logger.info(
@@ -113,6 +125,18 @@ class ModelKit:
             self.config.get("model_type"),
             self.compute_dtype or "native",
         )
+
+    def _init_runtime(self, thread: MLXWorker | None) -> None:
+        """The kit's engine thread and its requests' scheduler, made last (a kit that
+        failed to load holds neither). The scheduler is made here, not with the first
+        generation: it starts no thread (a list, a weak reference to the kit) and the
+        engine thread steps it only while it has live requests, so an unused kit costs
+        nothing more. A kit built directly takes a pool thread, returned once it is gone."""
+        if thread is None:
+            thread = workers.release_with(self, workers.acquire())
+        self._worker = thread
+        self._scheduler = Scheduler(self, thread.failure_of)
+        thread.serve(self._scheduler)
 
     def _fit_context(self) -> None:
         """``context_length``: with ``max_kv_size="auto"`` the longest context that
@@ -131,22 +155,14 @@ class ModelKit:
         return self._activity
 
     @property
-    def worker(self):
-        """The engine thread that runs this kit's MLX work (worker.MLXWorker), once attached."""
+    def worker(self) -> MLXWorker:
+        """The engine thread that runs this kit's MLX work (runtime/worker.py)."""
         return self._worker
 
-    def attach_worker(self, thread) -> None:
-        """Give the kit its engine thread (api.py does, at load or first use)."""
-        self._worker = thread
-
     @property
-    def scheduler(self):
-        """The scheduler of its parallel requests (scheduler.Scheduler), once made."""
+    def scheduler(self) -> Scheduler:
+        """The scheduler of its requests (runtime/scheduler.py), stepped by ``worker``."""
         return self._scheduler
-
-    def attach_scheduler(self, scheduler) -> None:
-        """Give the kit the scheduler of its parallel requests (made with the first one)."""
-        self._scheduler = scheduler
 
     @property
     def open_generations(self) -> int:
@@ -184,8 +200,8 @@ class ModelKit:
         self.draft_name = name if draft is not None else None
 
     def _init_files(self, files: loading.HFFiles | loading.GGUFFiles, options: KitOptions) -> None:
-        """What every kit starts from: config, tokenizer and empty slots (one
-        initializer for text and vision kits; the format was chosen once, ``files``)."""
+        """What every kit starts from: config, tokenizer and empty slots (the
+        format was chosen once, ``files``)."""
         self.model_path = files.path
         self.config = files.config()
         self.check_architecture()
@@ -212,7 +228,6 @@ class ModelKit:
         self._activity = Activity()
         self.max_parallel = 1  # concurrent generations (see _init_batching)
         self._batch: RaggedBatch | None = None  # see ``batch``
-        self._scheduler = None  # scheduler.Scheduler, made with the first parallel request
 
     def forward_costs(self) -> costs.CostModel:
         """The model's forward-pass costs by width, set up once per kit when
@@ -248,14 +263,14 @@ class ModelKit:
 
         def remeasure() -> None:
             kit = ref()
-            if kit is not None and kit.background_cost_measurement and kit.worker is not None:
+            if kit is not None and kit.background_cost_measurement:
                 kit._measure_costs_in_background()
 
         record = cost_store.load(key)
         stored = costs_from_record(record)
         if stored is not None:
             return CostBook(stored, "stored", record, save, remeasure)
-        if not self.background_cost_measurement or self.worker is None:
+        if not self.background_cost_measurement:
             m = costs.Measurement(self.model, self.vocab_size)
             while not m.step():
                 pass
@@ -304,7 +319,7 @@ class ModelKit:
     def vocab_size(self) -> int:
         """Number of token ids the model accepts (its embedding rows)."""
         if self.model is not None:
-            embed = _find_embedding(self.model)
+            embed = loading.embedding_rows(self.model)
             if embed is not None:
                 return int(embed)
         return int(self.config.get("vocab_size") or len(self.tokenizer))
@@ -320,7 +335,8 @@ class ModelKit:
 
     def replace_prompt_cache(self, first: SequenceCache) -> None:
         """Start the prompt cache over with ``first`` as its only cached sequence,
-        dropping every other one (at load, and in tests that swap the model)."""
+        dropping every other one (docs/api.md, "Prompt cache"); the kit made its
+        prompt cache at load (``_make_prompt_cache``)."""
         if self.prompt_cache is None:
             self.prompt_cache = self._make_prompt_cache(first)
         else:
@@ -417,27 +433,3 @@ def measured_record(m: costs.Measurement, measured: costs.CostModel | None = Non
 
 def worker_exiting() -> bool:
     return shutting_down.is_set()
-
-
-def _head_dim(config: dict) -> int | None:
-    cfg = config.get("text_config", config)
-    if cfg.get("head_dim"):
-        return int(cfg["head_dim"])
-    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-    return None
-
-
-def _find_embedding(model: nn.Module) -> int | None:
-    for name in ("model", "language_model", "transformer"):
-        inner = getattr(model, name, None)
-        if inner is None:
-            continue
-        for emb_name in ("embed_tokens", "wte", "tok_embeddings"):
-            emb = getattr(inner, emb_name, None)
-            if emb is not None and hasattr(emb, "weight"):
-                return emb.weight.shape[0]
-        found = _find_embedding(inner)
-        if found is not None:
-            return found
-    return None

@@ -353,3 +353,29 @@ def eos_token_ids(tokenizer) -> set[int]:
         if tok in vocab:
             ids.add(int(vocab[tok]))
     return ids
+
+
+def attention_head_dim(config: dict) -> int | None:
+    """The size of one attention head, from config.json (None if it does not say)."""
+    cfg = config.get("text_config", config)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    """The token ids a model's input embedding has rows for, found by its usual names."""
+    for name in ("model", "language_model", "transformer"):
+        inner = getattr(model, name, None)
+        if inner is None:
+            continue
+        for emb_name in ("embed_tokens", "wte", "tok_embeddings"):
+            emb = getattr(inner, emb_name, None)
+            if emb is not None and hasattr(emb, "weight"):
+                return emb.weight.shape[0]
+        found = embedding_rows(inner)
+        if found is not None:
+            return found
+    return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -69,14 +69,6 @@ class SpeculationTally:
     fallback: str | None = None
     tries: list[int] = field(default_factory=list)  # rounds that drafted position i
     hits: list[int] = field(default_factory=list)  # ... and had it accepted
-
-    @classmethod
-    def of(cls, steps: Iterable[Step]) -> SpeculationTally:
-        """The tally of a finished loop's steps (what tests and benchmarks read)."""
-        tally = cls()
-        for step in steps:
-            tally.add(step)
-        return tally
 
     def add(self, step: Step) -> None:
         if step.fallback is not None and self.fallback is None:

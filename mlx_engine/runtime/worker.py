@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,12 @@ def acquire() -> MLXWorker:
         worker = MLXWorker()
         _all.append(worker)
         return worker
+
+
+def release_with(owner: object, worker: MLXWorker) -> MLXWorker:
+    """Return ``worker`` to the pool once ``owner`` (the kit it serves) is gone."""
+    weakref.finalize(owner, release, worker)
+    return worker
 
 
 def release(worker: MLXWorker) -> None:
