@@ -186,8 +186,9 @@ def unload(kit: ModelKit) -> None:
         return
     if not isinstance(kit, ModelKit):
         raise ValueError(f"kit must be a ModelKit from load_model, got {type(kit).__name__}")
+    # No return_freed_memory() here: after a sharded job failed, MLX calls from this
+    # thread can wait on the engine thread, blocked on the failed rank (distributed/kit.py).
     kit.worker.call(WhenIdle(kit, kit.unload))
-    return_freed_memory()
 
 
 def load_draft_model(kit: ModelKit, path: str | Path, name: str | None = None) -> None:
