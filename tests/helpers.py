@@ -182,3 +182,21 @@ def slowed_kit(path, seconds: float, max_parallel: int):
 def flat_costs(rel: float = 1.1) -> CostModel:
     """Forward costs rising by ``rel`` from 1 to 17 tokens (a pass of 17 costs ``rel`` of one)."""
     return CostModel(tuple(0.01 * (1 + (rel - 1) * (n - 1) / 16) for n in range(1, 18)))
+
+
+def assert_lookup_exact_and_next_turn_cached(path, text: str) -> None:
+    """On the model at ``path``: prompt lookup speculates (no fallback) and gives
+    plain greedy's tokens; the next turn resumes from a checkpoint (cached
+    tokens) and answers as a fresh kit does."""
+    kit, fresh = mlx_engine.load_model(path), mlx_engine.load_model(path)
+    prompt = mlx_engine.tokenize(kit, text * 2)
+    plain, _ = generate_ids(fresh, prompt, max_tokens=12, temp=0.0)
+    lookup, last = generate_ids(kit, prompt, max_tokens=12, temp=0.0, prompt_lookup_num_tokens=4)
+    assert lookup == plain
+    assert last.stats.decoding_mode == "prompt_lookup" and "fell back" not in last.stats.mode_reason
+    turn = prompt + plain + mlx_engine.tokenize(kit, " def add(a, b):")
+    ids, last = generate_ids(kit, turn, max_tokens=8, temp=0.0)
+    assert last.stats.cached_tokens >= len(prompt) + len(plain) - 1, last.stats.cached_tokens
+    fresh.replace_prompt_cache(fresh.new_cache(fresh.model))
+    want, cold = generate_ids(fresh, turn, max_tokens=8, temp=0.0)
+    assert cold.stats.cached_tokens == 0 and ids == want

@@ -10,7 +10,7 @@ import mlx_engine as me
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_same_or_near_tie, generate_ids, round_robin
+from helpers import assert_lookup_exact_and_next_turn_cached, assert_same_or_near_tie, generate_ids, round_robin
 
 from fixtures.gguf_families import (
     FAMILIES,
@@ -103,18 +103,7 @@ def test_hybrid_speculates_exactly_and_the_next_turn_reuses_the_cache(family_fil
     greedy's tokens; the next turn resumes from a checkpoint of the recurrent
     state (cached tokens) and answers as a fresh kit does."""
     path, _, _ = family_files(family, "Q8_0")
-    kit, fresh = me.load_model(path), me.load_model(path)
-    prompt = me.tokenize(kit, PROMPT * 2)
-    plain, _ = generate_ids(fresh, prompt, max_tokens=12, temp=0.0)
-    lookup, last = generate_ids(kit, prompt, max_tokens=12, temp=0.0, prompt_lookup_num_tokens=4)
-    assert lookup == plain
-    assert last.stats.decoding_mode == "prompt_lookup" and "fell back" not in last.stats.mode_reason
-    turn = prompt + plain + me.tokenize(kit, " def add(a, b):")
-    ids, last = generate_ids(kit, turn, max_tokens=8, temp=0.0)
-    assert last.stats.cached_tokens >= len(prompt) + len(plain) - 1, last.stats.cached_tokens
-    fresh.replace_prompt_cache(fresh.new_cache(fresh.model))
-    want, cold = generate_ids(fresh, turn, max_tokens=8, temp=0.0)
-    assert cold.stats.cached_tokens == 0 and ids == want
+    assert_lookup_exact_and_next_turn_cached(path, PROMPT)
 
 
 def test_falcon_h1_parallel_requests_equal_their_solo_outputs(family_files):
