@@ -13,7 +13,10 @@ that repeat themselves the way agent harnesses and chat apps do:
 - ``tool-calls``: the same tool offered in three new chats with different
   arguments (``apply_chat_template(tools=...)``, ``create_generator(tools=...)``);
 - ``json-shape``: three new chats asking for an answer in the same JSON shape;
-- ``revisit``: one chat that returns to its first question after another topic.
+- ``revisit``: one chat that returns to its first question after another topic;
+- ``other-system``: the same question in two new chats under two other system
+  prompts (an app's presets, an agent's roles): the answer can be copied, the
+  prompt's head cannot be reused.
 
 Each turn's prompt holds the model's own earlier answers. Systems: plain
 decoding, prompt lookup (32 tokens) and auto, each with the kit's suffix
@@ -100,6 +103,12 @@ SCENARIOS: dict[str, list[tuple[str, str]]] = {
         ("a", "What is a Python list comprehension?"),
         ("a", "Back to the first question: " + QUESTION),
     ],
+    "other-system": [("tutor", QUESTION), ("reviewer", QUESTION)],
+}
+#: chat id -> the system prompt a new chat of that id starts with (others have none).
+CHAT_SYSTEM_PROMPTS = {
+    "tutor": "You are a patient programming tutor. Explain clearly and give examples.",
+    "reviewer": "You are a senior Python developer who reviews code for a team.",
 }
 
 
@@ -119,7 +128,8 @@ def run_scenario(kit: me.ModelKit, system: System, turns: list[tuple[str, str]],
     chats: dict[str, list[dict]] = {}
     out = []
     for chat, text in turns:
-        messages = chats.setdefault(chat, [])
+        system_prompt = CHAT_SYSTEM_PROMPTS.get(chat)
+        messages = chats.setdefault(chat, [{"role": "system", "content": system_prompt}] if system_prompt else [])
         messages.append({"role": "user", "content": text})
         prompt = me.apply_chat_template(kit, messages, tools=tools)
         tokens, final, pieces, first = [], None, [], None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.gguf_families import make_family  # noqa: E402
 from fixtures.tiny_models import make_model, make_tokenizer  # noqa: E402
 
 # Measured forward costs (pricing/cost_store.py) go to a directory of this run,
@@ -86,3 +87,17 @@ def smollm():
     kit = mlx_engine.load_model(mlx_engine.DEFAULT_MODEL)
     yield kit
     mlx_engine.unload(kit)
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory):
+    """``family_files(family, qtype="F32")``: a small GGUF of that family (made once a
+    module by fixtures/gguf_families.make_family): its path, reference and model file."""
+    cache = {}
+
+    def get(family, qtype="F32"):
+        if (family, qtype) not in cache:
+            cache[family, qtype] = make_family(family, tmp_path_factory.mktemp(f"{family}-{qtype}"), qtype)
+        return cache[family, qtype]
+
+    return get

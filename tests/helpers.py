@@ -184,19 +184,37 @@ def flat_costs(rel: float = 1.1) -> CostModel:
     return CostModel(tuple(0.01 * (1 + (rel - 1) * (n - 1) / 16) for n in range(1, 18)))
 
 
-def assert_lookup_exact_and_next_turn_cached(path, text: str) -> None:
+def assert_lookup_exact_and_next_turn_cached(
+    path, text: str, *, max_tokens: int = 12, lookup_tokens: int = 4, turn_tokens: int = 8
+) -> None:
     """On the model at ``path``: prompt lookup speculates (no fallback) and gives
     plain greedy's tokens; the next turn resumes from a checkpoint (cached
     tokens) and answers as a fresh kit does."""
     kit, fresh = mlx_engine.load_model(path), mlx_engine.load_model(path)
     prompt = mlx_engine.tokenize(kit, text * 2)
-    plain, _ = generate_ids(fresh, prompt, max_tokens=12, temp=0.0)
-    lookup, last = generate_ids(kit, prompt, max_tokens=12, temp=0.0, prompt_lookup_num_tokens=4)
+    plain, _ = generate_ids(fresh, prompt, max_tokens=max_tokens, temp=0.0)
+    lookup, last = generate_ids(kit, prompt, max_tokens=max_tokens, temp=0.0, prompt_lookup_num_tokens=lookup_tokens)
     assert lookup == plain
     assert last.stats.decoding_mode == "prompt_lookup" and "fell back" not in last.stats.mode_reason
     turn = prompt + plain + mlx_engine.tokenize(kit, " def add(a, b):")
-    ids, last = generate_ids(kit, turn, max_tokens=8, temp=0.0)
+    ids, last = generate_ids(kit, turn, max_tokens=turn_tokens, temp=0.0)
     assert last.stats.cached_tokens >= len(prompt) + len(plain) - 1, last.stats.cached_tokens
     fresh.replace_prompt_cache(fresh.new_cache(fresh.model))
-    want, cold = generate_ids(fresh, turn, max_tokens=8, temp=0.0)
+    want, cold = generate_ids(fresh, turn, max_tokens=turn_tokens, temp=0.0)
     assert cold.stats.cached_tokens == 0 and ids == want
+
+
+#: the GGUF family tests' prompt, and the rows of their batches
+FAMILY_PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
+BATCH_TEXTS = (FAMILY_PROMPT, "def add(a, b):", "The quick brown fox " * 3)
+
+
+def assert_batched_rows_equal_solo(path, texts=BATCH_TEXTS, *, max_parallel: int, max_tokens: int) -> None:
+    """Each of ``texts`` generated in one batch of ``max_parallel`` rows gives what
+    it gives alone (or differs only at a near-tie)."""
+    solo_kit, kit = mlx_engine.load_model(path, max_parallel=1), mlx_engine.load_model(path, max_parallel=max_parallel)
+    prompts = [mlx_engine.tokenize(kit, t) for t in texts]
+    want = [generate_ids(solo_kit, p, max_tokens=max_tokens, temp=0.0)[0] for p in prompts]
+    got, _ = round_robin([mlx_engine.create_generator(kit, p, max_tokens=max_tokens, temp=0.0) for p in prompts])
+    for p, w, ids in zip(prompts, want, got):
+        assert_same_or_near_tie(kit, p, w, ids)

@@ -11,37 +11,27 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_lookup_exact_and_next_turn_cached, assert_same_or_near_tie, generate_ids, round_robin
+from helpers import FAMILY_PROMPT as PROMPT
+from helpers import (
+    assert_batched_rows_equal_solo,
+    assert_lookup_exact_and_next_turn_cached,
+    generate_ids,
+)
 
 from fixtures.gguf_families import (
     FAMILIES,
     arch_metadata,
     bpe_metadata,
     gguf_tensors,
-    make_family,
     reference_model,
     spm_metadata,
     spm_model,
     write_gguf,
 )
 
-PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
-
 
 def _logits(model, ids):
     return model(mx.array(ids)[None]).astype(mx.float32)
-
-
-@pytest.fixture(scope="module")
-def family_files(tmp_path_factory):
-    cache = {}
-
-    def get(family, qtype="F32"):
-        if (family, qtype) not in cache:
-            cache[family, qtype] = make_family(family, tmp_path_factory.mktemp(f"{family}-{qtype}"), qtype)
-        return cache[family, qtype]
-
-    return get
 
 
 @pytest.mark.slow
@@ -186,13 +176,7 @@ def test_parallel_requests_equal_their_solo_outputs(family_files, family):
     alone; Granite 4.0-H with experts routes each row's tokens itself."""
 
     path, _, _ = family_files(family, "Q8_0")
-    solo_kit, kit = me.load_model(path, max_parallel=1), me.load_model(path, max_parallel=4)
-    prompts = [me.tokenize(kit, t) for t in (PROMPT, "def add(a, b):", "The quick brown fox " * 3)]
-    want = [generate_ids(solo_kit, p, max_tokens=10, temp=0.0)[0] for p in prompts]
-    gens = [me.create_generator(kit, p, max_tokens=10, temp=0.0) for p in prompts]
-    got, _ = round_robin(gens)
-    for p, w, ids in zip(prompts, want, got):
-        assert_same_or_near_tie(kit, p, w, ids)
+    assert_batched_rows_equal_solo(path, max_parallel=4, max_tokens=10)
 
 
 def _q4_k_exact(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

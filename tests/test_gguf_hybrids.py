@@ -10,32 +10,22 @@ import mlx_engine as me
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_lookup_exact_and_next_turn_cached, assert_same_or_near_tie, generate_ids, round_robin
+from helpers import FAMILY_PROMPT as PROMPT
+from helpers import (
+    assert_batched_rows_equal_solo,
+    assert_lookup_exact_and_next_turn_cached,
+)
 
 from fixtures.gguf_families import (
     FAMILIES,
     arch_metadata,
     bpe_metadata,
     gguf_tensors,
-    make_family,
     reference_model,
     write_gguf,
 )
 
-PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
 CLASSES = {"nemotron_h": "mlx_lm.models.nemotron_h", "falcon-h1": "mlx_lm.models.falcon_h1"}
-
-
-@pytest.fixture(scope="module")
-def family_files(tmp_path_factory):
-    cache = {}
-
-    def get(family, qtype="F32"):
-        if (family, qtype) not in cache:
-            cache[family, qtype] = make_family(family, tmp_path_factory.mktemp(f"{family}-{qtype}"), qtype)
-        return cache[family, qtype]
-
-    return get
 
 
 def _rel(got, want) -> float:
@@ -110,12 +100,7 @@ def test_falcon_h1_parallel_requests_equal_their_solo_outputs(family_files):
     """Falcon-H1's layers hold a Mamba-2 state and a KV cache each (a
     ``CacheList``); batched rows must each get what they get alone."""
     path, _, _ = family_files("falcon-h1", "Q8_0")
-    solo_kit, kit = me.load_model(path, max_parallel=1), me.load_model(path, max_parallel=4)
-    prompts = [me.tokenize(kit, t) for t in (PROMPT, "def add(a, b):", "The quick brown fox " * 3)]
-    want = [generate_ids(solo_kit, p, max_tokens=10, temp=0.0)[0] for p in prompts]
-    got, _ = round_robin([me.create_generator(kit, p, max_tokens=10, temp=0.0) for p in prompts])
-    for p, w, ids in zip(prompts, want, got):
-        assert_same_or_near_tie(kit, p, w, ids)
+    assert_batched_rows_equal_solo(path, max_parallel=4, max_tokens=10)
 
 
 def _changed_file(tmp_path, family, tensors=None, metadata=None, drop=(), keep_model=False):

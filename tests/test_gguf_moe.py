@@ -9,11 +9,11 @@ import mlx_engine as me
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_same_or_near_tie, generate_ids, round_robin
+from helpers import FAMILY_PROMPT as PROMPT
+from helpers import assert_batched_rows_equal_solo, generate_ids
 
 from fixtures.gguf_families import arch_metadata, bpe_metadata, gguf_tensors, reference_model, write_gguf
 
-PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
 MOE = {"qwen3moe": "mlx_lm.models.qwen3_moe", "gpt-oss": "mlx_lm.models.gpt_oss"}
 
 
@@ -149,12 +149,7 @@ def test_moe_speculates_exactly_and_the_next_turn_reuses_the_cache(q8_files, fam
 @pytest.mark.parametrize("family", list(MOE))
 def test_moe_parallel_requests_equal_their_solo_outputs(q8_files, family):
     """Batched rows route their own tokens to their own experts."""
-    solo_kit, kit = me.load_model(q8_files[family], max_parallel=1), me.load_model(q8_files[family], max_parallel=3)
-    prompts = [me.tokenize(kit, t) for t in (PROMPT, "def add(a, b):", "The quick brown fox " * 3)]
-    want = [generate_ids(solo_kit, p, max_tokens=8, temp=0.0)[0] for p in prompts]
-    got, _ = round_robin([me.create_generator(kit, p, max_tokens=8, temp=0.0) for p in prompts])
-    for p, w, ids in zip(prompts, want, got):
-        assert_same_or_near_tie(kit, p, w, ids)
+    assert_batched_rows_equal_solo(q8_files[family], max_parallel=3, max_tokens=8)
 
 
 @pytest.mark.parametrize(

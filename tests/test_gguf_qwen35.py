@@ -9,13 +9,16 @@ import mlx_engine as me
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_same_or_near_tie, generate_ids, round_robin
+from helpers import FAMILY_PROMPT as PROMPT
+from helpers import (
+    assert_batched_rows_equal_solo,
+    assert_lookup_exact_and_next_turn_cached,
+    assert_same_or_near_tie,
+    generate_ids,
+)
 from mlx.utils import tree_flatten
 
 from fixtures.gguf_families import arch_metadata, bpe_metadata, gguf_tensors, reference_model, write_gguf
-
-PROMPT = "Hello world! The quick brown fox jumps over the lazy dog. def add(a, b):"
-
 
 FAMILIES = {
     "qwen35": "mlx_lm.models.qwen3_5",
@@ -152,30 +155,13 @@ def test_qwen35_speculates_exactly_and_the_next_turn_reuses_the_cache(q8_files, 
     """Prompt lookup speculates on the delta-net state (no fallback) and gives
     plain greedy's tokens; the next turn resumes from a checkpoint and answers
     as a fresh kit does."""
-    kit, fresh = me.load_model(q8_files[family]), me.load_model(q8_files[family])
-    prompt = me.tokenize(kit, PROMPT * 2)
-    plain, _ = generate_ids(fresh, prompt, max_tokens=10, temp=0.0)
-    lookup, last = generate_ids(kit, prompt, max_tokens=10, temp=0.0, prompt_lookup_num_tokens=3)
-    assert lookup == plain
-    assert last.stats.decoding_mode == "prompt_lookup" and "fell back" not in last.stats.mode_reason
-    turn = prompt + plain + me.tokenize(kit, " def add(a, b):")
-    ids, last = generate_ids(kit, turn, max_tokens=6, temp=0.0)
-    assert last.stats.cached_tokens >= len(prompt) + len(plain) - 1, last.stats.cached_tokens
-    fresh.replace_prompt_cache(fresh.new_cache(fresh.model))
-    want, cold = generate_ids(fresh, turn, max_tokens=6, temp=0.0)
-    assert cold.stats.cached_tokens == 0 and ids == want
+    assert_lookup_exact_and_next_turn_cached(q8_files[family], PROMPT, max_tokens=10, lookup_tokens=3, turn_tokens=6)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_qwen35_parallel_requests_equal_their_solo_outputs(q8_files, family):
     """Batched rows (the delta-net state per row, with its lengths) equal solo runs."""
-    path = q8_files[family]
-    solo_kit, kit = me.load_model(path, max_parallel=1), me.load_model(path, max_parallel=3)
-    prompts = [me.tokenize(kit, t) for t in (PROMPT, "def add(a, b):", "The quick brown fox " * 3)]
-    want = [generate_ids(solo_kit, p, max_tokens=8, temp=0.0)[0] for p in prompts]
-    got, _ = round_robin([me.create_generator(kit, p, max_tokens=8, temp=0.0) for p in prompts])
-    for p, w, ids in zip(prompts, want, got):
-        assert_same_or_near_tie(kit, p, w, ids)
+    assert_batched_rows_equal_solo(q8_files[family], max_parallel=3, max_tokens=8)
 
 
 @pytest.mark.parametrize(
