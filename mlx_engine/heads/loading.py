@@ -18,6 +18,7 @@ from ..decode import capture
 from ..draft.loading import DraftCompatibility
 from ..errors import ModelLoadError
 from ..loading.checks import read_safetensors_header
+from ..loading.evaluation import eval_piecewise
 from . import eagle3, mtp, qwen3_5_mtp
 from .model import HeadDraft
 
@@ -318,7 +319,7 @@ def _build_eagle3(kit: Target, path: Path, config: dict) -> eagle3.Eagle3Head:
         )
     if tuple(net.embed_tokens.weight.shape) == tuple(target_embed.weight.shape):
         net.embed_tokens = target_embed  # as mlx-vlm binds it: the head reads the target's own embedding
-    mx.eval(net.parameters())
+    eval_piecewise(net.parameters())
     return eagle3.Eagle3Head(net, cfg, net.embed_tokens)
 
 
@@ -339,7 +340,7 @@ def _build_qwen3_5_mtp(kit: Target, path: Path, config: dict) -> qwen3_5_mtp.Qwe
     _quantize_as_stored(net, config, weights)
     _check_tensors(net, weights, where, path, optional=set(), kind="a qwen3_5_mtp head")
     net.load_weights(list(weights.items()), strict=False)
-    mx.eval(net.parameters())
+    eval_piecewise(net.parameters())
     return qwen3_5_mtp.Qwen35MTPHead(net, kit.model, kit.vocab_size)
 
 
@@ -358,7 +359,7 @@ def _build_mtp(kit: Target, path: Path) -> mtp.LayerNMTPHead:
     shown = partial(mtp.file_name, layout, index)
     _check_tensors(net, weights, files_of, path, optional=set(), shown=shown, kind="an MTP head")
     net.load_weights(list(weights.items()), strict=False)
-    mx.eval(net.parameters())
+    eval_piecewise(net.parameters())
     return mtp.LayerNMTPHead(net, kit.model, kit.vocab_size)
 
 

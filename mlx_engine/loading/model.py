@@ -20,6 +20,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from ..errors import ModelLoadError
 from . import catalog
 from .checks import check_config_fields, check_model_files, check_weights_match_config
+from .evaluation import eval_piecewise
 from .gguf import families as gguf_models
 from .gguf import reader as gguf
 from .gguf import tokenizer as gguf_tokenizer
@@ -189,7 +190,10 @@ class HFFiles:
         check_weights_match_config(self.config(), path, [Path(f) for f in files])
         try:
             with offline():
-                model, config = mlx_lm_load_model(path, lazy=lazy, trust_remote_code=trust_remote_code)
+                # lazy here, evaluated below in groups (evaluation.py) rather than by mlx-lm's single mx.eval
+                model, config = mlx_lm_load_model(path, lazy=True, trust_remote_code=trust_remote_code)
+            if not lazy:
+                eval_piecewise(model.parameters())
         except ModelLoadError:
             raise
         except Exception as exc:
@@ -290,7 +294,7 @@ def apply_compute_dtype(model: nn.Module, dtype: mx.Dtype | None, evaluate: bool
     dequantize_model(model)
     model.set_dtype(dtype)
     if evaluate:
-        mx.eval(model.parameters())
+        eval_piecewise(model.parameters())
 
 
 def float_param_count(model: nn.Module) -> int:
@@ -322,7 +326,7 @@ def materialize(model: nn.Module) -> None:
         for value in list(module.values()) + list(vars(module).values()):
             if isinstance(value, mx.array):
                 arrays.append(value)
-    mx.eval(model.parameters(), arrays)
+    eval_piecewise(model.parameters(), arrays)
 
 
 def smoke_test(model: nn.Module, path: Path) -> None:

@@ -17,6 +17,7 @@ import logging
 import re
 
 from ...errors import ModelLoadError
+from ..evaluation import eval_piecewise
 from .dense import DENSE_FAMILIES
 from .family import Family, kv_heads_per_layer
 from .mamba_hybrids import MAMBA_HYBRID_FAMILIES
@@ -279,8 +280,8 @@ def load_model(h: GGUFHeader, config: dict, *, keep_quantized: bool | None = Non
         _use_rope_freqs(model, config, rope_freqs)
     if mtp:
         model.mtp = MTPHead(mtp)  # not a parameter of the model: a value for a hidden-state drafter
-        mx.eval(list(mtp.values()))
-    mx.eval(model.parameters())
+        eval_piecewise(list(mtp.values()))
+    eval_piecewise(model.parameters())
     model.eval()
     return model
 
@@ -292,7 +293,7 @@ def _read_weights(h: GGUFHeader, native: bool, dtype: str):
     import mlx.core as mx
 
     family = FAMILIES[h.architecture]
-    tensors = iter(read_native(h).items()) if native else read_decoded(h, dtype, keep=is_expert_tensor)
+    tensors = read_native(h) if native else read_decoded(h, dtype, keep=is_expert_tensor)
     weights, source_types, rope_freqs, modes, kept, mtp = {}, {}, None, {}, {}, {}
     for name, value in tensors:
         if name == "rope_freqs.weight":

@@ -3,8 +3,8 @@
 The header is walked here first, with bounds on every count and size, so every
 structural problem or unsupported tensor type becomes a ``ModelLoadError``
 naming the file (and the tensor) before any weights are read. Tensors then come
-either from MLX's own reader (``mx.load``, for files of MLX-native types only:
-it silently drops tensors of types it does not know) or one at a time through
+either as MLX stores them (files of MLX-native types only, re-packed here as
+``mx.load`` would make them, transcode.py) or one at a time through
 llama.cpp's ``gguf`` package decoders. Families and tokenizers: families.py
 and tokenizer.py; the whole rule: docs/gguf.md.
 """
@@ -38,8 +38,8 @@ MAX_DIM = 2**31 - 1  # MLX indexes with 32-bit integers
 
 # GGML tensor types the loader reads, by name; ids, block sizes and decoders
 # come from llama.cpp's own ``gguf`` package. The first group is what MLX holds
-# natively: a file made only of these loads through ``mx.load`` with Q4_0/Q4_1/
-# Q8_0 kept as MLX quantized triples (group size 32). A file holding any other
+# natively: a file made only of these loads as ``mx.load`` reads it, Q4_0/Q4_1/
+# Q8_0 kept as MLX quantized triples (group size 32; ``read_native``). A file holding any other
 # type is read tensor by tensor and decoded by ``gguf.quants.dequantize``
 # (docs/gguf.md gives the whole rule).
 MLX_NATIVE_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
@@ -301,15 +301,39 @@ def all_mlx_native(h: GGUFHeader) -> bool:
     return all(t.type_name in MLX_NATIVE_TYPES for t in h.tensors.values())
 
 
-def read_native(h: GGUFHeader) -> dict:
-    """The whole file through ``mx.load`` (Q4_0/Q4_1/Q8_0 as quantized triples
-    with ``.scales``/``.biases``); only for files ``all_mlx_native`` accepts."""
+def read_native(h: GGUFHeader) -> Iterator[tuple[str, Any]]:
+    """The tensors of a file ``all_mlx_native`` accepts, as ``(name, MLX
+    array)`` pairs with the names and bytes ``mx.load`` gives (Q4_0/Q4_1/Q8_0
+    as the quantized triple ``.weight``/``.scales``/``.biases``), read one
+    tensor at a time from the memory-mapped file (``transcode_native``).
+    ``mx.load`` holds Python's GIL while it reads the whole file (100-250 ms
+    for SmolLM2), a stall for every other thread's stream; numpy lets go of it."""
     import mlx.core as mx
 
+    from .transcode import NATIVE_BLOCKS, transcode_native
+
+    data = np.memmap(h.path, dtype=np.uint8, mode="r")
     try:
-        return mx.load(str(h.path))
-    except Exception as exc:  # MLX's reader found what the header walk could not
-        raise ModelLoadError(f"could not read GGUF tensors from {str(h.path)!r}: {exc}") from exc
+        for info in h.tensors.values():
+            raw = data[info.offset : info.offset + info.n_bytes]
+            if info.type_name in ("F32", "F16"):
+                yield info.name, mx.array(_decode(h, info, raw))
+                continue
+            if info.type_name not in NATIVE_BLOCKS:
+                raise ModelLoadError(
+                    f"GGUF file {str(h.path)!r}: tensor {info.name!r} ({info.type_name}) is not of a type MLX holds"
+                )
+            try:
+                parts = transcode_native(info.type_name, raw, info.shape[::-1])
+            except ValueError as exc:  # a shape the header walk let through that blocks cannot fill
+                raise ModelLoadError(
+                    f"GGUF file {str(h.path)!r}: could not read tensor {info.name!r} ({info.type_name}): {exc}"
+                ) from exc
+            stem = info.name.rpartition(".")[0] or info.name
+            for part, array in parts.items():
+                yield f"{stem}.{part}", mx.array(array)
+    finally:
+        del data
 
 
 def read_decoded(

@@ -211,9 +211,12 @@ def _add_special(h: GGUFHeader, backend, fields: dict) -> None:
 def load_tokenizer(h: GGUFHeader):
     """The file's tokenizer as an mlx-lm ``TokenizerWrapper``: control tokens
     (type 3) are special and user-defined ones (type 4) are added tokens, so
-    both encode whole; the chat template is the file's."""
+    both encode whole; the chat template is the file's. The wrapped
+    tokenizer is a ``GGUFTokenizerFast`` (fast_tokenizer.py: no copy of the
+    backend, the vocabulary built once)."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
-    from transformers import PreTrainedTokenizerFast
+
+    from .fast_tokenizer import GGUFTokenizerFast
 
     fields = tokenizer_fields(h)
     backend = _backend(h, fields)
@@ -225,8 +228,8 @@ def load_tokenizer(h: GGUFHeader):
                           ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
         if key in fields
     }  # fmt: skip
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    fast = GGUFTokenizerFast(
+        backend,
         chat_template=meta_str(h, "tokenizer.chat_template"),
         model_max_length=meta_int(h, f"{h.architecture}.context_length", 4096),
         **special,
