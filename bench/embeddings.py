@@ -7,7 +7,7 @@ both see the same machine load. The reference side runs in a separate Python
 (``--reference-python``), a venv with ``torch`` and ``sentence-transformers``,
 neither of which mlx-engine depends on::
 
-    python3 -m venv /tmp/refenv && /tmp/refenv/bin/pip install torch==2.13.0 sentence-transformers
+    python3 -m venv /tmp/refenv && /tmp/refenv/bin/pip install torch sentence-transformers
 
 Both use batch size 32 (sentence-transformers' default; it also sorts by
 length) and every CPU core; with ``OPENBLAS_NUM_THREADS=N`` in the environment

@@ -72,6 +72,21 @@ def test_a_batch_equals_one_at_a_time(minilm):
 
 
 @requires_minilm
+def test_mixed_lengths_in_one_call_equal_one_at_a_time_in_input_order(minilm):
+    """Lengths from 4 to over 100 tokens, shuffled: ``embed`` splits them into batches of
+    like length (kit.length_batches) and pads each; every row must still be its own
+    input's vector, as embedding it alone gives."""
+    words = "the quick brown fox jumps over a lazy dog while it rains".split()
+    texts = [" ".join(words[: 1 + i % 12] * (1 + (i * 7) % 17)) for i in range(40)]
+    texts = [texts[i] for i in np.random.default_rng(4).permutation(len(texts))]
+    result = me.embed(minilm, texts, batch_size=32)
+    assert len(set(result.token_counts)) > 20 and min(result.token_counts) < 10 < 100 < max(result.token_counts)
+    alone = np.stack([me.embed(minilm, t).vectors[0] for t in texts])
+    assert np.abs(result.vectors - alone).max() < 1e-5
+    assert cosines(result.vectors, alone).min() > 0.99999
+
+
+@requires_minilm
 def test_threads_embedding_at_once_get_their_own_vectors(minilm):
     texts = REFS["sentences"]
     expected = me.embed(minilm, texts, truncate=True).vectors

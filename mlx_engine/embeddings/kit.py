@@ -332,15 +332,40 @@ def check_batch_size(batch_size) -> int:
     return batch_size
 
 
+# A batch is padded to its longest input. Sorted longest first, inputs join the current
+# batch while the padding stays under PADDING_SHARE of its tokens, or the next one is
+# within PADDING_FLOOR tokens of the longest (a smaller batch costs more than that padding).
+PADDING_SHARE = 0.2
+PADDING_FLOOR = 8
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into batches of at most ``batch_size``,
+    longest first, each closed once adding the next would pad it too much."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    tokens = 0
+    for i in order:
+        current = batches[-1] if batches else None
+        if current is not None and len(current) < batch_size:
+            width = lengths[current[0]]
+            padding = width * (len(current) + 1) - (tokens + lengths[i])
+            if width - lengths[i] <= PADDING_FLOOR or padding <= PADDING_SHARE * width * (len(current) + 1):
+                current.append(i)
+                tokens += lengths[i]
+                continue
+        batches.append([i])
+        tokens = lengths[i]
+    return batches
+
+
 def run_batches(kit: EmbeddingKit, ids: Sequence[list[int]], batch_size: int, dimensions: int | None) -> np.ndarray:
-    """The vectors of ``ids`` (on the engine thread): longest first, in batches
-    padded to their longest input, so a batch holds inputs of like length."""
+    """The vectors of ``ids`` (on the engine thread), in their order: batches of
+    like length (``length_batches``), each padded to its longest input."""
     if kit.model is None:
         raise ValueError("kit: this embedding model was unloaded")
-    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     out = np.empty((len(ids), dimensions or kit.dimensions), dtype=np.float32)
-    for start in range(0, len(order), batch_size):
-        chosen = order[start : start + batch_size]
+    for chosen in length_batches([len(r) for r in ids], batch_size):
         out[chosen] = np.asarray(_embed_batch(kit, [ids[i] for i in chosen], dimensions))
     return out
 
