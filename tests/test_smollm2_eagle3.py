@@ -144,3 +144,41 @@ def test_training_steps_lower_the_loss(target, head):
         mx.eval(h.parameters(), opt.state)
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_recipe_counts_only_whole_right_prefixes_of_chains():
+    from training.eagle3_recipe import accepted_chains, agreement_summary
+
+    ids = np.arange(10, 20)  # entries 0..8; entry q's depth-k draft is for token q + 2
+    right0 = ids[2:].tolist() + [0]
+    right0[3] = -1  # the chain from origin 3 fails at its first draft
+    depth1 = np.full(9, -1)
+    depth1[[4, 5]] = ids[[6, 7]]  # depth 1 right at entries 4 and 5 (chains from origins 3 and 4)
+    table = accepted_chains([np.array(right0), depth1], ids, prompt_len=4)
+    # origins 2..6 (the first draft an answer token, the whole chain inside the sequence)
+    assert table.tolist() == [[True, False], [False, False], [True, True], [True, False], [True, False]]
+    summary = agreement_summary([table])
+    assert summary["chain_origins"] == 5 and summary["accepted_by_position"] == [0.8, 0.2]
+    assert summary["conditional_by_position"] == [0.8, 0.25] and summary["mean_accepted_of_depth"] == 1.0
+
+
+def test_recipe_draft_vocabulary_comes_from_training_answers_only():
+    from training.eagle3_recipe import (
+        d2t_offsets,
+        draft_vocabulary,
+        frequent_drafts,
+        held_out_indices,
+        target_to_draft,
+        training_indices,
+    )
+
+    held = np.array([1, 7, 7, 7, 7, 7, 7])  # sequence 0 is held out: its frequent 7 must not count
+    seqs = [held] + [np.array([1, 3, 3, 5, 9, 3, 5])] * 3
+    lens = np.array([[1, len(s) - 1] for s in seqs])
+    draft = draft_vocabulary(seqs, lens, 3, 12)
+    assert draft.tolist() == [3, 5, 9]
+    t2d = target_to_draft(draft, 12)
+    assert t2d[[3, 5, 9, 7]].tolist() == [0, 1, 2, -1]
+    assert (np.arange(3) + d2t_offsets(draft)).tolist() == [3, 5, 9]
+    assert frequent_drafts(seqs, lens, draft, 12, 1).tolist() == [0]  # 3, the most frequent
+    assert held_out_indices(25, 2) == [0, 10] and 0 not in training_indices(25) and 11 in training_indices(25)

@@ -31,7 +31,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from .extract_smollm2_hidden import DATA, HOLDOUT_EVERY, aux_hidden, load_sequences  # noqa: E402
+from .eagle3_recipe import DATA, accepted_chains, agreement_summary, held_out_indices, load_sequences  # noqa: E402
+from .extract_smollm2_hidden import aux_hidden  # noqa: E402
 from .train_smollm2_eagle3 import load_head, ttt_forward  # noqa: E402
 
 logger = logging.getLogger("eval_smollm2_eagle3")
@@ -47,20 +48,7 @@ def chain_agreement(head, draft_ids, aux: mx.array, ids: np.ndarray, prompt_len:
     """(origins, depth) booleans: draft ``j`` of the chain from each answer origin
     equals the target's token, drafts before it all right (teacher-forced chain)."""
     outs = ttt_forward(head, aux[None], mx.array(ids)[None], depth)
-    n = len(ids) - 1
-    right = []
-    for k, h in enumerate(outs):  # depth k, entry q = c + k predicts token c + k + 2
-        pred = draft_ids_at(head, draft_ids, h[0])
-        right.append(pred[: n - 1] == ids[2:])
-    origins = np.arange(max(prompt_len - 2, 0), n - 1)  # the first draft is an answer token
-    table = np.zeros((len(origins), depth), dtype=bool)
-    for j in range(depth):
-        q = origins + j
-        ok = q < n - 1
-        table[ok, j] = right[j][q[ok]]
-        table[~ok, j] = False
-    keep = origins + depth + 1 < len(ids)  # the whole chain has targets to compare with
-    return np.cumprod(table[keep], axis=1).astype(bool)
+    return accepted_chains([draft_ids_at(head, draft_ids, h[0]) for h in outs], ids, prompt_len)
 
 
 def free_chain(head, draft_ids, aux: mx.array, ids: np.ndarray, origin: int, depth: int) -> list[int]:
@@ -117,7 +105,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     kit = me.load_model(TARGET)
     head, draft_ids = load_head(args.head, kit)
     seqs, lens = load_sequences(args.data)
-    held = [i for i in range(len(seqs)) if i % HOLDOUT_EVERY == 0][: args.sequences]
+    held = held_out_indices(len(seqs), args.sequences)
     tables, same, tried, first = [], 0, 0, None
     for n, i in enumerate(held):
         ids = seqs[i]
@@ -131,16 +119,10 @@ def evaluate(args: argparse.Namespace) -> dict:
             same += free_chain(head, draft_ids, aux, ids, origin, args.depth) == mlx_vlm_chain(
                 head, kit, aux, ids, origin, args.depth
             )
-    table = np.concatenate(tables)
-    acc = table.mean(axis=0)
     out = {
         "head": str(args.head),
         "held_out_sequences": len(held),
-        "chain_origins": int(len(table)),
-        "accepted_by_position": [round(float(a), 4) for a in acc],
-        "conditional_by_position": [round(float(acc[0]), 4)]
-        + [round(float(acc[j] / max(acc[j - 1], 1e-9)), 4) for j in range(1, len(acc))],
-        "mean_accepted_of_depth": round(float(table.sum(axis=1).mean()), 3),
+        **agreement_summary(tables),
         "mlx_vlm_equal_chains": f"{same}/{tried}",
         "step_cost": step_costs(kit, head, *first),
     }

@@ -16,7 +16,7 @@ Sequences go in a fixed shuffled order, so a run cut short by ``--minutes`` is a
 random sample; every ``--shard`` sequences are written as
 ``<out>/shard-NNNNN.npz`` (``hidden`` (T, 3, hidden) float16, ``ids`` (T,),
 ``lens`` (n, 2) prompt/answer lengths, ``index`` (n,) sequence numbers). A rerun
-skips the sequences already written. Sequence ``i`` with ``i % HOLDOUT_EVERY == 0``
+skips the sequences already written. Sequence ``i`` with ``i % HOLDOUT_EVERY == 0`` (training/eagle3_recipe.py)
 is never extracted: it is the held-out set of ``training/eval_smollm2_eagle3.py``.
 """
 
@@ -33,28 +33,10 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.base import create_attention_mask  # noqa: E402
 
+from .eagle3_recipe import AUX_LAYER_IDS, DATA, is_held_out, load_sequences  # noqa: E402
+
 logger = logging.getLogger("extract_smollm2_hidden")
 TARGET = "smollm2-135m-instruct"
-REPO = Path(__file__).resolve().parents[1]
-# ../shared beside the main checkout; a worktree under wt/ finds it one level further up
-DATA = (
-    next((p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if p.is_dir()), REPO.parent / "shared")
-    / "data"
-    / "smollm2-answers"
-    / "answers.npz"
-)
-AUX_LAYER_IDS = (2, 15, 27)  # EAGLE-3's default [2, n // 2, n - 3] for n = 30
-HOLDOUT_EVERY = 10  # sequence i with i % 10 == 0 is held out for evaluation
-
-
-def load_sequences(path: Path) -> tuple[list[np.ndarray], np.ndarray]:
-    """Every sequence's token ids (prompt then answer) and the (n, 2) prompt/answer lengths."""
-    if not Path(path).is_file():
-        raise ValueError(f"data: {path} is not a file (expected answers.npz of ../shared/data/smollm2-answers)")
-    d = np.load(path)
-    ids, lens = d["ids"].astype(np.int32), d["lens"].astype(np.int64)
-    off = np.concatenate([[0], np.cumsum(lens.sum(1))])
-    return [ids[off[i] : off[i + 1]] for i in range(len(lens))], lens
 
 
 def aux_hidden(model, tokens: mx.array, aux_ids: tuple[int, ...] = AUX_LAYER_IDS) -> mx.array:
@@ -77,7 +59,7 @@ def extract(args: argparse.Namespace) -> None:
     seqs, lens = load_sequences(args.data)
     done = {int(i) for f in args.out.glob("shard-*.npz") for i in np.load(f)["index"]}
     order = np.random.default_rng(args.seed).permutation(len(seqs))
-    todo = [int(i) for i in order if i % HOLDOUT_EVERY and int(i) not in done]
+    todo = [int(i) for i in order if not is_held_out(int(i)) and int(i) not in done]
     kit = me.load_model(TARGET)
     logger.info("extract: %d sequences to run (%d done)", len(todo), len(done))
     start, tokens, shard = time.time(), 0, []

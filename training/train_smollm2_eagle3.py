@@ -33,7 +33,6 @@ import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -44,56 +43,24 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_vlm.speculative.drafters.eagle3 import Eagle3DraftModel, ModelConfig  # noqa: E402
 
-from .extract_smollm2_hidden import AUX_LAYER_IDS, DATA, HOLDOUT_EVERY, load_sequences  # noqa: E402
+from .eagle3_recipe import (  # noqa: E402
+    AUX_LAYER_IDS,
+    DATA,
+    batch_layout,
+    d2t_offsets,
+    draft_vocabulary,
+    frequent_drafts,
+    head_config,
+    load_sequences,
+    lr_at,
+    target_to_draft,
+)
 
 logger = logging.getLogger("train_smollm2_eagle3")
 TARGET = "smollm2-135m-instruct"
 
 
 # -- the head -------------------------------------------------------------------
-def head_config(draft_vocab: int, args: dict, aux_ids: tuple[int, ...] = AUX_LAYER_IDS) -> dict:
-    """The speculators-form config of a head for a llama target with ``args``
-    (mlx-lm's ModelArgs as a dict): one decoder layer of the target's shape."""
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "model_type": "eagle3",
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": {
-            "model_type": "llama",
-            "hidden_size": args["hidden_size"],
-            "intermediate_size": args["intermediate_size"],
-            "num_hidden_layers": 1,
-            "num_attention_heads": args["num_attention_heads"],
-            "num_key_value_heads": args["num_key_value_heads"],
-            "head_dim": args["hidden_size"] // args["num_attention_heads"],
-            "rms_norm_eps": args["rms_norm_eps"],
-            "vocab_size": args["vocab_size"],
-            "max_position_embeddings": args["max_position_embeddings"],
-            "rope_theta": args["rope_theta"],
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-        },
-        "draft_vocab_size": draft_vocab,
-        "target_hidden_size": args["hidden_size"],
-        "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": list(aux_ids),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 4}],
-            "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "architectures": ["LlamaForCausalLM"]},
-        },
-    }
-
-
-def draft_vocabulary(seqs: list[np.ndarray], lens: np.ndarray, n: int, vocab: int) -> np.ndarray:
-    """The ``n`` most frequent answer tokens of the training sequences (never the
-    held-out ones), ascending: draft id ``i`` is target id ``ids[i]``."""
-    answers = [s[lens[i, 0] :] for i, s in enumerate(seqs) if i % HOLDOUT_EVERY]
-    counts = np.bincount(np.concatenate(answers).astype(np.int64), minlength=vocab)
-    return np.sort(np.argsort(-counts, kind="stable")[:n])
-
-
 def new_head(
     kit: me.ModelKit, draft_ids: np.ndarray, seed: int, aux_ids: tuple[int, ...] = AUX_LAYER_IDS
 ) -> Eagle3DraftModel:
@@ -110,7 +77,7 @@ def new_head(
     head.embed_tokens.weight = emb
     head.lm_head.weight = emb[mx.array(draft_ids)]
     head.norm.weight = inner.norm.weight.astype(mx.float32)
-    head.d2t = mx.array(draft_ids - np.arange(len(draft_ids)), dtype=mx.int32)
+    head.d2t = mx.array(d2t_offsets(draft_ids), dtype=mx.int32)
     freeze_target_parts(head)
     mx.eval(head.parameters())
     return head
@@ -219,36 +186,22 @@ class Shards:
 
 
 def make_batch(data: Shards, rows: list[int], t2d: np.ndarray, frequent: np.ndarray, args: argparse.Namespace):
-    """Padded features and tokens, the flat indices of scored entries (entry q
-    predicts token q + 2: answer tokens in the draft vocabulary), candidate
-    output rows, the targets' places among them, and the per-depth mask (the
-    chain origin q - k inside the sequence)."""
-    length = min(args.max_len, max(len(data.ids[r]) for r in rows))
-    b = len(rows)
-    aux = np.zeros((b, length, data.hidden[rows[0]].shape[1]), dtype=np.float16)
-    tok = np.zeros((b, length), dtype=np.int32)
-    tgt = np.zeros((b, length - 1), dtype=np.int64)
-    ok = np.zeros((b, length - 1), dtype=bool)
+    """Padded features and tokens, the flat indices of scored entries, candidate
+    output rows, the targets' places among them and the per-depth mask
+    (``eagle3_recipe.batch_layout``), as MLX arrays."""
+    lay = batch_layout(
+        [data.ids[r] for r in rows], [data.prompt[r] for r in rows], t2d, frequent, args.max_len, args.depths
+    )
+    aux = np.zeros((*lay.tokens.shape, data.hidden[rows[0]].shape[1]), dtype=np.float16)
     for i, r in enumerate(rows):
-        ids, start = data.ids[r], max(0, len(data.ids[r]) - length)  # keep the end: answers
-        ids, n = ids[start:], len(ids) - start
-        aux[i, :n], tok[i, :n] = data.hidden[r][start:], ids
-        pos = np.arange(2, n)  # predicted token positions, entries 0 .. n - 3
-        d = t2d[ids[pos]]
-        tgt[i, : n - 2] = d
-        ok[i, : n - 2] = (d >= 0) & (pos + start >= data.prompt[r])
-    idx = np.nonzero(ok.reshape(-1))[0]
-    y = tgt.reshape(-1)[idx]
-    cand = np.unique(np.concatenate([frequent, y]))
-    q = idx % (length - 1)
-    mask = np.stack([(q >= k) for k in range(args.depths)]).astype(np.float32)
+        aux[i, : lay.lengths[i]] = data.hidden[r][lay.starts[i] : lay.starts[i] + lay.lengths[i]]
     return (
         mx.array(aux).astype(mx.float32),
-        mx.array(tok),
-        mx.array(idx.astype(np.int32)),
-        mx.array(cand.astype(np.int32)),
-        mx.array(np.searchsorted(cand, y).astype(np.int32)),
-        mx.array(mask),
+        mx.array(lay.tokens),
+        mx.array(lay.idx.astype(np.int32)),
+        mx.array(lay.cand.astype(np.int32)),
+        mx.array(lay.target.astype(np.int32)),
+        mx.array(lay.mask),
     )
 
 
@@ -268,7 +221,7 @@ def save_head(head: Eagle3DraftModel, draft_ids: np.ndarray, out: Path, meta: di
         if k.startswith("embed_tokens") or k == "d2t":
             continue
         weights[k.replace("layers.0.", "midlayer.", 1)] = v
-    weights["d2t"] = mx.array(draft_ids - np.arange(len(draft_ids)), dtype=mx.int64)
+    weights["d2t"] = mx.array(d2t_offsets(draft_ids))
     t2d = np.zeros(head.target_vocab_size, dtype=bool)
     t2d[draft_ids] = True
     weights["t2d"] = mx.array(t2d)
@@ -302,29 +255,18 @@ def load_head(path: Path, kit: me.ModelKit) -> tuple[Eagle3DraftModel, np.ndarra
     return head, d2t + np.arange(len(d2t))
 
 
-def lr_at(args: argparse.Namespace, step: int, done: float) -> float:
-    """Warm-up over steps, then a cosine to 10% over the wall-clock budget."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
-
-
 def train(args: argparse.Namespace) -> None:
     """Train until ``--minutes`` elapse or ``--steps``, saving every ``--save-minutes``."""
     kit = me.load_model(TARGET)
     seqs, lens = load_sequences(args.data)
     draft_ids = draft_vocabulary(seqs, lens, args.draft_vocab, kit.vocab_size)
-    t2d = np.full(kit.vocab_size, -1, dtype=np.int64)
-    t2d[draft_ids] = np.arange(len(draft_ids))
+    t2d = target_to_draft(draft_ids, kit.vocab_size)
     head = new_head(kit, draft_ids, args.seed)
     if args.resume and (args.out / "model.safetensors").exists():
         head, _ = load_head(args.out, kit)
         freeze_target_parts(head)
     data, loaded_at = Shards(args.hidden), time.time()
-    counts = np.bincount(
-        np.concatenate([s[lens[i, 0] :] for i, s in enumerate(seqs) if i % HOLDOUT_EVERY]), minlength=kit.vocab_size
-    )
-    frequent = np.sort(np.argsort(-counts[draft_ids], kind="stable")[: args.candidates])
+    frequent = frequent_drafts(seqs, lens, draft_ids, kit.vocab_size, args.candidates)
     logger.info(
         "head: %.2fM trainable parameters; %d sequences, %d tokens",
         sum(v.size for _, v in tree_flatten(head.trainable_parameters())) / 1e6,
@@ -342,7 +284,7 @@ def train(args: argparse.Namespace) -> None:
             order = list(rng.permutation(len(data)))
         rows, order = order[: args.batch], order[args.batch :]
         batch = make_batch(data, rows, t2d, frequent, args)
-        opt.learning_rate = lr_at(args, step, (time.time() - start) / (args.minutes * 60))
+        opt.learning_rate = lr_at(args.lr, args.warmup, step, (time.time() - start) / (args.minutes * 60))
         loss, grads = step_fn(head, *batch, args.depths, args.depth_decay)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(head, grads)
