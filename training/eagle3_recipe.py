@@ -206,3 +206,20 @@ def agreement_summary(tables: list[np.ndarray]) -> dict:
         + [round(float(acc[j] / max(acc[j - 1], 1e-9)), 4) for j in range(1, len(acc))],
         "mean_accepted_of_depth": round(float(table.sum(axis=1).mean()), 3),
     }
+
+
+def add_training_flags(p) -> None:
+    """The training flags both trainers (MLX and PyTorch) take, with the same defaults."""
+    p.add_argument("--draft-vocab", type=int, default=16384)
+    p.add_argument("--candidates", type=int, default=4096, help="most frequent draft tokens scored every step")
+    p.add_argument("--depths", type=int, default=3, help="training-time test depths (chain steps trained)")
+    p.add_argument("--depth-decay", type=float, default=0.8)
+    p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--save-minutes", type=float, default=5.0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=0)

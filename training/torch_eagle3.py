@@ -35,6 +35,7 @@ from .eagle3_recipe import (
     AUX_LAYER_IDS,
     DATA,
     accepted_chains,
+    add_training_flags,
     agreement_summary,
     batch_layout,
     draft_vocabulary,
@@ -215,19 +216,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gguf", type=Path, default=default_gguf(), help=f"the default model's {GGUF_NAME}")
     p.add_argument("--out", type=Path, default=Path(".cache/smollm2-eagle3/torch-head"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--draft-vocab", type=int, default=16384)
-    p.add_argument("--candidates", type=int, default=4096, help="most frequent draft tokens scored every step")
-    p.add_argument("--depths", type=int, default=3, help="training-time test depths (chain steps trained)")
-    p.add_argument("--depth-decay", type=float, default=0.8)
-    p.add_argument("--batch", type=int, default=2, help="sequences per step")
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--minutes", type=float, default=30.0)
-    p.add_argument("--steps", type=int, default=1_000_000)
-    p.add_argument("--save-minutes", type=float, default=5.0)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    add_training_flags(p)
     p.add_argument("--aux-ids", type=int, nargs=3, default=list(AUX_LAYER_IDS), help="hidden_states the head reads")
     p.add_argument("--eval-sequences", type=int, default=16, help="held-out sequences scored after training (0: none)")
     p.add_argument("--eval-depth", type=int, default=5, help="chain length scored")

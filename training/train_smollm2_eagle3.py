@@ -46,6 +46,7 @@ from mlx_vlm.speculative.drafters.eagle3 import Eagle3DraftModel, ModelConfig  #
 from .eagle3_recipe import (  # noqa: E402
     AUX_LAYER_IDS,
     DATA,
+    add_training_flags,
     batch_layout,
     d2t_offsets,
     draft_vocabulary,
@@ -326,19 +327,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=DATA, help="answers.npz (for the draft vocabulary)")
     p.add_argument("--hidden", type=Path, default=Path(".cache/smollm2-eagle3/hidden"), help="extracted shards")
     p.add_argument("--out", type=Path, default=Path(".cache/smollm2-eagle3/head"))
-    p.add_argument("--draft-vocab", type=int, default=16384)
-    p.add_argument("--candidates", type=int, default=4096, help="most frequent draft tokens scored every step")
-    p.add_argument("--depths", type=int, default=3, help="training-time test depths (chain steps trained)")
-    p.add_argument("--depth-decay", type=float, default=0.8)
-    p.add_argument("--batch", type=int, default=2, help="sequences per step")
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--minutes", type=float, default=30.0)
-    p.add_argument("--steps", type=int, default=1_000_000)
-    p.add_argument("--save-minutes", type=float, default=5.0)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    add_training_flags(p)
     p.add_argument("--ship", type=Path, default=None, help="instead of training: write --out's head here, quantized")
     p.add_argument("--bits", type=int, default=4, help="quantization of --ship")
     return p.parse_args(argv)
