@@ -293,6 +293,43 @@ def test_a_kit_is_idle_only_with_no_request_open():
     assert activity.idle_seconds() == 0.0 and activity.last_end == ended
 
 
+def test_the_process_is_idle_only_with_no_kits_request_open():
+    from mlx_engine.kits.registry import Activity, process_idle_seconds
+
+    one, other = Activity(), Activity()
+    one.end("never-opened")  # both have ended a request and have none open
+    other.end("never-opened")
+    assert process_idle_seconds([one, other]) > 0.0
+    other.register("b")
+    assert one.idle_seconds() > 0.0 and process_idle_seconds([one, other]) == 0.0  # another kit's request counts
+    other.end("b")
+    assert 0.0 < process_idle_seconds([one, other]) <= one.idle_seconds()  # since the later end: other's
+    assert process_idle_seconds([]) == float("inf")
+
+
+def test_a_background_measurement_waits_for_another_kits_open_request(llama_path, tmp_path, monkeypatch):
+    """A server hosting several models: an idle kit's passes are not timed beside another's stream."""
+    from mlx_engine.kits.text import IDLE_GRACE_S
+
+    import gc
+    import time
+
+    gc.collect()  # generators other tests dropped unclosed: their requests end now, not mid-test
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
+    busy, kit = me.load_model(llama_path), me.load_model(llama_path)
+    prompt = me.tokenize(kit, "a b c a b c a b c")
+    stream = me.create_generator(busy, prompt, max_tokens=100_000)
+    next(stream)  # open and running on the other kit
+    generate_ids(kit, prompt, max_tokens=3, auto_speculative=True)  # estimated; measurement queued
+    assert kit.cost_source == "estimate"
+    time.sleep(IDLE_GRACE_S + 1.5)  # a tiny model's whole measurement takes well under this once idle
+    assert kit.cost_source == "estimate"
+    stream.close()
+    wait_until(lambda: kit.cost_source == "measured")
+    me.unload(kit)
+    me.unload(busy)
+
+
 def test_a_record_measured_while_busy_is_measured_again_once_it_is_old():
     clock = Clock()
     for age, expected in ((60.0, 0), (7200.0, 1)):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import GenerationInProgressError
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: every kit's registry is its own
 class Activity:
     """The kit's request bookkeeping, safe from any thread: the requests created
     and not yet ended (``known``, at most the kit's ``max_parallel``), those
@@ -26,6 +28,7 @@ class Activity:
 
     def __post_init__(self) -> None:
         self.freed = threading.Condition(self.lock)
+        _REGISTRIES.add(self)
 
     def wait_for_room(self, capacity: int, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until fewer than ``capacity`` requests
@@ -81,3 +84,16 @@ class Activity:
 
     def is_cancelled(self, request_id: str) -> bool:
         return request_id in self.cancelled
+
+
+#: Every live kit's registry in this process (weakly: an unloaded kit's goes with it).
+_REGISTRIES: weakref.WeakSet[Activity] = weakref.WeakSet()
+
+
+def process_idle_seconds(registries: Iterable[Activity] | None = None) -> float:
+    """Seconds since any kit in this process (``registries``: every live kit's)
+    last had a request open (0.0 while one has): work that would slow or be
+    slowed by a running stream, such as timing forward passes, waits for every
+    model's requests, not only its own."""
+    found = list(_REGISTRIES if registries is None else registries)
+    return min((a.idle_seconds() for a in found), default=float("inf"))

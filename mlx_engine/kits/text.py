@@ -1,6 +1,6 @@
 """ModelKit: a loaded text model, its tokenizer and the caches kept between
 requests, plus an optional draft model (draft/model.py) and its request
-registry (activity.Activity)."""
+registry (registry.Activity)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from ..pricing.cost_book import CostBook
 from ..runtime import worker as workers
 from ..runtime.scheduler import Scheduler
 from ..runtime.worker import MLXWorker, shutting_down
-from .registry import Activity
+from .registry import Activity, process_idle_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -304,8 +304,10 @@ class ModelKit:
             measurement,
             self.worker.submit,
             # Idle for a moment, not just between two back-to-back requests (an agent's
-            # loop, a benchmark): a pass started then would delay the next one.
-            idle=lambda: (kit := ref()) is not None and kit.activity.idle_seconds() >= IDLE_GRACE_S,
+            # loop, a benchmark): a pass started then would delay the next one. And no
+            # other model's request either (a server hosting several): the passes would
+            # be timed beside its stream, and slow it.
+            idle=lambda: ref() is not None and process_idle_seconds() >= IDLE_GRACE_S,
             alive=lambda: (kit := ref()) is not None and kit.model is model and not worker_exiting(),
             finish=finish,
         )

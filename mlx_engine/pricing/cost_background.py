@@ -3,9 +3,9 @@
 The first speculative request of a kit with no stored measurement starts from
 an estimate (costs.estimate) and this measures the real widths afterwards on the
 kit's engine thread: each task runs one forward pass and queues the next, so a
-request arriving meanwhile waits for at most one pass; while the kit is not
-idle (``idle``: no generation open, and none for a moment, so back-to-back
-requests are not interleaved with passes) it waits (re-checked every
+request arriving meanwhile waits for at most one pass; while the process is not
+idle (``idle``: no generation of any kit open, and none for a moment, so
+back-to-back requests are not interleaved with passes) it waits (re-checked every
 ``RETRY_SECONDS``) so that it neither slows a request nor times passes
 disturbed by one.
 """
