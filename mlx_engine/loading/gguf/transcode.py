@@ -163,12 +163,11 @@ def transcode_native(type_name: str, raw: np.ndarray, shape: tuple[int, ...]) ->
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
     blocks = np.asarray(raw).reshape(-1, block_bytes)
     out_shape, groups = shape[:-1], shape[-1] // 32
+    d = _f16(blocks[:, :2])  # every block type starts with its float16 scale
     if type_name == "Q8_0":  # int8 code + 128 is the code with its top bit flipped; 4 codes a word
-        d = _f16(blocks[:, :2])
         weight, scales, biases = blocks[:, 2:] ^ np.uint8(0x80), d, -128 * d
     else:
         start = 2 if type_name == "Q4_0" else 4
-        d = _f16(blocks[:, :2])
         scales, biases = d, (-8 * d if type_name == "Q4_0" else _f16(blocks[:, 2:4]))
         weight = _nibble_words(np.ascontiguousarray(blocks[:, start:]))
     return {
