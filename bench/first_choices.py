@@ -10,7 +10,11 @@ credible or repeated), and compares the draft lengths each cost model picks
 (``best_draft_length`` over a ``RoundCosts`` built from it, before any round is
 timed) for per-token acceptances 0.20-0.98 and caps 4, 8, 16 and 32: 160 cases,
 for prompt lookup (drafts cost nothing) and for a draft model whose step costs
-``--draft-step`` main steps. Run it on a quiet machine: a measurement sees any
+``--draft-step`` main steps. A different choice matters by what it costs:
+``speed_lost`` is the mean (``worst_speed_lost`` the largest) share of the
+expected speed the estimate's choice gives up against the best length under
+the measured curve; ``measured_lost`` the same for the measurement's own
+choices (made from its fitted line). Run it on a quiet machine: a measurement sees any
 other load (its record says how credible it was). Writes
 ``<out>/first_choices.json``.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 from mlx_engine.pricing import costs  # noqa: E402
 from mlx_engine.pricing.fit import credible, spread  # noqa: E402
-from mlx_engine.pricing.speedup import best_draft_length  # noqa: E402
+from mlx_engine.pricing.speedup import best_draft_length, expected_tokens  # noqa: E402
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -40,8 +44,12 @@ def picks(verify: costs.CostModel, draft_step: float) -> dict[tuple[float, int],
     return {(p, cap): best_draft_length(p, rounds, max_k=cap)[0] for p in ACCEPTANCES for cap in CAPS}
 
 
-def compare(estimate: dict, measured: dict) -> dict:
-    """How often the estimate's choice equals the measurement's, and how far off it is otherwise."""
+def compare(estimate: dict, measured: dict, table: list[float]) -> dict:
+    """How often the estimate's choice equals the measurement's, how far off it
+    is otherwise, and the expected speed each one's choices give up against the
+    best length under the measured round times ``table`` (seconds of a round
+    with k drafts): the measurement's choices come from its fitted line
+    (``RoundCosts``), so they too may give up a little."""
     diffs = [estimate[c] - measured[c] for c in measured]
     off = [d for d in diffs if d]
     return {
@@ -50,7 +58,19 @@ def compare(estimate: dict, measured: dict) -> dict:
         "shorter": sum(d < 0 for d in off),
         "longer": sum(d > 0 for d in off),
         "largest_difference": max((abs(d) for d in off), default=0),
+        **_lost("speed_lost", estimate, table),
+        **_lost("measured_lost", measured, table),
     }
+
+
+def _lost(name: str, choices: dict, table: list[float]) -> dict:
+    """Mean and worst share of the best expected speed-up that ``choices`` give up."""
+
+    def rate(p: float, k: int) -> float:
+        return expected_tokens(p, k) / table[k]
+
+    lost = [1 - rate(p, k) / max(rate(p, j) for j in range(cap + 1)) for (p, cap), k in choices.items()]
+    return {name: round(sum(lost) / len(lost), 4), f"worst_{name}": round(max(lost), 4)}
 
 
 def measure_once(kit) -> tuple[costs.CostModel, dict]:
@@ -78,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         measured, how = measure_once(kit)
         row = {**how, "relative": [round(x / measured.step(), 3) for x in measured.seconds]}
         for name, draft_step in (("lookup", 0.0), ("draft", args.draft_step)):
-            row[name] = compare(picks(estimate, draft_step), picks(measured, draft_step))
+            table = costs.RoundCosts(measured, draft_step=draft_step).prior  # the measured curve, not its line
+            row[name] = compare(picks(estimate, draft_step), picks(measured, draft_step), table)
         report["measurements"].append(row)
         logger.info(
             "measured %s (spread %.2f, credible %s): lookup %s, draft %s",
