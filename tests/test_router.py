@@ -30,7 +30,7 @@ def test_router_probe_of_a_short_fresh_prompt_drafts_nothing_and_ends_plain(llam
     assert ids == generate_ids(kit, prompt, max_tokens=20)[0]
     assert final.stats.decoding_mode == "auto:plain"
     assert "probing" in final.stats.mode_reason
-    assert "probe acceptance 0% over 0 drafted" in final.stats.mode_switches[0]
+    assert "probe acceptance 0% of 0 positions tried (0 of 0 drafted)" in final.stats.mode_switches[0]
     assert final.stats.drafted_tokens == 0
 
 
@@ -391,12 +391,29 @@ def test_decide_ends_a_probe_after_four_misses_in_the_fallback_mode_with_the_pro
         assert decide(ledger, missed).mode == Mode.PROBE and not decide(ledger, missed).why
     ledger.count(None, 4, 0, weak=False)
     d = decide(ledger, missed)
-    assert d.mode == Mode.PLAIN and d.why.startswith("probe acceptance 0% over 16 drafted")
+    assert d.mode == Mode.PLAIN and d.why.startswith("probe acceptance 0% of 4 positions tried (0 of 16 drafted)")
     assert d.record is ledger.lookup_acceptance  # the probe's rounds: the shadow record's first evidence
     assert decide(ledger, missed._replace(draft=_StubDraft())).mode == Mode.DRAFT_MODEL
     assert ledger.mode == Mode.PROBE and ledger.misses == 4  # decide changed nothing
     ledger.take(d)
     assert ledger.mode == Mode.PLAIN and ledger.shadows.record is d.record and ledger.misses == 0
+
+
+def test_the_probe_commits_on_its_rate_per_position_tried_whatever_its_draft_lengths():
+    """The same accepted prefixes drafted 4 or 12 long: the positions past each
+    round's first rejection were never tried, so the commit does not depend on
+    how long the costs made the drafts (at 12 the token rate, 14%, would have
+    kept the probe from lookup)."""
+    decisions = []
+    for length in (4, 12):
+        ledger = _ledger_in(Mode.PROBE)
+        for accepted in (3, 0, 3, 0, 3, 0, 3):  # 19 tokens produced: the probe's last round
+            ledger.count(None, length, accepted, weak=False)
+        assert (ledger.tried, ledger.accepted, ledger.drafted) == (19, 12, 7 * length)  # 4 + 1 + 4 + ... tried
+        d = decide(ledger, ALONE._replace(drafted=length, accepted=3))
+        decisions.append((d.mode, d.why.split(" (")[0]))
+    assert decisions[0] == decisions[1] == (Mode.PROMPT_LOOKUP, "probe acceptance 63% of 19 positions tried")
+    assert 12 / (7 * 12) < RouterSettings().commit_acceptance  # the token rate at 12
 
 
 def test_decide_commits_a_probe_accepted_whole_to_lookup_and_grows_its_drafts_meanwhile():
@@ -407,7 +424,9 @@ def test_decide_commits_a_probe_accepted_whole_to_lookup_and_grows_its_drafts_me
     for _ in range(3):
         ledger.count(None, 4, 4, weak=False)
     d = decide(ledger, whole)
-    assert d.mode == Mode.PROMPT_LOOKUP and d.why.startswith("probe acceptance 100% over 16 drafted")
+    assert d.mode == Mode.PROMPT_LOOKUP and d.why.startswith(
+        "probe acceptance 100% of 16 positions tried (16 of 16 drafted)"
+    )
     assert d.lookup_k > 0 and d.record is ledger.lookup_acceptance  # the probe's rounds are lookup's first evidence
 
 

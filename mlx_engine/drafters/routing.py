@@ -160,6 +160,7 @@ class Ledger:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    tried: int = 0  # draft positions up to each round's first rejection: what acceptance is a rate of
     produced: int = 0
     misses: int = 0
     idle_run: int = 0  # lookup-mode rounds in a row that drafted nothing
@@ -187,7 +188,7 @@ class Ledger:
             self.lookup_retired, self.replaced_draft_speedup = True, None
         self.lookup_exits += d.exit_counted
         self.mode = d.mode
-        self.rounds = self.drafted = self.accepted = self.produced = self.misses = self.idle_run = 0
+        self.rounds = self.drafted = self.accepted = self.tried = self.produced = self.misses = self.idle_run = 0
         self.lookup_acceptance, self.lookup_own = AcceptanceModel(prior=0.5), AcceptanceModel(prior=0.5)
         self.shadows = ShadowLookup()
         if d.mode == Mode.PROMPT_LOOKUP:
@@ -214,6 +215,7 @@ class Ledger:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.tried += min(drafted, accepted + 1)
         self.produced += accepted + 1
         self.misses = self.misses + 1 if accepted == 0 else 0
         if lookup_mode:
@@ -321,7 +323,10 @@ def _fallback(ev: Evidence) -> Mode:
 
 
 def _lookup_speedup(ledger: Ledger, ev: Evidence) -> tuple[int, float, float]:
-    rate = ledger.accepted / ledger.drafted if ledger.drafted else 0.0
+    # Per position tried, not per token drafted: positions past a round's first
+    # rejection were never tried, and how many there were depends on the draft
+    # lengths the costs chose (docs/decoding.md, "Tuning history").
+    rate = ledger.accepted / ledger.tried if ledger.tried else 0.0
     k, speedup = lookup_length(ledger.lookup_acceptance, ledger.max_lookup, ev)
     return k, speedup, rate
 
@@ -344,7 +349,10 @@ def _after_probe_round(ledger: Ledger, ev: Evidence, s: RouterSettings) -> Decis
     if ledger.produced < s.probe_tokens and ledger.misses < s.probe_max_misses:
         return Decision(Mode.PROBE, lookup_k=grown)
     k, speedup, rate = _lookup_speedup(ledger, ev)
-    facts = f"probe acceptance {rate:.0%} over {ledger.drafted} drafted, expected speed-up x{speedup:.2f} at k={k}"
+    facts = (
+        f"probe acceptance {rate:.0%} of {ledger.tried} positions tried ({ledger.accepted} of {ledger.drafted} "
+        f"drafted), expected speed-up x{speedup:.2f} at k={k}"
+    )
     if k > 0 and (rate > s.commit_acceptance or _probe_beats_draft(ledger, ev, speedup, s)):
         # The probe's rounds are lookup's first evidence (docs/decoding.md, "Tuning history").
         return Decision(Mode.PROMPT_LOOKUP, facts, lookup_k=k, record=ledger.lookup_acceptance)
