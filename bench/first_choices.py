@@ -14,8 +14,8 @@ for prompt lookup (drafts cost nothing) and for a draft model whose step costs
 ``speed_lost`` is the mean (``worst_speed_lost`` the largest) share of the
 expected speed the estimate's choice gives up against the best length under
 the measured curve; ``measured_lost`` the same for the measurement's own
-choices (made from its fitted line). Run it on a quiet machine: a measurement sees any
-other load (its record says how credible it was). Writes
+choices (made from its fitted line). Run it on a quiet machine: a measurement
+sees any other load (its record says how credible it was). Writes
 ``<out>/first_choices.json``.
 """
 

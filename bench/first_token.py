@@ -75,7 +75,9 @@ def run_child(system: str, cost_dir: str, store: bool) -> dict:
         f"print(json.dumps(one_request({decoding!r}, {draft!r}, {store!r})))"
     )
     env = {**os.environ, "MLX_ENGINE_COST_DIR": cost_dir}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{system} run failed ({out.returncode}):\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
