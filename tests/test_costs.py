@@ -330,6 +330,29 @@ def test_a_background_measurement_waits_for_another_kits_open_request(llama_path
     me.unload(busy)
 
 
+def test_unloading_a_kit_frees_the_model_its_waiting_measurement_held(llama_path, tmp_path, monkeypatch):
+    """A measurement waiting for the process to go idle (a retry timer pending)
+    lets go of the model and its scratch cache when the kit unloads, not at its
+    next retry: an unload frees its memory when it returns."""
+    import gc
+    import weakref
+
+    gc.collect()
+    monkeypatch.setenv("MLX_ENGINE_COST_DIR", str(tmp_path))
+    busy, kit = me.load_model(llama_path), me.load_model(llama_path)
+    prompt = me.tokenize(kit, "a b c a b c a b c")
+    stream = me.create_generator(busy, prompt, max_tokens=100_000)
+    next(stream)  # another kit's request open: the measurement waits
+    generate_ids(kit, prompt, max_tokens=3, auto_speculative=True)
+    assert kit.cost_source == "estimate"
+    model = weakref.ref(kit.model)
+    me.unload(kit)
+    gc.collect()
+    assert model() is None
+    stream.close()
+    me.unload(busy)
+
+
 def test_a_record_measured_while_busy_is_measured_again_once_it_is_old():
     clock = Clock()
     for age, expected in ((60.0, 0), (7200.0, 1)):

@@ -289,10 +289,10 @@ class ModelKit:
         """Measure the widths between requests (cost_background.py). The tasks
         hold the kit weakly, so a kit dropped without ``unload`` is not kept
         alive by them, and the record goes where the store was when it started."""
-        model, ref, root, book = self.model, weakref.ref(self), cost_store.store_dir(), self.cost_book
-        measurement = costs.Measurement(model, self.vocab_size)
+        # Weakly, the model too: a measurement stopped by ``unload`` holds nothing of it.
+        model, ref, root, book = weakref.ref(self.model), weakref.ref(self), cost_store.store_dir(), self.cost_book
 
-        def finish(measured: costs.CostModel) -> None:
+        def finish(measurement: costs.Measurement, measured: costs.CostModel) -> None:
             kit = ref()
             if kit is not None and kit.cost_book is book:  # stored first: a reader that sees "measured" finds it
                 value = measured_record(measurement, measured)
@@ -301,14 +301,16 @@ class ModelKit:
                 kit.cost_model, kit.cost_source = book.current(), book.source
 
         self._cost_measurement = BackgroundMeasurement(
-            measurement,
+            costs.Measurement(self.model, self.vocab_size),
             self.worker.submit,
             # Idle for a moment, not just between two back-to-back requests (an agent's
             # loop, a benchmark): a pass started then would delay the next one. And no
             # other model's request either (a server hosting several): the passes would
             # be timed beside its stream, and slow it.
             idle=lambda: ref() is not None and process_idle_seconds() >= IDLE_GRACE_S,
-            alive=lambda: (kit := ref()) is not None and kit.model is model and not worker_exiting(),
+            alive=lambda: (
+                (kit := ref()) is not None and kit.model is not None and kit.model is model() and not worker_exiting()
+            ),
             finish=finish,
         )
         self._cost_measurement.start()
@@ -395,6 +397,8 @@ class ModelKit:
             if self.prompt_cache is not None:
                 self.prompt_cache.flush()  # to the disk tier, when there is one (its writes never raise)
         finally:  # whatever the disk does, the model is released
+            if self._cost_measurement is not None:
+                self._cost_measurement.stop()  # its scratch cache and model go now, not at its next retry
             self.model = None
             self.prompt_cache = None
             self._batch = None

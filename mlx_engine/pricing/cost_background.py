@@ -25,7 +25,8 @@ RETRY_SECONDS = 0.5
 
 class BackgroundMeasurement:
     """Drives ``measurement`` through ``submit`` (a worker's submit) while
-    ``idle()``; calls ``finish`` with the result on the worker thread.
+    ``idle()``; calls ``finish`` with the measurement and its result on the
+    worker thread.
     ``alive()`` false (the kit unloaded, the process exiting) stops it."""
 
     def __init__(
@@ -34,17 +35,26 @@ class BackgroundMeasurement:
         submit: Callable[[Callable[[], None]], object],
         idle: Callable[[], bool],
         alive: Callable[[], bool],
-        finish: Callable[[CostModel], None],
+        finish: Callable[[Measurement, CostModel], None],
     ):
         self.measurement = measurement
         self._submit, self._idle, self._alive, self._finish = submit, idle, alive, finish
         self.finished = threading.Event()
+        self._timer: threading.Timer | None = None
 
     def start(self) -> None:
         self._queue()
 
+    def stop(self) -> None:
+        """Stop now and let go of the model and the scratch cache (the kit
+        unloads): a retry timer still pending would hold them for up to
+        ``RETRY_SECONDS``, and an unload must free its memory when it returns."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self.measurement = None
+
     def _queue(self) -> None:
-        if not self._alive():
+        if self.measurement is None or not self._alive():
             return
         try:
             self._submit(self._pass)
@@ -52,20 +62,21 @@ class BackgroundMeasurement:
             logger.debug("cost measurement stopped: %s", exc)
 
     def _pass(self) -> None:
-        if not self._alive():
+        measurement = self.measurement
+        if measurement is None or not self._alive():
             return
         if not self._idle():
-            timer = threading.Timer(RETRY_SECONDS, self._queue)
-            timer.daemon = True
-            timer.start()
+            self._timer = threading.Timer(RETRY_SECONDS, self._queue)
+            self._timer.daemon = True
+            self._timer.start()
             return
         try:
-            done = self.measurement.step()
+            done = measurement.step()
         except Exception:  # noqa: BLE001 - the estimate stays in use; nothing else depends on this
             logger.warning("forward-cost measurement failed; the estimate stays in use", exc_info=True)
             return
         if done:
-            self._finish(self.measurement.result())
+            self._finish(measurement, measurement.result())
             self.finished.set()
         else:
             self._queue()
