@@ -1,8 +1,17 @@
 """Fixtures shared by the suite; plain helper functions live in helpers.py."""
 
-import mlx_engine  # noqa: F401  (first: loads OpenBLAS before mlx.core)
-
 import os
+
+# The README's test command runs the suite in two pytest-xdist workers, one per core:
+# each worker's OpenBLAS then takes one thread, not both cores (two threads per worker
+# contend for the cores with the other worker's; the fast subset took 308 s so and
+# 241 s with one thread each on the 2-core Zen 3 machine). Read when OpenBLAS loads,
+# so set before the import below; a value the caller set is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import mlx_engine  # noqa: E402, F401  (first of the engine: loads OpenBLAS before mlx.core)
+
 import tempfile
 from pathlib import Path
 

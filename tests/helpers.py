@@ -4,15 +4,18 @@ Markov model, the default model's presence, the loop run without a scheduler."""
 
 import mlx_engine  # first: loads OpenBLAS before mlx.core
 from mlx_engine.decode.protocol import TURN, Launch, forward_alone  # noqa: E402
+from mlx_engine.pricing.cost_background import RETRY_SECONDS  # noqa: E402
 from mlx_engine.pricing.costs import CostModel  # noqa: E402
 from mlx_engine.request.output import SpeculationTally  # noqa: E402
 from mlx_engine.results import GenerationStats  # noqa: E402
 
 import contextlib  # noqa: E402
+import gc  # noqa: E402
 import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
+import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
 import uvicorn  # noqa: E402
 
@@ -60,7 +63,6 @@ NEAR_TIE_TOLERANCE = 1e-3
 
 def assert_same_or_near_tie(kit, prompt, plain_ids, other_ids):
     """Greedy outputs must be equal, or diverge only at a near-tie of the plain decoder."""
-    import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     pos = first_divergence(plain_ids, other_ids)
@@ -76,8 +78,6 @@ def assert_same_or_near_tie(kit, prompt, plain_ids, other_ids):
 def markov_kit(llama_path, table=None):
     """A kit whose model is a MarkovLM over the llama fixture's vocabulary (by
     default: greedy continuation of token t is t+1)."""
-    import mlx.core as mx
-
     kit = mlx_engine.load_model(llama_path)
     kit.model = MarkovLM(successor_table(kit.vocab_size, sharpness=12.0) if table is None else table)
     # MLX streams are per thread and the kit generates on its own thread: hand it
@@ -159,6 +159,28 @@ def wait_until(condition, timeout=60.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
+
+
+def settled_active_memory(timeout: float = 30.0) -> int:
+    """MLX's active memory once nothing of an earlier test is still freeing it.
+
+    Active memory is process-wide, and a worker of ``pytest -n 2`` runs tests of
+    other files before this one: a kit they dropped may still have a background
+    cost measurement's retry pending (``pricing.cost_background.RETRY_SECONDS``),
+    which lets go of its scratch cache when it fires. Waits until a reading
+    holds for longer than that retry interval."""
+    interval = 2 * RETRY_SECONDS
+    deadline = time.monotonic() + timeout
+    gc.collect()
+    last = mx.get_active_memory()
+    while True:
+        time.sleep(interval)
+        gc.collect()
+        now = mx.get_active_memory()
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, "active memory did not settle"
+        last = now
 
 
 @contextlib.contextmanager

@@ -307,6 +307,7 @@ def test_the_process_is_idle_only_with_no_kits_request_open():
     assert process_idle_seconds([]) == float("inf")
 
 
+@pytest.mark.slow
 def test_a_background_measurement_waits_for_another_kits_open_request(llama_path, tmp_path, monkeypatch):
     """A server hosting several models: an idle kit's passes are not timed beside another's stream."""
     from mlx_engine.kits.text import IDLE_GRACE_S

@@ -81,6 +81,7 @@ def run_block(key, src, namespace: dict) -> dict:
 
 @requires_default_model
 @pytest.mark.parametrize("key,src", RUN, ids=[f"{k[0]}[{k[1]}]" for k, _ in RUN])
+@pytest.mark.slow
 def test_example_runs(key, src, smollm, request, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)  # examples name files relative to the repository
     namespace: dict = {"__name__": "__doc_example__"}

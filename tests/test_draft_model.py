@@ -227,6 +227,7 @@ def test_full_rotating_cache_falls_back_to_plain(llama_path, draft_path):
     assert "cannot be rewound" in final.stats.mode_reason
 
 
+@pytest.mark.slow
 def test_sampling_distribution_is_exact_with_a_poor_draft():
     """Sample-and-match keeps the target's distribution, even when the draft
     disagrees with it: compare the joint law of two sampled tokens with the
@@ -625,6 +626,7 @@ def test_a_resting_draft_model_lets_the_loop_queue_rounds_ahead():
     assert loop_stats(steps).verify_rounds <= 12 and len(proposed) + len(skipped) >= 119
 
 
+@pytest.mark.slow
 def test_unloading_a_draft_gives_back_all_of_its_memory(llama_path, draft_path):
     """Issue 56: a draft loaded, used (fixed-length drafting) and unloaded leaves
     the kit's active memory exactly where the same kit stands after plain

@@ -72,6 +72,7 @@ def test_a_batch_equals_one_at_a_time(minilm):
 
 
 @requires_minilm
+@pytest.mark.slow
 def test_mixed_lengths_in_one_call_equal_one_at_a_time_in_input_order(minilm):
     """Lengths from 4 to over 100 tokens, shuffled: ``embed`` splits them into batches of
     like length (kit.length_batches) and pads each; every row must still be its own

@@ -346,6 +346,7 @@ def qwen35(tmp_path_factory):
     return target, make_qwen3_5_mtp_head(root / "mtp", target, seed=2, scale=2.0)
 
 
+@pytest.mark.slow
 def test_qwen3_5_mtp_split_head_equals_plain_with_rewinds_of_every_length(qwen35):
     target, head = qwen35
     kit = me.load_model(target, max_parallel=1)

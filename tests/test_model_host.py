@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import pytest
-from helpers import free_port, serve, wait_until
+from helpers import free_port, serve, settled_active_memory, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from fixtures.tiny_models import make_gguf, make_model
@@ -258,6 +258,7 @@ def test_load_wait_is_bounded_with_retry_after(host_dir):
         assert loader.calls == ["alpha"]  # the timed-out request did not abandon or repeat the load
 
 
+@pytest.mark.slow
 def test_failing_load_fails_only_its_requests(tmp_path, llama_path):
     (tmp_path / "alpha").symlink_to(llama_path, target_is_directory=True)
     broken = tmp_path / "broken"
@@ -288,6 +289,7 @@ def test_failing_load_fails_only_its_requests(tmp_path, llama_path):
 
 
 # -- unloading -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ttl_unloads_an_idle_model(host_dir):
     host = make_host(host_dir)  # the host's TTL is an hour; the request sets a short one
     with serve(create_app(host, api_key=KEY)) as url:
@@ -340,6 +342,7 @@ def test_lru_eviction_within_a_budget_never_evicts_a_busy_model(host_dir, llama_
         assert metric(samples, "mlx_engine_memory_budget_bytes") == int(1.5 * max(sizes))
 
 
+@pytest.mark.slow
 def test_max_loaded_counts_models(host_dir):
     host = make_host(host_dir, max_loaded=1)
     with serve(create_app(host, api_key=KEY)) as url:
@@ -411,6 +414,7 @@ def test_kits_of_an_embedding_host_are_served_and_never_unloaded(llama_path, qwe
 
 
 # -- metrics --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_metrics_equal_the_requests_own_statistics(host_dir):
     host = make_host(host_dir)
     with serve(create_app(host, api_key=KEY)) as url:
@@ -593,8 +597,7 @@ def test_memory_is_back_after_load_and_unload_cycles(host_dir):
             assert r.status_code == 200
 
         cycle()  # first-use allocations (if any) happen here, not between the measurements
-        gc.collect()
-        before = mx.get_active_memory()
+        before = settled_active_memory()
         gc.disable()  # what an unload frees must not wait for Python's own collections
         try:
             for _ in range(5):

@@ -403,6 +403,7 @@ def test_a_failed_shared_pass_is_retried_row_by_row(pkit, llama_path, draft_path
     assert not pkit.activity.known and not pkit.worker.call(lambda: pkit.batch.rows)
 
 
+@pytest.mark.slow
 def test_a_failing_clean_up_still_releases_the_request(llama_path, tmp_path, monkeypatch):
     """A parallel request whose clean-up fails (the prompt cache raising as the
     request returns its entry, e.g. writing evicted entries to a full disk)
@@ -671,6 +672,7 @@ def test_a_failing_draft_prefill_fails_its_request_alone(pkit, llama_path, draft
     assert_same_or_near_tie(pkit, long, solo(one, long, max_tokens=12, num_draft_tokens=3), ids)
 
 
+@pytest.mark.slow
 def test_lookup_rows_draft_together_in_a_batch_and_stay_exact(llama_path, monkeypatch):
     """Four fixed-length lookup requests copying a passage of their prompt: at
     costs where one row's drafts never pay for a 4-row pass, the copying rows

@@ -245,6 +245,7 @@ def wait_until(condition, timeout=120.0):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_cost_model_is_estimated_then_measured_between_requests_and_stored(llama_path, tmp_path, monkeypatch):
     from mlx_engine.pricing import cost_store, costs
 
@@ -278,6 +279,7 @@ def test_cost_model_is_estimated_then_measured_between_requests_and_stored(llama
     "content",
     [b"not json", b'{"key": "other", "value": {"seconds": [1]}}', b"\xff\xfe", b"[]", b"{}", b"x" * 100_000],
 )
+@pytest.mark.slow
 def test_a_bad_cost_record_is_measured_again_and_replaced(llama_path, tmp_path, monkeypatch, content):
     from mlx_engine.pricing import cost_store
 

@@ -798,6 +798,7 @@ def test_paths_are_refused_without_models_dir(tkit):
 
 
 # -- connections and hosts -------------------------------------------------------------------
+@pytest.mark.slow
 def test_stalled_sockets_cannot_lock_clients_out(tkit):
     """Sockets that connect and send half a request (or nothing) are closed when
     a cap of 8 is passed (the longest-waiting first) or when their deadline

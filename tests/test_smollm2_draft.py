@@ -37,6 +37,7 @@ def test_missing_repository_model_is_explained(tmp_path):
 
 @requires_default_model
 @requires_draft
+@pytest.mark.slow
 def test_draft_serves_the_default_model_with_plain_greedy_output(smollm):
     assert me.is_draft_model_compatible(smollm, "smollm2-135m-draft")
     prompt = me.apply_chat_template(smollm, [{"role": "user", "content": "Write a short poem about the sea."}])
@@ -97,6 +98,7 @@ def test_head_is_the_default_models_small_eagle3_drafter():
 
 
 @requires_default_model
+@pytest.mark.slow
 def test_head_serves_the_default_model_with_plain_greedy_output(smollm):
     report = me.check_draft_model(smollm, "smollm2-135m-eagle3")
     assert report.compatible and report.kind == "eagle3"

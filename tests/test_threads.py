@@ -4,16 +4,19 @@ threads that exit, and process exit, never crash."""
 
 import mlx_engine as me
 from mlx_engine import GenerationInProgressError
+from mlx_engine.runtime import worker as workers
 
+import gc
 import os
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from helpers import generate_ids
+from helpers import generate_ids, wait_until
 
 from fixtures.tiny_models import make_model
 
@@ -130,6 +133,38 @@ def test_dropping_an_open_generator_frees_the_kit(llama_path):
     assert kit.model is None
 
 
+def test_a_worker_back_in_the_pool_holds_nothing_of_its_last_kit():
+    """A worker parks with no reference to the scheduler it last stepped: a
+    kit's worker returns to the pool when the kit is gone, and whatever that
+    scheduler held (arrays of its last batch) must go with the kit, not when
+    the worker next gets work (the model host's memory test saw it come back
+    during later loads)."""
+
+    class Job:  # a scheduler as the worker sees one: ``busy`` and ``step``
+        def __init__(self, steps: int):
+            self.left, self.parked = steps, threading.Event()
+
+        @property
+        def busy(self) -> bool:
+            if self.left == 0:
+                self.parked.set()  # the worker has seen it idle and is about to park
+            return self.left > 0
+
+        def step(self) -> None:
+            self.left -= 1
+
+    worker = workers.acquire()
+    job = Job(steps=3)
+    worker.serve(job)
+    worker.call(lambda: None)  # wakes the parked worker, which then steps the busy job
+    assert job.parked.wait(30)
+    workers.release(worker)
+    gone = weakref.ref(job)
+    del job
+    gc.collect()
+    wait_until(lambda: gone() is None, timeout=5)
+
+
 def test_unload_during_a_generation_is_refused(llama_path):
     kit = me.load_model(llama_path)
     gen = me.create_generator(kit, me.tokenize(kit, "hello"), max_tokens=20)
@@ -197,6 +232,7 @@ def test_process_exit_after_threaded_work_does_not_abort(half_path):
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no finalizer may fail
 @pytest.mark.parametrize("max_parallel", [1, 4])
+@pytest.mark.slow
 def test_ctrl_c_while_waiting_for_results_loses_none(llama_path, max_parallel):
     """Ctrl-C (SIGINT) arriving at random moments while the host is inside
     create_generator or next(): every interrupted call is simply made again; no

@@ -574,6 +574,7 @@ def test_a_repeated_call_ends_the_answer_and_is_not_streamed():
     "choice",
     ["required", "auto", {"type": "function", "function": {"name": "calculator"}}, {"name": "get_weather"}],
 )
+@pytest.mark.slow
 def test_forced_and_parallel_calls_end_with_tool_calls(smollm, choice):
     """The default model repeats a call until max_tokens unless the engine ends the answer."""
     prompt = weather_prompt(smollm, "Compute 23 * 19.")

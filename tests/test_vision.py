@@ -281,6 +281,7 @@ def test_data_url_and_jpeg_accepted(qwen_kit):
 
 
 # -- prompt cache -----------------------------------------------------------------
+@pytest.mark.slow
 def test_cache_reuse_with_same_image_equals_fresh_kit(qwen_vl_path, gemma_path):
     for path in (qwen_vl_path, gemma_path):
         kit = me.load_model(path)

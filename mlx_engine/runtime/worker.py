@@ -149,6 +149,9 @@ class MLXWorker:
             # No steps once the process is exiting: the worker must park, idle,
             # before the interpreter finalizes (see _park_workers_at_exit).
             if job is None or not job.busy or shutting_down.is_set():
+                # Not held while parked: a worker released to the pool would keep
+                # its last kit's scheduler (and the arrays it holds) until reused.
+                job = None
                 self._tasks.get().run()
                 continue
             while True:  # the calls handed over meanwhile, without waiting
