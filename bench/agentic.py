@@ -27,7 +27,13 @@ empty suffix memory, systems interleaved in a rotating order each round.
 Reported per turn: the turn's speed-up over plain decoding (plain's wall time /
 the system's, prefill included, paired per round, geometric mean over rounds),
 accepted drafts, and whether the output equals plain's. On a shared machine
-absolute rates drift; the paired ratios are what to read. Writes
+absolute rates drift; the paired ratios are what to read. Beside the timed
+ratio, each turn's *priced* speed-up takes timing out: the rounds the system
+ran (from its statistics: drafted rounds, drafts, accepted tokens) priced by one
+fixed cost line, a round of k drafts costing ``1 + JUMP + SLOPE*k`` undrafted
+rounds (``--price-line``, default the default model's chat line on this CPU,
+0.27+0.07k), so two trees that made the same decisions read the same and a
+worse decision shows without noise. Writes
 ``<out>/agentic.md`` and ``<out>/agentic.json``.
 """
 
@@ -43,6 +49,7 @@ import time  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 from .machine import machine_info  # noqa: E402
+from .replay_core import parse_line  # noqa: E402
 from .stats import bench_args, geomean  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -118,6 +125,16 @@ class Turn(NamedTuple):
     decode_seconds: float  # after the first token (prefill excluded)
     accepted: int
     mode: str | None
+    drafted: int = 0  # draft tokens verified
+    rounds: int = 0  # rounds that verified drafts
+
+
+def priced(turn: Turn, jump: float, slope: float) -> float:
+    """The turn's decoding after its first token in undrafted-round units: each
+    round yields its accepted drafts and one token more, an undrafted round costs
+    1, a round of k drafts ``1 + jump + slope*k`` (plain decoding: tokens - 1)."""
+    undrafted = max(len(turn.tokens) - 1 - turn.accepted - turn.rounds, 0)
+    return undrafted + turn.rounds * (1 + jump) + slope * turn.drafted
 
 
 def run_scenario(kit: me.ModelKit, system: System, turns: list[tuple[str, str]], max_tokens: int) -> list[Turn]:
@@ -144,7 +161,9 @@ def run_scenario(kit: me.ModelKit, system: System, turns: list[tuple[str, str]],
         seconds, decode = end - t0, end - (first if first is not None else t0)
         stats = final.stats if final is not None else None
         out.append(
-            Turn(tokens, seconds, decode, stats.accepted_tokens if stats else 0, stats.decoding_mode if stats else None)
+            Turn(tokens, seconds, decode, stats.accepted_tokens, stats.decoding_mode, stats.drafted_tokens, stats.verify_rounds)
+            if stats is not None
+            else Turn(tokens, seconds, decode, 0, None)
         )
         messages.append({"role": "assistant", "content": "".join(pieces)})
     return out
@@ -167,7 +186,7 @@ def measure(kit, systems, scenarios, reps: int, max_tokens: int) -> dict:
     return runs
 
 
-def analyse(runs: dict, systems) -> tuple[list[dict], dict]:
+def analyse(runs: dict, systems, line: tuple[float, float] = (0.27, 0.07)) -> tuple[list[dict], dict]:
     rows = []
     for scenario, by_system in runs.items():
         plain = by_system["plain"]
@@ -176,6 +195,7 @@ def analyse(runs: dict, systems) -> tuple[list[dict], dict]:
                 rounds = by_system[system.name]
                 ratios = [p[t].seconds / r[t].seconds for p, r in zip(plain, rounds)]
                 decode = [p[t].decode_seconds / max(r[t].decode_seconds, 1e-9) for p, r in zip(plain, rounds)]
+                costs = [priced(r[t], *line) for r in rounds]
                 rows.append(
                     {
                         "scenario": scenario,
@@ -185,6 +205,10 @@ def analyse(runs: dict, systems) -> tuple[list[dict], dict]:
                         "speedup": geomean(ratios),
                         "decode_speedup": geomean(decode),
                         "ratios": ratios,
+                        "priced": geomean([max(len(r[t].tokens) - 1, 1) / max(c, 1e-9) for r, c in zip(rounds, costs)]),
+                        "priced_runs": [round(c, 2) for c in costs],
+                        "seconds": [round(r[t].seconds, 4) for r in rounds],
+                        "decode_seconds": [round(r[t].decode_seconds, 4) for r in rounds],
                         "accepted": rounds[0][t].accepted,
                         "mode": rounds[0][t].mode,
                         "same_as_plain": all(r[t].tokens == plain[0][t].tokens for r in rounds),
@@ -193,7 +217,7 @@ def analyse(runs: dict, systems) -> tuple[list[dict], dict]:
     summary = {}
     for system in systems:
         mine = [r for r in rows if r["system"] == system.name]
-        summary[system.name] = (geomean([r["speedup"] for r in mine]), geomean([r["decode_speedup"] for r in mine]))
+        summary[system.name] = tuple(geomean([r[k] for r in mine]) for k in ("speedup", "decode_speedup", "priced"))
     return rows, summary
 
 
@@ -202,8 +226,9 @@ def render(rows: list[dict], summary: dict, reps: int, max_tokens: int) -> str:
     lines = [
         f"SmolLM2-135M-Instruct, float32 on the CPU, greedy, up to {max_tokens} new tokens, {reps} measured "
         "rounds after a warm-up. Speed-up over plain decoding per turn: plain's wall time / the "
-        "system's (prefill included), paired per round, geometric mean. The machine is shared: read the "
-        "ratios, not absolute rates.",
+        "system's (prefill included), paired per round, geometric mean; in brackets the speed-up its "
+        "rounds priced at the fixed cost line (no timing: decisions only). The machine is shared: read "
+        "the ratios, not absolute rates.",
         "",
         "| scenario | turn | new | "
         + " | ".join(names)
@@ -222,23 +247,28 @@ def render(rows: list[dict], summary: dict, reps: int, max_tokens: int) -> str:
         )
         lines.append(
             f"| {scenario} | {turn} | {cells[0]['new_tokens']} | "
-            + " | ".join(f"{c['speedup']:.2f}" for c in cells)
+            + " | ".join(f"{c['speedup']:.2f}" + ("" if c["system"] == "plain" else f" ({c['priced']:.2f})") for c in cells)
             + " | "
             + ", ".join(str(c["accepted"]) for c in cells[1:])
             + f" | {same} |"
         )
     lines += [
         "",
-        "| system | geomean speed-up over plain, all turns (wall) | the same, after the first token |",
-        "|---|---:|---:|",
+        "| system | geomean speed-up over plain, all turns (wall) | the same, after the first token | priced |",
+        "|---|---:|---:|---:|",
     ]
-    lines += [f"| {n} | {w:.2f} | {d:.2f} |" for n, (w, d) in summary.items() if not math.isnan(w)]
+    lines += [f"| {n} | {w:.2f} | {d:.2f} | {c:.2f} |" for n, (w, d, c) in summary.items() if not math.isnan(w)]
     return "\n".join(lines) + "\n"
 
 
 def _extra_args(p) -> None:
     p.add_argument("--scenarios", help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
     p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(s.name for s in SYSTEMS)} (plain always)")
+    p.add_argument(
+        "--price-line",
+        default="0.27+0.07k",
+        help="JUMP+SLOPEk: a round of k drafts priced 1 + JUMP + SLOPE*k undrafted rounds (the priced speed-up)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in SYSTEMS if not args.systems or s.name in args.systems.split(",") or s.name == "plain"]
     scenarios = {k: v for k, v in SCENARIOS.items() if not args.scenarios or k in args.scenarios.split(",")}
     runs = measure(kit, systems, scenarios, args.reps, args.max_tokens)
-    rows, summary = analyse(runs, systems)
+    jump, slope = parse_line("price=" + args.price_line)[1]
+    rows, summary = analyse(runs, systems, (jump, slope))
     text = render(rows, summary, args.reps, args.max_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "agentic.md").write_text(text)
