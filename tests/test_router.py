@@ -416,6 +416,26 @@ def test_the_probe_commits_on_its_rate_per_position_tried_whatever_its_draft_len
     assert 12 / (7 * 12) < RouterSettings().commit_acceptance  # the token rate at 12
 
 
+def test_a_probe_with_one_draft_accepted_on_new_text_does_not_commit_on_thin_evidence():
+    """One draft accepted of two tried (a 5-token draft from a short match in
+    new text, then rounds with nothing to draft) passes the 30% rate, but a
+    switch from plain on shadows that thin would not be made: the probe falls
+    back to plain decoding, its rounds the shadow record's first evidence."""
+    ledger = _ledger_in(Mode.PROBE)
+    ledger.count(None, 5, 1, weak=False)
+    for _ in range(RouterSettings().probe_max_misses):
+        ledger.count(None, 0, 0, weak=False)
+    assert (ledger.tried, ledger.accepted) == (2, 1)
+    d = decide(ledger, ALONE)
+    assert d.mode == Mode.PLAIN and d.why.startswith("probe acceptance 50% of 2 positions tried")
+    assert d.record is ledger.lookup_acceptance
+    # The same rate on enough positions commits (the rule is evidence, not the rate).
+    copied = _ledger_in(Mode.PROBE)
+    for accepted in (1, 1, 1, 1, 1, 1, 1, 1):  # 16 tokens produced: the probe's last round
+        copied.count(None, 5, accepted, weak=False)
+    assert copied.tried == 16 and decide(copied, ALONE).mode == Mode.PROMPT_LOOKUP
+
+
 def test_decide_commits_a_probe_accepted_whole_to_lookup_and_grows_its_drafts_meanwhile():
     ledger = _ledger_in(Mode.PROBE)
     whole = ALONE._replace(drafted=4, accepted=4)

@@ -353,10 +353,23 @@ def _after_probe_round(ledger: Ledger, ev: Evidence, s: RouterSettings) -> Decis
         f"probe acceptance {rate:.0%} of {ledger.tried} positions tried ({ledger.accepted} of {ledger.drafted} "
         f"drafted), expected speed-up x{speedup:.2f} at k={k}"
     )
-    if k > 0 and (rate > s.commit_acceptance or _probe_beats_draft(ledger, ev, speedup, s)):
+    if k > 0 and (_probe_rate_commits(ledger, rate, s) or _probe_beats_draft(ledger, ev, speedup, s)):
         # The probe's rounds are lookup's first evidence (docs/decoding.md, "Tuning history").
         return Decision(Mode.PROMPT_LOOKUP, facts, lookup_k=k, record=ledger.lookup_acceptance)
     return Decision(_fallback(ev), facts, lookup_k=grown, record=ledger.lookup_acceptance)
+
+
+def _probe_rate_commits(ledger: Ledger, rate: float, s: RouterSettings) -> bool:
+    """Whether the probe's acceptance commits it to lookup: above
+    ``commit_acceptance`` grown on thin evidence as the switch margin is
+    (x(1 + thin_evidence / positions tried)), on at least ``shadow_rounds``
+    positions, as a switch from plain decoding on shadow drafts needs. One
+    draft accepted of two or three tried is what a short match in new text
+    gives: such probes committed and then decoded plainly through lookup's
+    idle rounds (docs/decoding.md, "Tuning history")."""
+    if ledger.tried < s.shadow_rounds:
+        return False
+    return rate > s.commit_acceptance * (1 + s.thin_evidence / ledger.tried)
 
 
 def _probe_beats_draft(ledger: Ledger, ev: Evidence, lookup_speedup: float, s: RouterSettings) -> bool:
