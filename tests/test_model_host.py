@@ -602,7 +602,11 @@ def test_memory_is_back_after_load_and_unload_cycles(host_dir):
         try:
             for _ in range(5):
                 cycle()
-            assert mx.get_active_memory() == before  # every unload freed its arrays when it returned
+            # Every unload freed its arrays when it returned: a kit kept by any of the
+            # five would add its weights (about 100 MB). Not equality: in a pytest-xdist
+            # worker something an earlier test of another file left (a server's thread,
+            # a timer) may still let go of a few bytes meanwhile (-1,448 B seen once).
+            assert mx.get_active_memory() <= before
         finally:
             gc.enable()
 
