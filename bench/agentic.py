@@ -161,7 +161,15 @@ def run_scenario(kit: me.ModelKit, system: System, turns: list[tuple[str, str]],
         seconds, decode = end - t0, end - (first if first is not None else t0)
         stats = final.stats if final is not None else None
         out.append(
-            Turn(tokens, seconds, decode, stats.accepted_tokens, stats.decoding_mode, stats.drafted_tokens, stats.verify_rounds)
+            Turn(
+                tokens,
+                seconds,
+                decode,
+                stats.accepted_tokens,
+                stats.decoding_mode,
+                stats.drafted_tokens,
+                stats.verify_rounds,
+            )
             if stats is not None
             else Turn(tokens, seconds, decode, 0, None)
         )
@@ -247,7 +255,9 @@ def render(rows: list[dict], summary: dict, reps: int, max_tokens: int) -> str:
         )
         lines.append(
             f"| {scenario} | {turn} | {cells[0]['new_tokens']} | "
-            + " | ".join(f"{c['speedup']:.2f}" + ("" if c["system"] == "plain" else f" ({c['priced']:.2f})") for c in cells)
+            + " | ".join(
+                f"{c['speedup']:.2f}" + ("" if c["system"] == "plain" else f" ({c['priced']:.2f})") for c in cells
+            )
             + " | "
             + ", ".join(str(c["accepted"]) for c in cells[1:])
             + f" | {same} |"
