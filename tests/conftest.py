@@ -92,8 +92,14 @@ def shared_kit(llama_path):
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The real default model, loaded once for the whole run."""
+    """The real default model, loaded once for the whole run. It measures its
+    forward costs at its first speculative request, not between requests: a
+    kit that lives all the run would otherwise run measurement passes whenever
+    the process idles for a second, inside other tests, whose process-wide MLX
+    memory readings (the soak, the model host's load/unload cycles) then saw
+    its scratch arrays come and go (+162,866 B once, -1,448 B once)."""
     kit = mlx_engine.load_model(mlx_engine.DEFAULT_MODEL)
+    kit.background_cost_measurement = False
     yield kit
     mlx_engine.unload(kit)
 

@@ -603,9 +603,11 @@ def test_memory_is_back_after_load_and_unload_cycles(host_dir):
             for _ in range(5):
                 cycle()
             # Every unload freed its arrays when it returned: a kit kept by any of the
-            # five would add its weights (about 100 MB). Not equality: in a pytest-xdist
-            # worker something an earlier test of another file left (a server's thread,
-            # a timer) may still let go of a few bytes meanwhile (-1,448 B seen once).
+            # five would add its weights (about 100 MB). Not equality: active memory is
+            # process-wide, and in a pytest-xdist worker a kit of another file's tests
+            # still alive may finish work meanwhile (-1,448 B seen once, likely the
+            # session's SmolLM2 kit measuring costs in the background, which conftest
+            # now stops).
             assert mx.get_active_memory() <= before
         finally:
             gc.enable()
