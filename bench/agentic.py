@@ -54,6 +54,9 @@ from .stats import bench_args, geomean  # noqa: E402
 
 logger = logging.getLogger("bench")
 
+#: The priced speed-up's cost line (--price-line): the default model's chat line on this CPU.
+PRICE_LINE = "0.27+0.07k"
+
 
 class System(NamedTuple):
     name: str
@@ -129,10 +132,11 @@ class Turn(NamedTuple):
     rounds: int = 0  # rounds that verified drafts
 
 
-def priced(turn: Turn, jump: float, slope: float) -> float:
+def priced(turn: Turn, line: tuple[float, float]) -> float:
     """The turn's decoding after its first token in undrafted-round units: each
     round yields its accepted drafts and one token more, an undrafted round costs
     1, a round of k drafts ``1 + jump + slope*k`` (plain decoding: tokens - 1)."""
+    jump, slope = line
     undrafted = max(len(turn.tokens) - 1 - turn.accepted - turn.rounds, 0)
     return undrafted + turn.rounds * (1 + jump) + slope * turn.drafted
 
@@ -194,7 +198,7 @@ def measure(kit, systems, scenarios, reps: int, max_tokens: int) -> dict:
     return runs
 
 
-def analyse(runs: dict, systems, line: tuple[float, float] = (0.27, 0.07)) -> tuple[list[dict], dict]:
+def analyse(runs: dict, systems, line: tuple[float, float]) -> tuple[list[dict], dict]:
     rows = []
     for scenario, by_system in runs.items():
         plain = by_system["plain"]
@@ -203,7 +207,7 @@ def analyse(runs: dict, systems, line: tuple[float, float] = (0.27, 0.07)) -> tu
                 rounds = by_system[system.name]
                 ratios = [p[t].seconds / r[t].seconds for p, r in zip(plain, rounds)]
                 decode = [p[t].decode_seconds / max(r[t].decode_seconds, 1e-9) for p, r in zip(plain, rounds)]
-                costs = [priced(r[t], *line) for r in rounds]
+                costs = [priced(r[t], line) for r in rounds]
                 rows.append(
                     {
                         "scenario": scenario,
@@ -276,7 +280,7 @@ def _extra_args(p) -> None:
     p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(s.name for s in SYSTEMS)} (plain always)")
     p.add_argument(
         "--price-line",
-        default="0.27+0.07k",
+        default=PRICE_LINE,
         help="JUMP+SLOPEk: a round of k drafts priced 1 + JUMP + SLOPE*k undrafted rounds (the priced speed-up)",
     )
 
@@ -288,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in SYSTEMS if not args.systems or s.name in args.systems.split(",") or s.name == "plain"]
     scenarios = {k: v for k, v in SCENARIOS.items() if not args.scenarios or k in args.scenarios.split(",")}
     runs = measure(kit, systems, scenarios, args.reps, args.max_tokens)
-    jump, slope = parse_line("price=" + args.price_line)[1]
-    rows, summary = analyse(runs, systems, (jump, slope))
+    rows, summary = analyse(runs, systems, parse_line("price=" + args.price_line)[1])
     text = render(rows, summary, args.reps, args.max_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "agentic.md").write_text(text)

@@ -171,5 +171,5 @@ def lookup_instead(r: Round, history: list[int], limit: int) -> list[int]:
         return []
     shadows = r.ledger.shadows
     k, speedup = best_draft_length(shadows.record, lookup_beside_draft(r.ev), len(m.drafts))
-    evidence = 1 + r.s.thin_evidence / shadows.positions
+    evidence = r.s.thin(shadows.positions)
     return m.drafts[:k] if k and speedup > evidence * max(1.0, draft_speedup(r.ev)) else []

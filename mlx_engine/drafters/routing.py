@@ -93,6 +93,11 @@ class RouterSettings:
     weak_match: int = 1
     weak_match_prior: float = 0.25
 
+    def thin(self, positions: int) -> float:
+        """How much a threshold grows when ``positions`` decided draft
+        positions are its evidence: x(1 + thin_evidence / positions)."""
+        return 1 + self.thin_evidence / positions
+
 
 class DraftRecord(Protocol):
     """What the rules read of the draft-model (or head) drafter: its record on
@@ -369,7 +374,7 @@ def _probe_rate_commits(ledger: Ledger, rate: float, s: RouterSettings) -> bool:
     idle rounds (docs/decoding.md, "Tuning history")."""
     if ledger.tried < s.shadow_rounds:
         return False
-    return rate > s.commit_acceptance * (1 + s.thin_evidence / ledger.tried)
+    return rate > s.commit_acceptance * s.thin(ledger.tried)
 
 
 def _probe_beats_draft(ledger: Ledger, ev: Evidence, lookup_speedup: float, s: RouterSettings) -> bool:
@@ -431,7 +436,7 @@ def _consider_lookup(ledger: Ledger, ev: Evidence, s: RouterSettings) -> Decisio
         k, speedup = best_draft_length(shadows.record, lookup_beside_draft(ev), ledger.max_lookup)
     else:
         k, speedup = lookup_length(shadows.record, ledger.max_lookup, ev)
-    margin = s.switch_margin * (1 + s.thin_evidence / shadows.positions)
+    margin = s.switch_margin * s.thin(shadows.positions)
     if not (k and speedup > margin * current):
         return stay
     why = (
