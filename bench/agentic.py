@@ -33,7 +33,10 @@ ran (from its statistics: drafted rounds, drafts, accepted tokens) priced by one
 fixed cost line, a round of k drafts costing ``1 + JUMP + SLOPE*k`` undrafted
 rounds (``--price-line``, default the default model's chat line on this CPU,
 0.27+0.07k), so two trees that made the same decisions read the same and a
-worse decision shows without noise. Writes
+worse decision shows without noise. With ``--fixed-costs JUMP+SLOPEk`` every
+round is priced at that line and nothing is learned from timings
+(``fix_costs``), so decisions depend on the text alone and two trees compare
+turn by turn without noise (the priced column; the timed one still times). Writes
 ``<out>/agentic.md`` and ``<out>/agentic.json``.
 """
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import mlx_engine as me  # first: loads OpenBLAS before mlx.core
 from mlx_engine.drafters.suffix import SuffixMemory  # noqa: E402
+from mlx_engine.pricing import costs  # noqa: E402
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -139,6 +143,21 @@ def priced(turn: Turn, line: tuple[float, float]) -> float:
     jump, slope = line
     undrafted = max(len(turn.tokens) - 1 - turn.accepted - turn.rounds, 0)
     return undrafted + turn.rounds * (1 + jump) + slope * turn.drafted
+
+
+def fix_costs(kit: me.ModelKit, line: tuple[float, float]) -> None:
+    """``--fixed-costs``: every request of ``kit`` prices rounds at ``line`` (a
+    pass of n tokens ``1 + JUMP + SLOPE*(n-1)`` single steps) and learns nothing
+    from timed rounds, so the router's decisions depend on the text alone: two
+    trees compare decision by decision, with no timing noise and no cost
+    measurement in between. A measurement device, not a way to run the engine:
+    it replaces this process's ``RoundCosts.observe`` and the kit's costs."""
+    jump, slope = line
+    fixed = costs.CostModel(
+        tuple(0.1 * (1.0 if n == 1 else 1 + jump + slope * (n - 1)) for n in range(1, costs.MAX_DRAFT + 2))
+    )
+    kit.forward_costs = lambda: fixed
+    costs.RoundCosts.observe = lambda self, k, seconds=None: None
 
 
 def run_scenario(kit: me.ModelKit, system: System, turns: list[tuple[str, str]], max_tokens: int) -> list[Turn]:
@@ -279,6 +298,11 @@ def _extra_args(p) -> None:
     p.add_argument("--scenarios", help=f"comma-separated subset of: {', '.join(SCENARIOS)}")
     p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(s.name for s in SYSTEMS)} (plain always)")
     p.add_argument(
+        "--fixed-costs",
+        metavar="JUMP+SLOPEk",
+        help="price every round at this line and learn nothing from timings (fix_costs): deterministic decisions",
+    )
+    p.add_argument(
         "--price-line",
         default=PRICE_LINE,
         help="JUMP+SLOPEk: a round of k drafts priced 1 + JUMP + SLOPE*k undrafted rounds (the priced speed-up)",
@@ -289,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     args = bench_args("python -m bench.agentic", __doc__.split("\n\n")[0], 2, 64, argv, _extra_args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kit = me.load_model(me.DEFAULT_MODEL)
+    if args.fixed_costs:
+        fix_costs(kit, parse_line("fixed=" + args.fixed_costs)[1])
     systems = [s for s in SYSTEMS if not args.systems or s.name in args.systems.split(",") or s.name == "plain"]
     scenarios = {k: v for k, v in SCENARIOS.items() if not args.scenarios or k in args.scenarios.split(",")}
     runs = measure(kit, systems, scenarios, args.reps, args.max_tokens)

@@ -259,6 +259,46 @@ def test_router_lookup_drafts_at_least_the_floor_after_a_rejection_at_the_first_
     assert len(router.propose(history, 32)) == router.s.lookup_rejection_floor == 8
 
 
+def test_router_lookup_caps_a_short_match_at_the_rejection_bound_after_a_rejection():
+    # The floor of 8 is for strong matches (a quote resuming after a deviation):
+    # a 2-token match (60% accepted on the traces) after a miss drafts at most
+    # 2·1+2 where verifying costs as on a CPU, however well lookup did before.
+    history = list(range(50)) * 8
+    router = AutoRouter(history, flat_costs(3.0), PromptLookupDrafter(32))
+    router.apply(Decision(Mode.PROMPT_LOOKUP, "test"))
+    for _ in range(4):
+        router.propose(history, 32)
+        router.observe(4, 4)
+    router.propose(history, 32)
+    router.observe(4, 0)  # the first draft rejected
+    short = history + [1000, 1001, 1002] + list(range(2000, 2040)) + [1003, 1001, 1002]
+    drafts = router.propose(short, 32)
+    assert drafts == list(range(2000, 2000 + len(drafts)))
+    assert 0 < len(drafts) <= 2 * 1 + 2 < router.s.lookup_rejection_floor
+    # A strong match after the same miss still drafts the floor.
+    strong = AutoRouter(history, flat_costs(3.0), PromptLookupDrafter(32))
+    strong.apply(Decision(Mode.PROMPT_LOOKUP, "test"))
+    for _ in range(4):
+        strong.propose(history, 32)
+        strong.observe(4, 4)
+    strong.propose(history, 32)
+    strong.observe(4, 0)
+    assert len(strong.propose(history, 32)) == strong.s.lookup_rejection_floor
+
+
+def test_router_lookup_draft_after_one_accepted_whole_is_at_most_twice_as_long_plus_two():
+    # As the draft model's policy: positions twice as deep as any accepted are
+    # untried (a resumed copy's 4 accepted drafts had been followed by 24, all rejected).
+    history = list(range(50)) * 8
+    router = AutoRouter(history, flat_costs(1.2), PromptLookupDrafter(32))
+    router.apply(Decision(Mode.PROMPT_LOOKUP, "test"))
+    router.propose(history, 32)
+    router.observe(3, 3)
+    assert 3 < len(router.propose(history, 32)) <= 2 * 3 + 2
+    router.observe(8, 8)
+    assert len(router.propose(history, 32)) == 2 * 8 + 2
+
+
 def test_router_plain_rounds_are_queued_ahead_and_still_make_shadow_drafts():
     """In plain decoding the loop queues rounds ahead without calling propose
     (plain_ahead); observe then makes the shadow drafts, so the switch to lookup

@@ -13,8 +13,8 @@ from ..pricing import costs, speedup
 
 def rejection_cap(rejected_at: int | None, max_k: int, floor: int = 0) -> int:
     """The longest next draft after a round rejected at draft position
-    ``rejected_at`` (a + 1 for a drafts accepted; None: nothing rejected):
-    2·(a+1)+2, at least ``floor``. The burst that just ended says little past
+    ``rejected_at`` (a + 1 for a drafts accepted; k for a round that accepted
+    all its k; None: no cap): 2·(a+1)+2, at least ``floor``. The burst that just ended says little past
     there; every drafter (the draft model's policy, lookup under the router)
     caps by it. The draft model's policy also caps a round after one that
     accepted all its k drafts, at 2·k+2: the acceptance learned from short

@@ -80,9 +80,10 @@ def propose_lookup(r: Round, history: list[int], limit: int) -> Proposal:
     not pay drafts nothing) or, for a weak match, from weak matches' acceptance
     (none when they do not pay). A round lookup does not draft is the draft
     model's (``draft_turn``)."""
-    max_k = rejection_bound(r.ledger, r.s)
     r.lookup.record(history)
-    m = r.lookup.match(history, min(max_k, limit))
+    m = r.lookup.match(history, min(rejection_bound(r.ledger, r.s), limit))
+    max_k = rejection_bound(r.ledger, r.s, rejection_floor(r, m))
+    m = m._replace(drafts=m.drafts[:max_k])
     weak = is_weak(m, r.s)
     if weak:
         k = lookup_length(r.ledger.weak, max_k, r.ev)[0]
@@ -130,6 +131,16 @@ def probe_length(r: Round, available: int, strength: int) -> int:
         # In a batch the probe's drafts widen every row's pass: only what pays for the batch.
         k = min(k, lookup_length(r.ledger.lookup_acceptance, k, r.ev)[0])
     return k
+
+
+def rejection_floor(r: Round, m: Match) -> int:
+    """The rejection bound's floor for the match ``m``: the length, up to
+    ``lookup_rejection_floor``, that its expected acceptance (strength_acceptance)
+    pays for. The whole floor for a strong match (a quote resuming after a
+    deviation); less, or none, for a short one (JSON keys, a repeated phrase),
+    which the rejection bound alone then caps (docs/decoding.md, "Tuning history")."""
+    most = min(r.s.lookup_rejection_floor, len(m.drafts))
+    return best_draft_length(strength_acceptance(m.strength), r.ev.lookup_costs, most)[0]
 
 
 def weak_probe_length(r: Round, available: int) -> int:

@@ -64,8 +64,9 @@ class RouterSettings:
     probe_max_misses: int = 4
     probe_draft_tokens: int = 4
     # Lookup's drafts after a rejection are at least this long (rejection_cap's
-    # floor): a lookup draft costs little per token, and a bound of 4 split a
-    # quote's copied spans of 5-8 tokens between deviations into two rounds.
+    # floor) where the match is strong enough to pay for it (proposers.rejection_floor):
+    # a bound of 4 split a quote's copied spans of 5-8 tokens between deviations
+    # into two rounds; on a short match (JSON keys) 8 drafts were mostly rejected.
     lookup_rejection_floor: int = 8
     # With a draft model loaded the probe drafts lookup's whole match from its
     # first round: a round lookup does not draft is the draft model's anyway,
@@ -176,7 +177,7 @@ class Ledger:
     # Weak lookup matches' acceptance (RouterSettings.weak_match), from their
     # rounds and shadows in every mode of this request.
     weak: AcceptanceModel = field(default_factory=lambda: AcceptanceModel(prior=RouterSettings.weak_match_prior))
-    rejected_at: int | None = None
+    cap_at: int | None = None  # rejection_cap's argument: a + 1 after a rejection, k after k accepted
     # Shadow drafts are scored where the draft model's rounds start, not where
     # lookup's own would: they can promise more than lookup then gets. So a
     # switch from the draft model is checked against what it replaced, and one
@@ -215,8 +216,11 @@ class Ledger:
             self.produced += (accepted + 1) * (self.mode == Mode.PROBE)
             return
         if drafted and (by == "lookup" or lookup_mode):
-            # As for the draft model: the next draft is capped (policy.rejection_cap).
-            self.rejected_at = accepted + 1 if accepted < drafted else None
+            # As for the draft model, the next draft is capped (policy.rejection_cap):
+            # after a rejection, and after a round that accepted all its k drafts
+            # (positions twice as deep are untried; a resumed copy's short round
+            # accepted whole had drafted 24 more, all rejected).
+            self.cap_at = accepted + 1 if accepted < drafted else drafted
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -285,9 +289,10 @@ def probe_start(max_lookup: int, with_draft: bool, s: RouterSettings) -> int:
     return min(s.probe_draft_tokens_with_draft if with_draft else s.probe_draft_tokens, max_lookup)
 
 
-def rejection_bound(ledger: Ledger, s: RouterSettings) -> int:
-    """The longest lookup draft after the last rejection (policy.rejection_cap)."""
-    return rejection_cap(ledger.rejected_at, ledger.max_lookup, s.lookup_rejection_floor)
+def rejection_bound(ledger: Ledger, s: RouterSettings, floor: int | None = None) -> int:
+    """The longest lookup draft after the last rejection (policy.rejection_cap),
+    at least ``floor`` (None: ``lookup_rejection_floor``)."""
+    return rejection_cap(ledger.cap_at, ledger.max_lookup, s.lookup_rejection_floor if floor is None else floor)
 
 
 # -- the decision ------------------------------------------------------------
