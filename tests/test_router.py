@@ -259,30 +259,29 @@ def test_router_lookup_drafts_at_least_the_floor_after_a_rejection_at_the_first_
     assert len(router.propose(history, 32)) == router.s.lookup_rejection_floor == 8
 
 
+def _lookup_router_after_a_miss(history: list[int]) -> AutoRouter:
+    """A router in prompt lookup, at CPU-like verify costs, whose four drafts of
+    4 were accepted whole and whose fifth was rejected at its first token."""
+    router = AutoRouter(history, flat_costs(3.0), PromptLookupDrafter(32))
+    router.apply(Decision(Mode.PROMPT_LOOKUP, "test"))
+    for accepted in (4, 4, 4, 4, 0):
+        router.propose(history, 32)
+        router.observe(4, accepted)
+    return router
+
+
 def test_router_lookup_caps_a_short_match_at_the_rejection_bound_after_a_rejection():
     # The floor of 8 is for strong matches (a quote resuming after a deviation):
     # a 2-token match (60% accepted on the traces) after a miss drafts at most
     # 2·1+2 where verifying costs as on a CPU, however well lookup did before.
     history = list(range(50)) * 8
-    router = AutoRouter(history, flat_costs(3.0), PromptLookupDrafter(32))
-    router.apply(Decision(Mode.PROMPT_LOOKUP, "test"))
-    for _ in range(4):
-        router.propose(history, 32)
-        router.observe(4, 4)
-    router.propose(history, 32)
-    router.observe(4, 0)  # the first draft rejected
+    router = _lookup_router_after_a_miss(history)
     short = history + [1000, 1001, 1002] + list(range(2000, 2040)) + [1003, 1001, 1002]
     drafts = router.propose(short, 32)
     assert drafts == list(range(2000, 2000 + len(drafts)))
     assert 0 < len(drafts) <= 2 * 1 + 2 < router.s.lookup_rejection_floor
     # A strong match after the same miss still drafts the floor.
-    strong = AutoRouter(history, flat_costs(3.0), PromptLookupDrafter(32))
-    strong.apply(Decision(Mode.PROMPT_LOOKUP, "test"))
-    for _ in range(4):
-        strong.propose(history, 32)
-        strong.observe(4, 4)
-    strong.propose(history, 32)
-    strong.observe(4, 0)
+    strong = _lookup_router_after_a_miss(history)
     assert len(strong.propose(history, 32)) == strong.s.lookup_rejection_floor
 
 
