@@ -81,9 +81,10 @@ def propose_lookup(r: Round, history: list[int], limit: int) -> Proposal:
     (none when they do not pay). A round lookup does not draft is the draft
     model's (``draft_turn``)."""
     r.lookup.record(history)
-    m = r.lookup.match(history, min(rejection_bound(r.ledger, r.s), limit))
-    max_k = rejection_bound(r.ledger, r.s, rejection_floor(r, m))
-    m = m._replace(drafts=m.drafts[:max_k])
+    max_k = rejection_bound(r.ledger, r.s)
+    m = r.lookup.match(history, min(max_k, limit))
+    if max_k > rejection_bound(r.ledger, r.s, floor=0):  # the floor raised the bound: a strong match keeps it
+        max_k = rejection_bound(r.ledger, r.s, rejection_floor(r, m))
     weak = is_weak(m, r.s)
     if weak:
         k = lookup_length(r.ledger.weak, max_k, r.ev)[0]
